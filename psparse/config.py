@@ -1,0 +1,180 @@
+"""Run configuration: one set of options shared by psparse-launch, psparse-server, psparse-worker.
+
+Every option can come from the command line (``--batch-size 32``) or a config file (``--config
+FILE``, JSON or TOML, keys spelled like the flags: ``batch-size`` or ``batch_size``). The command
+line wins over the file, the file over the defaults below. Unknown keys and bad values are errors
+that name the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+# Names only (the server imports this module and must not pull in torch); models.MODELS and
+# data.DATASETS are checked against these in the tests.
+MODELS = ("lenet", "mlp", "resnet20")
+DATASETS = ("mnist", "cifar10", "digits")
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is invalid; the text names it."""
+
+
+@dataclass
+class RunConfig:
+    # What to train.
+    model: str = "lenet"
+    dataset: str = "mnist"
+    data_dir: str | None = None
+    workers: int = 8
+    # How much to send: k = round(density * numel) entries per worker per iteration.
+    density: float = 0.01
+    granularity: str = "model"
+    # How long and how.
+    epochs: float = 2.0
+    iterations: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every: int = 100
+    check_every: int = 10
+    threads: int | None = None
+    # Server and robustness.
+    timeout: float = 60.0
+    max_message_mb: float = 1024.0
+
+    def validate(self) -> RunConfig:
+        def need(cond, msg):
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.model in MODELS, f"model {self.model!r} unknown; choose one of {sorted(MODELS)}")
+        need(self.dataset in DATASETS,
+             f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)}")
+        need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
+        need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
+        need(self.granularity in ("model", "layer"),
+             f"granularity must be 'model' or 'layer', got {self.granularity!r}")
+        need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
+        need(self.iterations is None or self.iterations >= 1, "iterations must be >= 1")
+        need(self.batch_size >= 1, "batch-size must be >= 1")
+        need(self.lr > 0, "lr must be > 0")
+        need(0 <= self.momentum < 1, "momentum must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight-decay must be >= 0")
+        need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
+        need(self.check_every >= 1, "check-every must be >= 1")
+        need(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        need(self.timeout > 0, "timeout must be > 0")
+        need(self.max_message_mb > 0, "max-message-mb must be > 0")
+        return self
+
+    def digest(self) -> str:
+        """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
+        d = asdict(self)
+        for local in ("data_dir", "threads", "timeout", "max_message_mb"):
+            d.pop(local)
+        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+HELP = {
+    "model": "network to train: " + ", ".join(sorted(MODELS)),
+    "dataset": "training data: " + ", ".join(DATASETS),
+    "data_dir": "folder holding the data sets (default: $PSPARSE_DATA or ./data)",
+    "workers": "number of workers N (world size)",
+    "density": "fraction of the model's entries each worker pushes per iteration (k = density x "
+               "numel; 1.0 is dense)",
+    "granularity": "top-k over the whole model, or per layer with k split by layer size",
+    "epochs": "training length in passes over the data (ignored when --iterations is given)",
+    "iterations": "training length in synchronous iterations",
+    "batch_size": "minibatch size per worker",
+    "lr": "SGD learning rate applied to the aggregate",
+    "momentum": "SGD momentum",
+    "weight_decay": "SGD weight decay",
+    "seed": "seed for initial weights, data shards and shuffling",
+    "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
+    "check_every": "workers send a weight checksum every this many iterations; the server stops "
+                   "the run if replicas differ",
+    "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
+    "timeout": "seconds any wait may last before the run ends with an error",
+    "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None):
+    """Add ``--config`` and one flag per RunConfig field (default None = not given)."""
+    parser.add_argument("--config", type=Path, default=None,
+                        help="JSON or TOML file of options (keys as the flags below)")
+    group = parser.add_argument_group("run configuration (also settable in --config)")
+    for f in fields(RunConfig):
+        if only is not None and f.name not in only:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        default = f.default
+        group.add_argument(flag, type=kind, default=None, dest=f.name,
+                           help=f"{HELP[f.name]} (default: {default})")
+
+
+def _field_type(f):
+    t = str(f.type)
+    if "int" in t and "float" not in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    """Defaults, then the config file, then command-line flags; validated."""
+    values = {}
+    if getattr(args, "config", None) is not None:
+        values.update(load_config_file(args.config))
+    for f in fields(RunConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    try:
+        return RunConfig(**values).validate()
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def load_config_file(path: Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid "
+                          f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a map of options")
+    known = {f.name: f for f in fields(RunConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {key!r}; valid options: "
+                              f"{', '.join(n.replace('_', '-') for n in known)}")
+        kind = _field_type(known[name])
+        if value is not None:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"config file {path}: option {key!r} must be "
+                                  f"{kind.__name__}, got {value!r}")
+        out[name] = value
+    return out

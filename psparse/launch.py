@@ -1,0 +1,223 @@
+"""psparse-launch: one server and N workers on this host, with live progress and clean failure.
+
+Writes RUN_DIR/config.json (the resolved configuration every process reads), starts
+``psparse-server`` and N ``psparse-worker`` processes with their output in RUN_DIR/logs/, prints a
+progress line while the run goes, and a summary table at the end. If any process fails, the
+others are stopped (SIGTERM, then SIGKILL) and the launcher exits non-zero: no orphans, no hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .server import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, even if it is killed with SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the workers' own timeouts still end them
+
+
+class Launch:
+    def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0):
+        self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._offsets = {METRICS_FILE: 0, EVAL_FILE: 0}
+        self._last = {"metrics": None, "eval": None}
+        self._bytes = [0, 0]
+        self._unions: list[int] = []
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.out / "logs" / f"{name}.log", "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def run(self) -> int:
+        cfg = self.cfg
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        for stale in (PORT_FILE, SUMMARY_FILE, METRICS_FILE, EVAL_FILE):
+            (self.out / stale).unlink(missing_ok=True)
+        config_path = self.out / "config.json"
+        config_path.write_text(cfg.to_json() + "\n")
+        self._print(f"psparse: {cfg.workers} workers, {cfg.model}/{cfg.dataset}, density "
+                    f"{cfg.density:g}, run dir {self.out}")
+        try:
+            self._spawn("server", ["psparse.server", "--config", str(config_path), "--port", "0",
+                                   "--out", str(self.out)])
+            port = self._wait_for_port()
+            for r in range(cfg.workers):
+                self._spawn(f"rank-{r}", ["psparse.worker", "--config", str(config_path),
+                                          "--rank", str(r), "--connect", f"127.0.0.1:{port}",
+                                          "--out", str(self.out)])
+            return self._monitor()
+        except KeyboardInterrupt:
+            self._print("\ninterrupted: stopping all processes")
+            self.stop_all()
+            return 130
+        except RuntimeError as exc:
+            self._print(f"psparse-launch: error: {exc}")
+            self.stop_all()
+            return 1
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + self.cfg.timeout
+        port_file = self.out / PORT_FILE
+        while time.monotonic() < deadline:
+            if port_file.is_file():
+                return int(port_file.read_text())
+            if self.procs["server"].poll() is not None:
+                raise RuntimeError("the server exited before listening:\n" + self._tail("server"))
+            time.sleep(0.05)
+        raise RuntimeError(f"the server did not start listening within {self.cfg.timeout:g} s")
+
+    def _monitor(self) -> int:
+        last_print, shown = 0.0, None
+        while True:
+            finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            failed = {n: c for n, c in finished.items() if c != 0}
+            self._read_progress()
+            if failed:
+                name, code = sorted(failed.items())[0]
+                self._print(f"\npsparse-launch: {name} exited with code {code}; stopping the "
+                            f"others\n{self._tail(name)}")
+                self.stop_all()
+                return code if code > 0 else 1
+            if len(finished) == len(self.procs):
+                self._progress(final=True)
+                self._print_summary()
+                return 0
+            if time.monotonic() - last_print >= 1.0 and self._last["metrics"] is not shown:
+                self._progress()
+                shown = self._last["metrics"]
+                last_print = time.monotonic()
+            time.sleep(0.1)
+
+    def stop_all(self) -> None:
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in alive:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    # -------------------------------------------------------------------------------- progress
+    def _read_lines(self, name: str) -> list[dict]:
+        path = self.out / name
+        if not path.is_file():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(self._offsets[name])
+            chunk = fh.read()
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the writer may be mid-line
+        self._offsets[name] += end
+        return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+
+    def _read_progress(self) -> None:
+        for rec in self._read_lines(METRICS_FILE):
+            self._last["metrics"] = rec
+            self._bytes[0] += rec["upload_bytes"]
+            self._bytes[1] += rec["broadcast_bytes"]
+            self._unions.append(rec["union"] / max(1, max(rec["k"])))
+        for rec in self._read_lines(EVAL_FILE):
+            self._last["eval"] = rec
+
+    def _progress(self, final: bool = False) -> None:
+        m, e = self._last["metrics"], self._last["eval"]
+        if m is None or self.quiet:
+            return
+        it = m["iter"] + 1
+        rate = it / m["time_s"] if m["time_s"] > 0 else 0.0
+        acc = f"{100 * e['test_acc']:.2f}%" if e else "-"
+        loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "-"
+        line = (f"iter {it:>6} | loss {loss} | test acc {acc} | union/k "
+                f"{self._unions[-1]:.2f} | up {self._bytes[0] / 1e6:.2f} MB | down "
+                f"{self._bytes[1] / 1e6:.2f} MB | {rate:.1f} it/s")
+        tty = sys.stdout.isatty()
+        print(("\r" + line) if tty else line, end="\n" if final or not tty else "", flush=True)
+
+    def _print_summary(self) -> None:
+        path = self.out / SUMMARY_FILE
+        if not path.is_file() or self.quiet:
+            return
+        s = json.loads(path.read_text())
+        acc = f"{100 * s['test_acc']:.2f} %" if s.get("test_acc") is not None else "-"
+        total = s["upload_mb"] + s["broadcast_mb"]
+        ratio = s["dense_mb"] / total if total else float("inf")
+        rows = [
+            ("iterations", f"{s['iterations']}  ({s['iterations_per_s']} it/s, "
+                           f"{s['wall_s']:.1f} s)"),
+            ("test accuracy", acc),
+            ("union/k", f"mean {s['union_over_k_mean']}  max {s['union_over_k_max']}  "
+                        f"(k = {s['k']}, numel = {s['numel']})"),
+            ("upload (all workers)", f"{s['upload_mb']:.2f} MB"),
+            ("broadcast (server)", f"{s['broadcast_mb']:.2f} MB"),
+            ("dense exchange", f"{s['dense_mb']:.2f} MB  ({ratio:.1f}x more than sparse)"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+        print(f"\nfiles: {self.out}/{{config.json, metrics.jsonl, eval.jsonl, summary.json, "
+              "logs/}")
+
+    def _tail(self, name: str, lines: int = 15) -> str:
+        path = self.out / "logs" / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(f"  {name}| {line}" for line in text)
+
+    def _print(self, msg: str) -> None:
+        print(msg, flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="psparse-launch",
+        description="Train with a psparse parameter server and N workers on this host. "
+                    "Example: psparse-launch --workers 8 --density 0.01 --epochs 2 --out runs/x")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory (default: runs/<model>-<dataset>-<time>)")
+    p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
+    add_config_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as exc:
+        p.error(str(exc))
+    if cfg.threads is None:
+        cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+    out = args.out or Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    launch = Launch(cfg, out, quiet=args.quiet)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    return launch.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,205 @@
+"""Wire protocol: message codec and validation (see docs/protocol.md).
+
+A message is a list of frames: one small msgpack header (a map), then zero or two raw binary frames
+(indices, values) for the message types that carry a sparse vector. Large arrays never go inside
+msgpack: raw frames are sent without a copy and viewed on receipt with ``numpy.frombuffer``.
+
+``decode`` validates everything a peer controls and raises ``ProtocolError`` naming the problem;
+callers answer with an ``error`` message and otherwise ignore the bad message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+
+INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+VALUE_DTYPES = {"float32": np.dtype("<f4")}
+
+# Message types. Each maps the header fields it requires to their Python types; every type also
+# carries "v" (protocol version) and "type". Optional fields are listed in OPTIONAL.
+_INT = (int,)
+_NUM = (int, float)
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    # worker -> server, once: who I am and what I train; the server checks all workers agree.
+    "register": {"rank": _INT, "world_size": _INT, "numel": _INT, "checksum": (str,),
+                 "iterations": _INT, "config_digest": (str,)},
+    # server -> worker: every worker registered and agreed; training may start.
+    "ready": {"world_size": _INT, "numel": _INT, "iterations": _INT},
+    # worker -> server, once per iteration: the selected entries of the accumulator.
+    "push": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
+             "value_dtype": (str,)},
+    # server -> every worker, once per iteration: the mean of the pushes at their index union.
+    "aggregate": {"iter": _INT, "count": _INT, "index_dtype": (str,), "value_dtype": (str,),
+                  "workers": _INT},
+    # worker -> server: evaluation results or end-of-run facts; written to the run directory.
+    "metrics": {"iter": _INT, "rank": _INT, "report": (dict,)},
+    # server -> worker: the run is over (ok) or aborted (not ok, with the reason).
+    "shutdown": {"ok": (bool,), "reason": (str,)},
+    # either direction: the previous message was rejected, and why.
+    "error": {"message": (str,)},
+}
+OPTIONAL: dict[str, dict[str, tuple]] = {
+    "push": {"loss": _NUM, "checksum": (str,)},
+    "error": {"iter": _INT, "rank": _INT},
+    "metrics": {"checksum": (str,)},
+}
+SPARSE_TYPES = frozenset({"push", "aggregate"})
+
+
+class ProtocolError(ValueError):
+    """A received message is malformed; the text names the problem."""
+
+
+@dataclass
+class Message:
+    type: str
+    header: dict
+    indices: np.ndarray | None = None
+    values: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __getitem__(self, key):
+        return self.header[key]
+
+    def get(self, key, default=None):
+        return self.header.get(key, default)
+
+
+def index_dtype_for(numel: int) -> str:
+    """The narrowest index dtype that addresses ``numel`` entries."""
+    return "int32" if numel <= np.iinfo(np.int32).max else "int64"
+
+
+def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray | None = None,
+           **fields) -> list:
+    """Build the frames of one message. Sparse types take ``indices`` and ``values``."""
+    if msg_type not in SCHEMAS:
+        raise ValueError(f"unknown message type {msg_type!r}")
+    header = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
+    if msg_type in SPARSE_TYPES:
+        if indices is None or values is None:
+            raise ValueError(f"{msg_type} needs indices and values")
+        indices = np.ascontiguousarray(indices)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if indices.dtype not in (np.int32, np.int64):
+            raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+        header.update(count=int(indices.size), index_dtype=str(indices.dtype),
+                      value_dtype="float32")
+        return [msgpack.packb(header), indices, values]
+    return [msgpack.packb(header)]
+
+
+def decode(frames, numel: int | None = None, max_count: int | None = None) -> Message:
+    """Parse and validate one received message.
+
+    ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
+    count (defaults to ``numel``). Raises ProtocolError on anything malformed.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame is {len(head)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several exception types for garbage
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} not supported (expected "
+                            f"{PROTOCOL_VERSION})")
+    msg_type = header.get("type")
+    if msg_type not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {msg_type!r}")
+    _check_fields(msg_type, header)
+
+    expected_frames = 3 if msg_type in SPARSE_TYPES else 1
+    if len(frames) != expected_frames:
+        raise ProtocolError(f"{msg_type} message has {len(frames)} frames, expected "
+                            f"{expected_frames}")
+    msg = Message(msg_type, header)
+    if msg_type in SPARSE_TYPES:
+        msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel,
+                                                 max_count if max_count is not None else numel)
+    return msg
+
+
+def _check_fields(msg_type: str, header: dict) -> None:
+    schema, optional = SCHEMAS[msg_type], OPTIONAL.get(msg_type, {})
+    for name, types in schema.items():
+        if name not in header:
+            raise ProtocolError(f"{msg_type} header lacks field {name!r}")
+        _check_type(msg_type, name, header[name], types)
+    for name, value in header.items():
+        if name in ("v", "type") or name in schema:
+            continue
+        if name not in optional:
+            raise ProtocolError(f"{msg_type} header has unknown field {name!r}")
+        _check_type(msg_type, name, value, optional[name])
+    for name in ("iter", "rank", "count", "numel", "iterations", "workers"):
+        if name in header and header[name] < 0:
+            raise ProtocolError(f"{msg_type} field {name!r} is negative ({header[name]})")
+    if "world_size" in header and header["world_size"] < 1:
+        raise ProtocolError(f"{msg_type} field 'world_size' must be >= 1")
+
+
+def _check_type(msg_type: str, name: str, value, types: tuple) -> None:
+    # bool is a subclass of int in Python; a true/false where a number belongs is a bug upstream.
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        want = " or ".join(t.__name__ for t in types)
+        raise ProtocolError(f"{msg_type} field {name!r} must be {want}, got "
+                            f"{type(value).__name__}")
+    if isinstance(value, float) and not np.isfinite(value):
+        raise ProtocolError(f"{msg_type} field {name!r} is not finite")
+
+
+def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
+    count = header["count"]
+    idx_dtype = INDEX_DTYPES.get(header["index_dtype"])
+    if idx_dtype is None:
+        raise ProtocolError(f"index_dtype {header['index_dtype']!r} not supported "
+                            f"(use one of {sorted(INDEX_DTYPES)})")
+    val_dtype = VALUE_DTYPES.get(header["value_dtype"])
+    if val_dtype is None:
+        raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported "
+                            f"(use one of {sorted(VALUE_DTYPES)})")
+    if max_count is not None and count > max_count:
+        raise ProtocolError(f"count {count} exceeds the limit {max_count}")
+    idx_buf, val_buf = _buffer(idx_frame), _buffer(val_frame)
+    if len(idx_buf) != count * idx_dtype.itemsize:
+        raise ProtocolError(f"index frame is {len(idx_buf)} bytes, expected {count} x "
+                            f"{idx_dtype.itemsize}")
+    if len(val_buf) != count * val_dtype.itemsize:
+        raise ProtocolError(f"value frame is {len(val_buf)} bytes, expected {count} x "
+                            f"{val_dtype.itemsize}")
+    indices = np.frombuffer(idx_buf, dtype=idx_dtype)
+    values = np.frombuffer(val_buf, dtype=val_dtype)
+    if count:
+        # Strictly increasing indices: no duplicates (so ``acc[idx] += val`` is exact), cheap
+        # range check on the two ends, and a canonical order for compact encodings.
+        if count > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+            raise ProtocolError("indices must be strictly increasing (sorted, no duplicates)")
+        if indices[0] < 0:
+            raise ProtocolError(f"index {int(indices[0])} is negative")
+        if numel is not None and indices[-1] >= numel:
+            raise ProtocolError(f"index {int(indices[-1])} out of range [0, {numel})")
+        if not bool(np.isfinite(values).all()):
+            raise ProtocolError("values contain NaN or Inf")
+    return indices, values
+
+
+def _buffer(frame) -> memoryview:
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    return memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)

@@ -1,0 +1,386 @@
+"""The parameter server: registration, synchronous sparse aggregation, accounting.
+
+One ROUTER socket. Phase 1: wait for N workers to register and check they agree (model size,
+initial-weight checksum, iteration count, config). Phase 2: for every iteration, collect exactly
+one push per worker, sum them in rank order (so the result is bit-reproducible), divide by N, and
+send the mean at the union of the pushed indices to every worker. Phase 3: collect every worker's
+final checksum, write summary.json, tell the workers to stop.
+
+Every wait is bounded by ``timeout``; a bad message is answered with an ``error`` message and
+otherwise ignored, so a misbehaving peer cannot stop or corrupt the run of well-behaved workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from . import protocol
+from .config import ConfigError, add_config_arguments, resolve_config
+from .protocol import ProtocolError
+from .transport import Channel, TransportTimeout, is_loopback, warn
+
+METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
+PORT_FILE = "server.port"
+
+
+class RunAborted(RuntimeError):
+    """The run cannot go on (timeout, disagreement, diverged replicas); the text says why."""
+
+
+class Server:
+    def __init__(self, world_size: int, *, bind: str = "127.0.0.1", port: int = 0,
+                 out_dir: str | Path | None = None, timeout: float = 60.0,
+                 max_message_bytes: int = 1 << 30, log=None):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
+                                      send_timeout_s=timeout)
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.log = log or (lambda msg: print(f"[server] {msg}", file=sys.stderr, flush=True))
+        self.peers: dict[bytes, int] = {}  # routing id -> rank
+        self.rank_peer: dict[int, bytes] = {}
+        self.numel = 0
+        self.iterations = 0
+        self.rejected = 0
+        self._metrics_fh = self._eval_fh = None
+        self._finals: dict[int, dict] = {}
+        self._last_eval: dict | None = None
+        self._totals = {"upload_bytes": 0, "broadcast_bytes": 0, "union": [], "k": 0, "loss": []}
+        self._t0 = time.perf_counter()
+
+    @property
+    def port(self) -> int:
+        return self.channel.port
+
+    # ------------------------------------------------------------------------------- main loop
+    def run(self) -> int:
+        """Serve one training run; returns the process exit code (0 ok, 1 aborted)."""
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics_fh = open(self.out_dir / METRICS_FILE, "w")
+            self._eval_fh = open(self.out_dir / EVAL_FILE, "w")
+            _atomic_write(self.out_dir / PORT_FILE, f"{self.port}\n")
+        self.log(f"listening on port {self.port} for {self.world_size} workers")
+        try:
+            self.register_workers()
+            for it in range(self.iterations):
+                self.serve_round(it)
+            self.finish()
+            return 0
+        except RunAborted as exc:
+            self.abort(str(exc))
+            return 1
+        finally:
+            for fh in (self._metrics_fh, self._eval_fh):
+                if fh:
+                    fh.close()
+            self.channel.close()
+
+    def _wait(self, what: str, deadline: float):
+        """Next message as (peer, frames, nbytes); RunAborted once ``deadline`` passes."""
+        remaining = deadline - time.monotonic()
+        got = self.channel.recv(remaining) if remaining > 0 else None
+        if got is None:
+            raise RunAborted(f"timed out after {self.timeout:g} s waiting for {what}")
+        return got
+
+    # -------------------------------------------------------------------------- registration
+    def register_workers(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        regs: dict[int, protocol.Message] = {}
+        while len(regs) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(regs))
+            peer, frames, _ = self._wait(f"workers to register (missing ranks {missing})",
+                                         deadline)
+            try:
+                msg = protocol.decode(frames)
+                if msg.type != "register":
+                    raise ProtocolError(f"expected register before training starts, got "
+                                        f"{msg.type}")
+                rank = msg["rank"]
+                if msg["world_size"] != self.world_size:
+                    raise ProtocolError(f"world_size {msg['world_size']} does not match the "
+                                        f"server's {self.world_size}")
+                if rank >= self.world_size:
+                    raise ProtocolError(f"rank {rank} out of range [0, {self.world_size})")
+                if rank in self.rank_peer and self.rank_peer[rank] != peer:
+                    raise ProtocolError(f"rank {rank} is already registered by another peer")
+                if peer in self.peers and self.peers[peer] != rank:
+                    raise ProtocolError(f"this peer already registered as rank "
+                                        f"{self.peers[peer]}")
+            except ProtocolError as exc:
+                self.reject(peer, exc)
+                continue
+            regs[rank] = msg
+            self.peers[peer], self.rank_peer[rank] = rank, peer
+        self._check_agreement(regs)
+        first = regs[0]
+        self.numel, self.iterations = first["numel"], first["iterations"]
+        # The only model-sized buffer: pushes are summed into it, then the touched entries are
+        # read out and zeroed again, so no round allocates or clears numel floats.
+        self.accumulator = np.zeros(self.numel, dtype=np.float32)
+        self.index_dtype = protocol.index_dtype_for(self.numel)
+        ready = protocol.encode("ready", world_size=self.world_size, numel=self.numel,
+                                iterations=self.iterations)
+        for rank in range(self.world_size):
+            self._send(self.rank_peer[rank], ready)
+        self.log(f"{self.world_size} workers registered: numel={self.numel}, "
+                 f"iterations={self.iterations}")
+        self._t0 = time.perf_counter()
+
+    def _check_agreement(self, regs: dict[int, protocol.Message]) -> None:
+        for field in ("numel", "checksum", "iterations", "config_digest"):
+            values = {r: m[field] for r, m in sorted(regs.items())}
+            if len(set(values.values())) > 1:
+                raise RunAborted(f"workers disagree on {field}: " +
+                                 ", ".join(f"rank {r}={v}" for r, v in values.items()))
+
+    # --------------------------------------------------------------------------------- rounds
+    def serve_round(self, it: int) -> None:
+        t_start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
+        pushes: dict[int, protocol.Message] = {}
+        upload = 0
+        while len(pushes) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(pushes))
+            peer, frames, nbytes = self._wait(f"pushes of iteration {it} from ranks {missing}",
+                                              deadline)
+            msg = self._accept(peer, frames)
+            if msg is None:
+                continue
+            if msg.type == "metrics":
+                self._on_metrics(msg)
+            elif msg.type != "push":
+                self.reject(peer, ProtocolError(f"unexpected {msg.type} message during "
+                                                f"iteration {it}"))
+            elif msg["iter"] != it:
+                self.reject(peer, ProtocolError(f"push for iteration {msg['iter']}, the "
+                                                f"server is at iteration {it}"))
+            elif msg["rank"] in pushes:
+                self.reject(peer, ProtocolError(f"rank {msg['rank']} already pushed for "
+                                                f"iteration {it}"))
+            else:
+                pushes[msg["rank"]] = msg
+                upload += nbytes
+        self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
+
+        union, mean = self.aggregate([pushes[r] for r in range(self.world_size)])
+        frames = protocol.encode("aggregate", union, mean, iter=it, workers=self.world_size)
+        broadcast = sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
+
+        ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
+        losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
+        record = {
+            "iter": it,
+            "k": ks,
+            "union": int(union.size),
+            "broadcast_entries": int(union.size),
+            "upload_bytes": upload,
+            "broadcast_bytes": broadcast,
+            "loss": float(np.mean(losses)) if losses else None,
+            "round_s": round(time.perf_counter() - t_start, 6),
+            "time_s": round(time.perf_counter() - self._t0, 6),
+        }
+        self._account(record)
+
+    def aggregate(self, pushes: list[protocol.Message]) -> tuple[np.ndarray, np.ndarray]:
+        """Mean of the workers' sparse vectors, as (sorted union of indices, values there).
+
+        Pushes are summed in rank order, so the float result does not depend on arrival order.
+        Each push has unique indices (the protocol requires them strictly increasing), so a
+        fancy-indexed ``+=`` is exact and much faster than ``numpy.add.at``.
+        """
+        acc = self.accumulator
+        for msg in pushes:
+            acc[msg.indices] += msg.values
+        union = np.unique(np.concatenate([m.indices for m in pushes])) if pushes else \
+            np.empty(0, np.int64)
+        union = union.astype(self.index_dtype, copy=False)
+        mean = acc[union] / np.float32(len(pushes))
+        acc[union] = 0.0
+        return union, mean
+
+    def _check_checksums(self, it: int, checksums: dict[int, str | None]) -> None:
+        reported = {r: c for r, c in checksums.items() if c is not None}
+        if len(set(reported.values())) > 1:
+            raise RunAborted(f"replicas diverged before iteration {it}: weight checksums " +
+                             ", ".join(f"rank {r}={c}" for r, c in sorted(reported.items())))
+
+    def _account(self, record: dict) -> None:
+        t = self._totals
+        t["upload_bytes"] += record["upload_bytes"]
+        t["broadcast_bytes"] += record["broadcast_bytes"]
+        t["union"].append(record["union"])
+        t["k"] = max(t["k"], max(record["k"]))
+        if record["loss"] is not None:
+            t["loss"].append(record["loss"])
+        if self._metrics_fh:
+            self._metrics_fh.write(json.dumps(record) + "\n")
+            self._metrics_fh.flush()
+
+    # ---------------------------------------------------------------------- messages & ending
+    def _accept(self, peer: bytes, frames) -> protocol.Message | None:
+        """Decode and authenticate a message from a registered worker; None if rejected."""
+        rank = self.peers.get(peer)
+        try:
+            if rank is None:
+                raise ProtocolError("peer is not a registered worker of this run")
+            msg = protocol.decode(frames, numel=self.numel)
+            if msg.type == "register":
+                raise ProtocolError("training has started; register is no longer accepted")
+            if "rank" in msg.header and msg["rank"] != rank:
+                raise ProtocolError(f"peer registered as rank {rank} cannot send for rank "
+                                    f"{msg['rank']}")
+            return msg
+        except ProtocolError as exc:
+            self.reject(peer, exc)
+            return None
+
+    def _on_metrics(self, msg: protocol.Message) -> None:
+        values = msg["report"]
+        record = {"iter": msg["iter"]}
+        for key in ("epoch", "test_loss", "test_acc", "train_loss"):
+            v = values.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v):
+                record[key] = v
+        if values.get("final"):
+            self._finals[msg["rank"]] = {"checksum": msg.get("checksum"), **record}
+        if "test_acc" in record:
+            record["time_s"] = round(time.perf_counter() - self._t0, 6)
+            self._last_eval = record
+            if self._eval_fh:
+                self._eval_fh.write(json.dumps(record) + "\n")
+                self._eval_fh.flush()
+
+    def finish(self) -> None:
+        """Wait for every worker's final report, verify replicas, write summary, stop workers."""
+        deadline = time.monotonic() + self.timeout
+        while len(self._finals) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(self._finals))
+            peer, frames, _ = self._wait(f"final reports from ranks {missing}", deadline)
+            msg = self._accept(peer, frames)
+            if msg is None:
+                continue
+            if msg.type == "metrics":
+                self._on_metrics(msg)
+            else:
+                self.reject(peer, ProtocolError(f"unexpected {msg.type} after the last "
+                                                "iteration"))
+        self._check_checksums(self.iterations,
+                              {r: f["checksum"] for r, f in self._finals.items()})
+        self._write_summary("ok")
+        self._broadcast_shutdown(True, "training complete")
+        self.log(f"done: {self.iterations} iterations in "
+                 f"{time.perf_counter() - self._t0:.1f} s")
+
+    def abort(self, reason: str) -> None:
+        self.log(f"error: {reason}")
+        self._write_summary("failed", reason)
+        self._broadcast_shutdown(False, reason)
+
+    def _broadcast_shutdown(self, ok: bool, reason: str) -> None:
+        frames = protocol.encode("shutdown", ok=ok, reason=reason)
+        for peer in self.rank_peer.values():
+            try:
+                self.channel.send(frames, peer)
+            except (zmq.ZMQError, TransportTimeout):
+                pass  # that worker is gone already; the others still hear about it
+
+    def reject(self, peer: bytes, exc: Exception) -> None:
+        """Answer a bad message with an error naming the problem; log the first few."""
+        self.rejected += 1
+        if self.rejected <= 20 or self.rejected % 1000 == 0:
+            who = f"rank {self.peers[peer]}" if peer in self.peers else "unregistered peer"
+            self.log(f"rejected message #{self.rejected} from {who}: {exc}")
+        try:
+            self.channel.send(protocol.encode("error", message=str(exc)), peer)
+        except (zmq.ZMQError, TransportTimeout):
+            pass  # the peer is gone or not reading; nothing else to do for it
+
+    def _send(self, peer: bytes, frames) -> int:
+        try:
+            return self.channel.send(frames, peer)
+        except zmq.ZMQError as exc:
+            rank = self.peers.get(peer)
+            raise RunAborted(f"cannot send to rank {rank}: {exc}") from None
+        except TransportTimeout as exc:
+            raise RunAborted(f"rank {self.peers.get(peer)}: {exc}") from None
+
+    def _write_summary(self, status: str, error: str | None = None) -> None:
+        if not self.out_dir:
+            return
+        t = self._totals
+        wall = time.perf_counter() - self._t0
+        done = len(t["union"])
+        k = t["k"] or 1
+        dense_round = 2 * self.world_size * self.numel * 4  # float32 up and down, every worker
+        summary = {
+            "status": status,
+            "error": error,
+            "world_size": self.world_size,
+            "numel": self.numel,
+            "k": t["k"],
+            "iterations": done,
+            "wall_s": round(wall, 3),
+            "iterations_per_s": round(done / wall, 3) if wall > 0 and done else None,
+            "union_over_k_mean": round(float(np.mean(t["union"])) / k, 4) if done else None,
+            "union_over_k_max": round(float(np.max(t["union"])) / k, 4) if done else None,
+            "upload_mb": round(t["upload_bytes"] / 1e6, 4),
+            "broadcast_mb": round(t["broadcast_bytes"] / 1e6, 4),
+            "dense_mb": round(done * dense_round / 1e6, 4),
+            "final_loss": t["loss"][-1] if t["loss"] else None,
+            "test_acc": self._last_eval.get("test_acc") if self._last_eval else None,
+            "test_loss": self._last_eval.get("test_loss") if self._last_eval else None,
+            "rejected_messages": self.rejected,
+        }
+        _atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="psparse-server",
+        description="Run the psparse parameter server for one training run: waits for "
+                    "--workers workers to register, aggregates their sparse pushes every "
+                    "iteration, and writes metrics.jsonl, eval.jsonl and summary.json to --out.")
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; anything else is reachable "
+                        "by other hosts and prints a warning)")
+    p.add_argument("--port", type=int, default=5555,
+                   help="TCP port (default 5555; 0 picks a free one, written to OUT/server.port)")
+    p.add_argument("--out", type=Path, default=None, help="run directory for metrics files")
+    p.add_argument("--world-size", type=int, dest="workers", default=None,
+                   help="alias of --workers")
+    add_config_arguments(p, only=("workers", "timeout", "max_message_mb"))
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as exc:
+        p.error(str(exc))
+    if not is_loopback(args.bind):
+        warn(f"binding {args.bind}: the server accepts pushes from any host that reaches this "
+             "port (no authentication)")
+    try:
+        server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
+                        timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6))
+    except OSError as exc:
+        print(f"psparse-server: error: {exc}", file=sys.stderr)
+        return 1
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Transport layer: ZeroMQ sockets, timeouts and byte accounting.
+
+Knows nothing about message contents: it moves lists of byte frames and counts what they cost on
+the wire. The server owns one ROUTER socket; each worker owns one DEALER socket connected to it.
+
+Wire accounting. ZMTP 3 (the protocol ZeroMQ speaks over TCP) sends every frame as a flags byte, a
+length field (1 byte for frames under 256 bytes, else 8 bytes) and the frame body. ROUTER routing
+ids never leave the process (the ROUTER strips them before sending and adds them on receipt), so
+the bytes a multipart message costs on the TCP stream are exactly ``wire_bytes(frames)``. TCP/IP
+headers and the one-off connection handshake are not counted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket as _socket
+import sys
+from collections.abc import Sequence
+
+import zmq
+
+# A generous cap on any single incoming message; ZeroMQ drops the connection of a peer that sends
+# more (ZMQ_MAXMSGSIZE), so no peer can make us allocate unbounded memory.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+class TransportTimeout(TimeoutError):
+    """Nothing arrived within the allowed time."""
+
+
+def frame_wire_bytes(length: int) -> int:
+    """Bytes one ZMTP 3 frame of ``length`` body bytes occupies on the TCP stream."""
+    return length + (2 if length < 256 else 9)
+
+
+def wire_bytes(frames: Sequence) -> int:
+    """Bytes a multipart message occupies on the wire (see module docstring)."""
+    return sum(frame_wire_bytes(_nbytes(f)) for f in frames)
+
+
+def _nbytes(frame) -> int:
+    if isinstance(frame, zmq.Frame):
+        return len(frame.buffer)
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def is_loopback(address: str) -> bool:
+    """True when a bind/connect host is a loopback address ("127.0.0.1", "localhost", "::1")."""
+    if address in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(_socket.gethostbyname(address)).is_loopback
+        except OSError:
+            return False
+
+
+class Channel:
+    """One ZeroMQ socket with bounded waits and wire-byte counting.
+
+    ``recv`` never blocks longer than the timeout it is given; ``send`` never blocks longer than
+    ``send_timeout_s`` (a peer that stops reading fills its queue, and then we fail loudly rather
+    than hang).
+    """
+
+    def __init__(self, sock: zmq.Socket, *, routed: bool):
+        self.sock = sock
+        self.routed = routed  # ROUTER: the first frame of every message is the peer's routing id
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    @classmethod
+    def server(cls, bind: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               send_timeout_s: float = 60.0) -> Channel:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        _configure(sock, max_message_bytes, send_timeout_s)
+        # Unroutable sends (a peer that went away) raise instead of being dropped silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            if port == 0:
+                sock.bind_to_random_port(f"tcp://{_bracket(bind)}")
+            else:
+                sock.bind(f"tcp://{_bracket(bind)}:{port}")
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise OSError(f"cannot bind tcp://{bind}:{port}: {exc}") from exc
+        return cls(sock, routed=True)
+
+    @classmethod
+    def client(cls, host: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               send_timeout_s: float = 60.0) -> Channel:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        _configure(sock, max_message_bytes, send_timeout_s)
+        sock.connect(f"tcp://{_bracket(host)}:{port}")
+        return cls(sock, routed=False)
+
+    @property
+    def port(self) -> int:
+        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return int(endpoint.rsplit(":", 1)[1])
+
+    def send(self, frames: Sequence, peer: bytes | None = None) -> int:
+        """Send one multipart message (zero-copy for large frames); returns its wire bytes."""
+        parts = [peer, *frames] if self.routed else list(frames)
+        try:
+            self.sock.send_multipart(parts, copy=False)
+        except zmq.Again as exc:
+            raise TransportTimeout("send timed out: the peer is not reading") from exc
+        n = wire_bytes(frames)
+        self.sent_bytes += n
+        return n
+
+    def recv(self, timeout_s: float):
+        """Wait up to ``timeout_s`` for one message.
+
+        Returns ``(peer, frames, wire_bytes)`` (``peer`` is None on a DEALER) or None on timeout.
+        Frames are ``zmq.Frame`` objects whose ``.buffer`` can be viewed without a copy.
+        """
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        parts = self.sock.recv_multipart(copy=False)
+        peer = None
+        if self.routed:
+            peer, parts = parts[0].bytes, parts[1:]
+        n = wire_bytes(parts)
+        self.received_bytes += n
+        return peer, parts, n
+
+    def close(self) -> None:
+        self.sock.close(linger=200)
+
+
+def _configure(sock: zmq.Socket, max_message_bytes: int, send_timeout_s: float) -> None:
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
+    sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+    sock.setsockopt(zmq.LINGER, 200)
+    # Unbounded queues: flow control comes from the synchronous round structure, not from HWMs
+    # (a dropped aggregate would desynchronise replicas).
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def warn(msg: str) -> None:
+    print(f"psparse: warning: {msg}", file=sys.stderr, flush=True)

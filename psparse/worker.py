@@ -1,0 +1,261 @@
+"""A training worker: local gradient, error-feedback accumulator, top-k push, apply the aggregate.
+
+Per iteration:
+  1. forward/backward on this rank's next minibatch (the gradient lands in one flat buffer);
+  2. accumulator += gradient (error feedback: what is not sent now is sent later);
+  3. select k entries of the accumulator, push (indices, values) to the server, zero them;
+  4. receive the aggregate (mean of all pushes at the union of their indices), write it into the
+     parameters' ``.grad`` and step SGD.
+
+Every replica applies the same bytes with the same optimizer from the same seeded weights, so all
+replicas stay bit-identical; workers send a weight checksum every ``check_every`` iterations and
+at the end, and the server stops the run if they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import protocol
+from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .data import DataError, Shard, load_dataset, test_batches
+from .models import build_model
+from .protocol import ProtocolError
+from .sparsify import TopK, density_to_k
+from .transport import Channel, TransportTimeout
+
+
+class WorkerError(RuntimeError):
+    """This worker cannot go on; the text says why."""
+
+
+class FlatModel:
+    """A model whose parameters and gradients are views into two flat float32 buffers.
+
+    Backward writes gradients straight into ``grad`` and the optimizer updates ``params`` in
+    place, so the worker reads and writes whole-model vectors with no gather/scatter copies.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.layer_sizes = [p.numel() for p in params]
+        self.numel = sum(self.layer_sizes)
+        self.params = torch.empty(self.numel, dtype=torch.float32)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        offset = 0
+        for p, n in zip(params, self.layer_sizes):
+            self.params[offset:offset + n].copy_(p.data.view(-1))
+            p.data = self.params[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            offset += n
+        self.parameters = params
+
+    def checksum(self) -> str:
+        return hashlib.blake2b(self.params.numpy().data, digest_size=8).hexdigest()
+
+
+class Worker:
+    def __init__(self, cfg: RunConfig, rank: int, host: str, port: int,
+                 out_dir: str | Path | None = None, save_weights: str | Path | None = None):
+        if not 0 <= rank < cfg.workers:
+            raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
+        self.cfg, self.rank = cfg, rank
+        self.out_dir = Path(out_dir) if out_dir else None
+        self.save_weights = Path(save_weights) if save_weights else None
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers))
+        self.data = load_dataset(cfg.dataset, cfg.data_dir)
+        self.shard = Shard(self.data, rank, cfg.workers, cfg.batch_size, cfg.seed)
+        torch.manual_seed(cfg.seed)  # same initial weights on every worker
+        self.net = FlatModel(build_model(cfg.model, self.data.in_shape, self.data.num_classes))
+        self.optimizer = torch.optim.SGD(self.net.parameters, lr=cfg.lr, momentum=cfg.momentum,
+                                         weight_decay=cfg.weight_decay)
+        self.k = density_to_k(cfg.density, self.net.numel)
+        self.topk = TopK(self.net.layer_sizes, self.k, cfg.granularity)
+        self.accumulator = np.zeros(self.net.numel, dtype=np.float32)
+        self.index_dtype = np.dtype(protocol.index_dtype_for(self.net.numel))
+        self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
+        self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
+                                      max_message_bytes=int(cfg.max_message_mb * 1e6))
+        self.stats = {"push_bytes": 0, "aggregate_bytes": 0, "compute_s": 0.0, "select_s": 0.0,
+                      "wait_s": 0.0}
+
+    def log(self, msg: str) -> None:
+        print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------- messages
+    def _send(self, frames) -> int:
+        try:
+            return self.channel.send(frames)
+        except TransportTimeout as exc:
+            raise WorkerError(f"lost the server: {exc}") from None
+
+    def _expect(self, msg_type: str, what: str, it: int | None = None) -> protocol.Message:
+        """Wait for the server's next ``msg_type``; server errors and shutdowns end the run."""
+        deadline = time.monotonic() + self.cfg.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            got = self.channel.recv(remaining) if remaining > 0 else None
+            if got is None:
+                raise WorkerError(f"no {what} from the server within {self.cfg.timeout:g} s "
+                                  "(server gone or stalled)")
+            _, frames, nbytes = got
+            try:
+                msg = protocol.decode(frames, numel=self.net.numel)
+            except ProtocolError as exc:
+                raise WorkerError(f"malformed message from the server: {exc}") from None
+            if msg.type == "error":
+                raise WorkerError(f"the server rejected our message: {msg['message']}")
+            if msg.type == "shutdown":
+                if msg["ok"] and msg_type == "shutdown":
+                    return msg
+                raise WorkerError(f"the server ended the run: {msg['reason']}")
+            if msg.type != msg_type or (it is not None and msg["iter"] != it):
+                raise WorkerError(f"expected {what}, got {msg.type} "
+                                  f"{msg.get('iter', '')}".rstrip())
+            msg.extra["nbytes"] = nbytes
+            return msg
+
+    # -------------------------------------------------------------------------------- training
+    def run(self) -> int:
+        self.register()
+        t0 = time.perf_counter()
+        for it in range(self.iterations):
+            self.step(it)
+            done = it + 1
+            if self.rank == 0 and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
+                    and done < self.iterations:
+                self.report(it, self.evaluate(it))
+        values = self.evaluate(self.iterations - 1) if self.rank == 0 else {}
+        self.report(self.iterations - 1, {**values, "final": True}, self.net.checksum())
+        self._expect("shutdown", "the end-of-run shutdown")
+        self.finish(time.perf_counter() - t0)
+        return 0
+
+    def register(self) -> None:
+        self._send(protocol.encode(
+            "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
+            checksum=self.net.checksum(), iterations=self.iterations,
+            config_digest=self.cfg.digest()))
+        self._expect("ready", "the ready signal (all workers registered)")
+        self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations}")
+
+    def step(self, it: int) -> None:
+        t = time.perf_counter()
+        self.net.model.train()
+        x, y = self.shard.batch(it)
+        self.net.grad.zero_()
+        loss = F.cross_entropy(self.net.model(x), y)
+        loss.backward()
+        t1 = time.perf_counter()
+
+        acc = self.accumulator
+        acc += self.net.grad.numpy()  # error feedback: carry what was not sent
+        indices = self.topk.select(acc)
+        values = acc[indices]  # fancy indexing copies, so zeroing below cannot change the push
+        acc[indices] = 0.0
+        t2 = time.perf_counter()
+
+        checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
+        extra = {"checksum": checksum} if checksum else {}
+        self.stats["push_bytes"] += self._send(protocol.encode(
+            "push", indices.astype(self.index_dtype, copy=False), values, iter=it,
+            rank=self.rank, loss=loss.item(), **extra))
+        agg = self._expect("aggregate", f"the aggregate of iteration {it}", it)
+        self.stats["aggregate_bytes"] += agg.extra["nbytes"]
+        t3 = time.perf_counter()
+
+        grad = self.net.grad.numpy()
+        grad[:] = 0.0
+        grad[agg.indices] = agg.values
+        self.optimizer.step()
+        self.stats["compute_s"] += t1 - t + time.perf_counter() - t3
+        self.stats["select_s"] += t2 - t1
+        self.stats["wait_s"] += t3 - t2
+
+    @torch.no_grad()
+    def evaluate(self, it: int) -> dict:
+        model = self.net.model
+        model.eval()
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in test_batches(self.data):
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+            n += len(y)
+        epoch = (it + 1) / self.shard.batches_per_epoch
+        return {"epoch": round(epoch, 4), "test_loss": loss_sum / n, "test_acc": correct / n}
+
+    def report(self, it: int, values: dict, checksum: str | None = None) -> None:
+        extra = {"checksum": checksum} if checksum else {}
+        self._send(protocol.encode("metrics", iter=it, rank=self.rank, report=values, **extra))
+
+    def finish(self, wall: float) -> None:
+        info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
+                "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / f"rank-{self.rank}.json").write_text(json.dumps(info, indent=2))
+        if self.save_weights:
+            torch.save(self.net.model.state_dict(), self.save_weights)
+        self.log(f"done in {wall:.1f} s (checksum {info['checksum']})")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--connect must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="psparse-worker",
+        description="Run one psparse training worker: trains its shard, pushes the top-k of its "
+                    "error-feedback accumulator to the server at --connect every iteration and "
+                    "applies the aggregate it gets back. All workers of a run need the same "
+                    "configuration.")
+    p.add_argument("--rank", type=int, required=True, help="this worker's rank, 0..workers-1")
+    p.add_argument("--connect", default="127.0.0.1:5555", help="server address HOST:PORT")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory: writes rank-R.json (bytes, timings, final checksum)")
+    p.add_argument("--save-weights", type=Path, default=None,
+                   help="save the final model state_dict here (torch.save)")
+    p.add_argument("--world-size", type=int, dest="workers", default=None,
+                   help="alias of --workers")
+    add_config_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = resolve_config(args)
+        host, port = parse_endpoint(args.connect)
+    except (ConfigError, ValueError) as exc:
+        p.error(str(exc))
+    worker = None
+    try:
+        worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights)
+        return worker.run()
+    except (WorkerError, DataError) as exc:
+        print(f"psparse-worker[{args.rank}]: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Shared fixtures: where the real data sets are, and real server processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """../shared/data when present (developers, CI), else $PSPARSE_DATA / ./data (make data)."""
+    for d in (REPO.parent / "shared" / "data", Path(os.environ.get("PSPARSE_DATA", "")),
+              REPO / "data"):
+        if str(d) and (d / "mnist").is_dir():
+            return d
+    pytest.fail("MNIST not found: run `make data` (tests need the real data set)")
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    return data_dir()
+
+
+def python_module(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+class ServerProcess:
+    """A real psparse-server process on a free loopback port."""
+
+    def __init__(self, out: Path, workers: int, timeout: float = 20.0, extra=()):
+        self.out = out
+        self.proc = subprocess.Popen(
+            python_module("psparse.server", "--workers", str(workers), "--port", "0", "--out",
+                          str(out), "--timeout", str(timeout), *extra),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 30
+        port_file = out / "server.port"
+        while not port_file.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {self.proc.communicate()[0]}")
+            time.sleep(0.02)
+        self.port = int(port_file.read_text())
+
+    def wait(self, timeout: float = 30) -> tuple[int, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.out / "metrics.jsonl")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    started: list[ServerProcess] = []
+
+    def start(workers: int, **kw) -> ServerProcess:
+        s = ServerProcess(tmp_path / f"server{len(started)}", workers, **kw)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant pids of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # comm may hold spaces/parens: the fields after the last ')' are fixed
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
