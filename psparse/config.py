@@ -36,7 +36,7 @@ class RunConfig:
     density: float = 0.01
     granularity: str = "model"
     # How long and how.
-    epochs: float = 2.0
+    epochs: float = 4.0
     iterations: int | None = None
     batch_size: int = 32
     lr: float = 0.05

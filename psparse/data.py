@@ -111,7 +111,8 @@ def read_idx(path: Path) -> np.ndarray:
     if len(raw) - body != int(np.prod(dims)):
         raise DataError(f"{path}: header says {tuple(dims)} but the file holds "
                         f"{len(raw) - body} bytes of data")
-    return np.frombuffer(raw, dtype=np.uint8, offset=body).reshape(tuple(dims))
+    # a writable copy: torch.from_numpy warns on (and must not write to) read-only buffers
+    return np.frombuffer(raw, dtype=np.uint8, offset=body).reshape(tuple(dims)).copy()
 
 
 def load_mnist(data_dir: Path) -> Dataset:

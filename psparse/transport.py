@@ -69,6 +69,7 @@ class Channel:
 
     def __init__(self, sock: zmq.Socket, *, routed: bool):
         self.sock = sock
+        self.ctx = sock.context
         self.routed = routed  # ROUTER: the first frame of every message is the peer's routing id
         self.sent_bytes = 0
         self.received_bytes = 0
@@ -76,7 +77,7 @@ class Channel:
     @classmethod
     def server(cls, bind: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                send_timeout_s: float = 60.0) -> Channel:
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()  # one per channel: close() can then wait for queued sends
         sock = ctx.socket(zmq.ROUTER)
         _configure(sock, max_message_bytes, send_timeout_s)
         # Unroutable sends (a peer that went away) raise instead of being dropped silently.
@@ -88,13 +89,14 @@ class Channel:
                 sock.bind(f"tcp://{_bracket(bind)}:{port}")
         except zmq.ZMQError as exc:
             sock.close(0)
+            ctx.term()
             raise OSError(f"cannot bind tcp://{bind}:{port}: {exc}") from exc
         return cls(sock, routed=True)
 
     @classmethod
     def client(cls, host: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                send_timeout_s: float = 60.0) -> Channel:
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         _configure(sock, max_message_bytes, send_timeout_s)
         sock.connect(f"tcp://{_bracket(host)}:{port}")
@@ -132,8 +134,11 @@ class Channel:
         self.received_bytes += n
         return peer, parts, n
 
-    def close(self) -> None:
-        self.sock.close(linger=200)
+    def close(self, linger_s: float = 2.0) -> None:
+        """Close, first giving queued messages up to ``linger_s`` to leave (a final shutdown
+        message must reach the workers even if this process exits right after)."""
+        self.sock.close(linger=int(linger_s * 1000))
+        self.ctx.term()
 
 
 def _configure(sock: zmq.Socket, max_message_bytes: int, send_timeout_s: float) -> None:

@@ -72,6 +72,7 @@ class Worker:
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank = cfg, rank
+        self._t_created = time.perf_counter()
         self.out_dir = Path(out_dir) if out_dir else None
         self.save_weights = Path(save_weights) if save_weights else None
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.workers))
@@ -92,7 +93,8 @@ class Worker:
                       "wait_s": 0.0}
 
     def log(self, msg: str) -> None:
-        print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
+        print(f"[rank {self.rank} +{time.perf_counter() - self._t_created:.1f}s] {msg}",
+              file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------------- messages
     def _send(self, frames) -> int:
@@ -129,6 +131,7 @@ class Worker:
 
     # -------------------------------------------------------------------------------- training
     def run(self) -> int:
+        self.log("model and data ready; registering")
         self.register()
         t0 = time.perf_counter()
         for it in range(self.iterations):
@@ -137,6 +140,7 @@ class Worker:
             if self.rank == 0 and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
                     and done < self.iterations:
                 self.report(it, self.evaluate(it))
+        self.log(f"{self.iterations} iterations in {time.perf_counter() - t0:.1f} s")
         values = self.evaluate(self.iterations - 1) if self.rank == 0 else {}
         self.report(self.iterations - 1, {**values, "final": True}, self.net.checksum())
         self._expect("shutdown", "the end-of-run shutdown")

@@ -1,0 +1,123 @@
+"""Data loaders on the real data sets, and shards that partition them."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import tarfile
+
+import numpy as np
+import pytest
+
+from psparse import config, data, models
+from psparse.data import DataError, Shard, fetch_mnist, load_dataset, read_idx
+
+
+def test_mnist_loads_with_the_official_shapes(data_root):
+    ds = load_dataset("mnist", data_root)
+    assert ds.train_x.shape == (60000, 1, 28, 28) and ds.train_x.dtype == np.uint8
+    assert ds.test_x.shape == (10000, 1, 28, 28)
+    assert np.bincount(ds.train_y).tolist()[:3] == [5923, 6742, 5958]  # known class counts
+    assert ds.train_y[:5].tolist() == [5, 0, 4, 1, 9]
+
+
+def test_fetch_mnist_copies_and_verifies_md5(data_root, tmp_path, capsys):
+    dest = fetch_mnist(tmp_path / "mnist", data_root / "mnist")
+    for name, md5 in data.MNIST_FILES.items():
+        assert hashlib.md5((dest / name).read_bytes()).hexdigest() == md5
+    fetch_mnist(dest)  # second time: nothing to do
+    assert "already" in capsys.readouterr().out
+
+
+def test_fetch_mnist_rejects_a_damaged_copy(data_root, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in data.MNIST_FILES:
+        (src / name).write_bytes((data_root / "mnist" / name).read_bytes())
+    (src / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not the real file")
+    with pytest.raises(DataError, match="md5"):
+        fetch_mnist(tmp_path / "dest", src)
+
+
+def test_read_idx_raw_and_gz_and_garbage(tmp_path):
+    arr = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    raw = b"\x00\x00\x08\x03" + np.array([2, 3, 4], ">u4").tobytes() + arr.tobytes()
+    (tmp_path / "a").write_bytes(raw)
+    (tmp_path / "b.gz").write_bytes(gzip.compress(raw))
+    np.testing.assert_array_equal(read_idx(tmp_path / "a"), arr)
+    np.testing.assert_array_equal(read_idx(tmp_path / "b.gz"), arr)
+    (tmp_path / "c").write_bytes(raw[:-1])
+    with pytest.raises(DataError, match="header says"):
+        read_idx(tmp_path / "c")
+
+
+def test_missing_mnist_says_what_to_do(tmp_path):
+    with pytest.raises(DataError, match="make data"):
+        load_dataset("mnist", tmp_path)
+
+
+def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("PSPARSE_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    pixels = {}
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for split in ("train", "test"):
+            for cls in ("cat", "ship"):
+                for i in range(2):
+                    img = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                    b = io.BytesIO()
+                    Image.fromarray(img).save(b, format="PNG")  # lossless: pixels comparable
+                    info = tarfile.TarInfo(f"cifar10-jpeg/{split}/{cls}/{i:04d}.png")
+                    info.size = b.tell()
+                    b.seek(0)
+                    tar.addfile(info, b)
+                    pixels[(split, cls, i)] = img
+    (tmp_path / "cifar10-jpeg.tar.gz").write_bytes(buf.getvalue())
+    ds = load_dataset("cifar10", tmp_path)
+    assert ds.train_x.shape == (4, 3, 32, 32) and ds.test_x.shape == (4, 3, 32, 32)
+    assert ds.train_y.tolist() == [3, 3, 8, 8]  # cat = 3, ship = 8 in CIFAR order
+    np.testing.assert_array_equal(ds.train_x[2], pixels[("train", "ship", 0)].transpose(2, 0, 1))
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    again = load_dataset("cifar10", tmp_path)  # from the cache
+    np.testing.assert_array_equal(again.test_x, ds.test_x)
+
+
+def test_cifar_python_batches(tmp_path):
+    import pickle
+
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    rng = np.random.default_rng(1)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 255, (3, 3072), dtype=np.uint8),
+                 b"labels": [1, 2, 3]}
+        (d / name).write_bytes(pickle.dumps(batch))
+    ds = load_dataset("cifar10", tmp_path)
+    assert ds.train_x.shape == (15, 3, 32, 32) and ds.test_y.tolist() == [1, 2, 3]
+
+
+def test_shards_partition_the_training_set():
+    ds = load_dataset("digits")
+    shards = [Shard(ds, r, 4, 16, seed=3) for r in range(4)]
+    all_idx = np.concatenate([s.indices for s in shards])
+    assert len(np.unique(all_idx)) == len(all_idx) == 4 * (1500 // 4)
+    x0, y0 = shards[1].batch(5)
+    x1, y1 = Shard(ds, 1, 4, 16, seed=3).batch(5)  # same seed: same batch
+    assert x0.shape == (16, 1, 8, 8) and np.array_equal(x0, x1) and np.array_equal(y0, y1)
+    x2, _ = shards[1].batch(5 + shards[1].batches_per_epoch)  # next epoch: reshuffled
+    assert not np.array_equal(x0, x2)
+
+
+def test_config_name_lists_match_the_implementations():
+    assert sorted(config.MODELS) == sorted(models.MODELS)
+    assert sorted(config.DATASETS) == sorted(data.DATASETS)
+
+
+def test_model_sizes():
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(models.LeNet5()) == 61706
+    assert 260_000 < count(models.ResNet20()) < 280_000
