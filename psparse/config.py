@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import tomllib
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
 # data.DATASETS are checked against these in the tests.

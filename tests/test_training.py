@@ -10,10 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import alive, descendants, python_module, read_jsonl
 
 from psparse.models import LeNet5
-
-from conftest import alive, descendants, python_module, read_jsonl
 
 TIMING_FIELDS = ("round_s", "time_s")
 
