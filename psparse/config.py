@@ -37,7 +37,7 @@ class RunConfig:
     density: float = 0.01
     granularity: str = "model"
     # How long and how.
-    epochs: float = 4.0
+    epochs: float = 8.0
     iterations: int | None = None
     batch_size: int = 32
     lr: float = 0.05
@@ -96,7 +96,7 @@ HELP = {
                "numel; 1.0 is dense)",
     "granularity": "top-k over the whole model, or per layer with k split by layer size",
     "epochs": "training length in passes over the data (ignored when --iterations is given)",
-    "iterations": "training length in synchronous iterations",
+    "iterations": "training length in synchronous iterations (default: from --epochs)",
     "batch_size": "minibatch size per worker",
     "lr": "SGD learning rate applied to the aggregate",
     "momentum": "SGD momentum",
@@ -121,9 +121,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
-        default = f.default
+        text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
         group.add_argument(flag, type=kind, default=None, dest=f.name,
-                           help=f"{HELP[f.name]} (default: {default})")
+                           metavar=kind.__name__.upper(), help=text)
 
 
 def _field_type(f):

@@ -160,6 +160,7 @@ class Launch:
 
     def _monitor(self) -> int:
         last_print, shown = 0.0, None
+        interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
         while True:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0}
@@ -174,7 +175,7 @@ class Launch:
                 self._progress(final=True)
                 self._print_summary()
                 return 0
-            if time.monotonic() - last_print >= 1.0 and self._last["metrics"] is not shown:
+            if time.monotonic() - last_print >= interval and self._last["metrics"] is not shown:
                 self._progress()
                 shown = self._last["metrics"]
                 last_print = time.monotonic()
@@ -262,7 +263,7 @@ class Launch:
         print(msg, flush=True)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="psparse-launch",
         description="Train with a psparse parameter server and N workers on this host. "
@@ -271,6 +272,11 @@ def main(argv=None) -> int:
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
     add_config_arguments(p)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         cfg = resolve_config(args)

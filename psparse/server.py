@@ -372,7 +372,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="psparse-server",
         description="Run the psparse parameter server for one training run: waits for "
@@ -387,6 +387,11 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p, only=("workers", "timeout", "max_message_mb"))
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         cfg = resolve_config(args)

@@ -227,7 +227,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="psparse-worker",
         description="Run one psparse training worker: trains its shard, pushes the top-k of its "
@@ -243,6 +243,11 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         cfg = resolve_config(args)
