@@ -36,6 +36,11 @@ class RunConfig:
     # How much to send: k = round(density * numel) entries per worker per iteration.
     density: float = 0.01
     granularity: str = "model"
+    policy: str = "topk"
+    policy_args: list[str] | None = None
+    memory: str = "residual"
+    clip_norm: float | None = None
+    density_warmup: float = 0.0
     # How long and how.
     epochs: float = 8.0
     iterations: int | None = None
@@ -61,6 +66,13 @@ class RunConfig:
              f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)}")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
         need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
+        need(self.memory in ("residual", "dgc"),
+             f"memory must be 'residual' or 'dgc', got {self.memory!r}")
+        need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")
+        need(self.density_warmup >= 0, "density-warmup must be >= 0 (epochs)")
+        need(self.policy_args is None or all(isinstance(a, str) and "=" in a
+                                             for a in self.policy_args),
+             f"policy-arg entries must be key=value, got {self.policy_args!r}")
         need(self.granularity in ("model", "layer"),
              f"granularity must be 'model' or 'layer', got {self.granularity!r}")
         need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
@@ -94,7 +106,16 @@ HELP = {
     "workers": "number of workers N (world size)",
     "density": "fraction of the model's entries each worker pushes per iteration (k = density x "
                "numel; 1.0 is dense)",
-    "granularity": "top-k over the whole model, or per layer with k split by layer size",
+    "granularity": "select over the whole model, or per layer with k split by layer size",
+    "policy": "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, core, "
+              "or package.module:ClassName",
+    "policy_args": "policy parameter key=value (repeatable; default: the policy's defaults)",
+    "memory": "error feedback: residual (acc += g) or dgc (momentum correction + factor "
+              "masking; the optimizer then applies plain SGD)",
+    "clip_norm": "clip each local gradient to this L2 norm before accumulating "
+                 "(default: no clipping)",
+    "density_warmup": "DGC warm-up: density 25%, 6.25%, 1.56%, ... in the first this-many "
+                      "epochs, never below --density",
     "epochs": "training length in passes over the data (ignored when --iterations is given)",
     "iterations": "training length in synchronous iterations (default: from --epochs)",
     "batch_size": "minibatch size per worker",
@@ -119,6 +140,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
     for f in fields(RunConfig):
         if only is not None and f.name not in only:
             continue
+        if f.name == "policy_args":
+            group.add_argument("--policy-arg", action="append", default=None, dest=f.name,
+                               metavar="KEY=VALUE", help=HELP[f.name])
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
         text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
@@ -128,6 +153,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
 
 def _field_type(f):
     t = str(f.type)
+    if "list" in t:
+        return list
     if "int" in t and "float" not in t:
         return int
     if "float" in t:
@@ -167,6 +194,10 @@ def load_config_file(path: Path) -> dict:
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name == "policy_arg":
+            name = "policy_args"
+        if name == "policy_args" and isinstance(value, dict):  # a [policy-args] table
+            value = [f"{k}={v}" for k, v in value.items()]
         if name not in known:
             raise ConfigError(f"config file {path}: unknown option {key!r}; valid options: "
                               f"{', '.join(n.replace('_', '-') for n in known)}")

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .policies import Layout, PolicyError, build_policy
 from .server import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 
 _PR_SET_PDEATHSIG = 1
@@ -281,6 +282,10 @@ def main(argv=None) -> int:
     try:
         cfg = resolve_config(args)
     except ConfigError as exc:
+        p.error(str(exc))
+    try:  # fail here, before any process starts, on an unknown policy or parameter
+        build_policy(cfg.policy, cfg.policy_args, Layout([1]), 1)
+    except PolicyError as exc:
         p.error(str(exc))
     if cfg.threads is None:
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)

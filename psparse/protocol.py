@@ -1,7 +1,7 @@
 """Wire protocol: message codec and validation (see docs/protocol.md).
 
-A message is a list of frames: one small msgpack header (a map), then zero or two raw binary frames
-(indices, values) for the message types that carry a sparse vector. Large arrays never go inside
+A message is a list of frames: one small msgpack header (a map), then raw binary frames: indices
+and values for the types that carry a sparse vector, indices alone for the two-phase types. Large arrays never go inside
 msgpack: raw frames are sent without a copy and viewed on receipt with ``numpy.frombuffer``.
 
 ``decode`` validates everything a peer controls and raises ``ProtocolError`` naming the problem;
@@ -28,12 +28,16 @@ _NUM = (int, float)
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # worker -> server, once: who I am and what I train; the server checks all workers agree.
     "register": {"rank": _INT, "world_size": _INT, "numel": _INT, "checksum": (str,),
-                 "iterations": _INT, "config_digest": (str,)},
+                 "iterations": _INT, "config_digest": (str,), "two_phase": (bool,)},
     # server -> worker: every worker registered and agreed; training may start.
     "ready": {"world_size": _INT, "numel": _INT, "iterations": _INT},
     # worker -> server, once per iteration: the selected entries of the accumulator.
     "push": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
              "value_dtype": (str,)},
+    # two-phase rounds only, worker -> server: indices this worker proposes to the group.
+    "propose": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,)},
+    # two-phase rounds only, server -> every worker: the union of all proposals.
+    "indices": {"iter": _INT, "count": _INT, "index_dtype": (str,)},
     # server -> every worker, once per iteration: the mean of the pushes at their index union.
     "aggregate": {"iter": _INT, "count": _INT, "index_dtype": (str,), "value_dtype": (str,),
                   "workers": _INT},
@@ -49,7 +53,8 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
 }
-SPARSE_TYPES = frozenset({"push", "aggregate"})
+SPARSE_TYPES = frozenset({"push", "aggregate"})  # frames: header, indices, values
+INDEX_TYPES = frozenset({"propose", "indices"})  # frames: header, indices
 
 
 class ProtocolError(ValueError):
@@ -92,6 +97,14 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),
                       value_dtype="float32")
         return [msgpack.packb(header), indices, values]
+    if msg_type in INDEX_TYPES:
+        if indices is None:
+            raise ValueError(f"{msg_type} needs indices")
+        indices = np.ascontiguousarray(indices)
+        if indices.dtype not in (np.int32, np.int64):
+            raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+        header.update(count=int(indices.size), index_dtype=str(indices.dtype))
+        return [msgpack.packb(header), indices]
     return [msgpack.packb(header)]
 
 
@@ -121,14 +134,16 @@ def decode(frames, numel: int | None = None, max_count: int | None = None) -> Me
         raise ProtocolError(f"unknown message type {msg_type!r}")
     _check_fields(msg_type, header)
 
-    expected_frames = 3 if msg_type in SPARSE_TYPES else 1
+    expected_frames = 3 if msg_type in SPARSE_TYPES else 2 if msg_type in INDEX_TYPES else 1
     if len(frames) != expected_frames:
         raise ProtocolError(f"{msg_type} message has {len(frames)} frames, expected "
                             f"{expected_frames}")
     msg = Message(msg_type, header)
+    limit = max_count if max_count is not None else numel
     if msg_type in SPARSE_TYPES:
-        msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel,
-                                                 max_count if max_count is not None else numel)
+        msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel, limit)
+    elif msg_type in INDEX_TYPES:
+        msg.indices, _ = _decode_sparse(header, frames[1], None, numel, limit)
     return msg
 
 
@@ -171,21 +186,24 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
     if idx_dtype is None:
         raise ProtocolError(f"index_dtype {header['index_dtype']!r} not supported "
                             f"(use one of {sorted(INDEX_DTYPES)})")
-    val_dtype = VALUE_DTYPES.get(header["value_dtype"])
-    if val_dtype is None:
-        raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported "
-                            f"(use one of {sorted(VALUE_DTYPES)})")
     if max_count is not None and count > max_count:
         raise ProtocolError(f"count {count} exceeds the limit {max_count}")
-    idx_buf, val_buf = _buffer(idx_frame), _buffer(val_frame)
+    idx_buf = _buffer(idx_frame)
     if len(idx_buf) != count * idx_dtype.itemsize:
         raise ProtocolError(f"index frame is {len(idx_buf)} bytes, expected {count} x "
                             f"{idx_dtype.itemsize}")
-    if len(val_buf) != count * val_dtype.itemsize:
-        raise ProtocolError(f"value frame is {len(val_buf)} bytes, expected {count} x "
-                            f"{val_dtype.itemsize}")
     indices = np.frombuffer(idx_buf, dtype=idx_dtype)
-    values = np.frombuffer(val_buf, dtype=val_dtype)
+    values = None
+    if val_frame is not None:
+        val_dtype = VALUE_DTYPES.get(header["value_dtype"])
+        if val_dtype is None:
+            raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported "
+                                f"(use one of {sorted(VALUE_DTYPES)})")
+        val_buf = _buffer(val_frame)
+        if len(val_buf) != count * val_dtype.itemsize:
+            raise ProtocolError(f"value frame is {len(val_buf)} bytes, expected {count} x "
+                                f"{val_dtype.itemsize}")
+        values = np.frombuffer(val_buf, dtype=val_dtype)
     if count:
         # Strictly increasing indices: no duplicates (so ``acc[idx] += val`` is exact), cheap
         # range check on the two ends, and a canonical order for compact encodings.
@@ -195,7 +213,7 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
             raise ProtocolError(f"index {int(indices[0])} is negative")
         if numel is not None and indices[-1] >= numel:
             raise ProtocolError(f"index {int(indices[-1])} out of range [0, {numel})")
-        if not bool(np.isfinite(values).all()):
+        if values is not None and not bool(np.isfinite(values).all()):
             raise ProtocolError("values contain NaN or Inf")
     return indices, values
 

@@ -124,6 +124,7 @@ class Server:
         self._check_agreement(regs)
         first = regs[0]
         self.numel, self.iterations = first["numel"], first["iterations"]
+        self.two_phase = first["two_phase"]
         # The only model-sized buffer: pushes are summed into it, then the touched entries are
         # read out and zeroed again, so no round allocates or clears numel floats.
         self.accumulator = np.zeros(self.numel, dtype=np.float32)
@@ -137,7 +138,7 @@ class Server:
         self._t0 = time.perf_counter()
 
     def _check_agreement(self, regs: dict[int, protocol.Message]) -> None:
-        for field in ("numel", "checksum", "iterations", "config_digest"):
+        for field in ("numel", "checksum", "iterations", "config_digest", "two_phase"):
             values = {r: m[field] for r, m in sorted(regs.items())}
             if len(set(values.values())) > 1:
                 raise RunAborted(f"workers disagree on {field}: " +
@@ -146,35 +147,24 @@ class Server:
     # --------------------------------------------------------------------------------- rounds
     def serve_round(self, it: int) -> None:
         t_start = time.perf_counter()
-        deadline = time.monotonic() + self.timeout
-        pushes: dict[int, protocol.Message] = {}
-        upload = 0
-        while len(pushes) < self.world_size:
-            missing = sorted(set(range(self.world_size)) - set(pushes))
-            peer, frames, nbytes = self._wait(f"pushes of iteration {it} from ranks {missing}",
-                                              deadline)
-            msg = self._accept(peer, frames)
-            if msg is None:
-                continue
-            if msg.type == "metrics":
-                self._on_metrics(msg)
-            elif msg.type != "push":
-                self.reject(peer, ProtocolError(f"unexpected {msg.type} message during "
-                                                f"iteration {it}"))
-            elif msg["iter"] != it:
-                self.reject(peer, ProtocolError(f"push for iteration {msg['iter']}, the "
-                                                f"server is at iteration {it}"))
-            elif msg["rank"] in pushes:
-                self.reject(peer, ProtocolError(f"rank {msg['rank']} already pushed for "
-                                                f"iteration {it}"))
-            else:
-                pushes[msg["rank"]] = msg
-                upload += nbytes
+        upload = broadcast = 0
+        proposed = None
+        if self.two_phase:
+            # Phase 1: every worker proposes indices (possibly none); all get the union back.
+            proposals, upload = self._collect(it, "propose")
+            union = sorted_union([proposals[r].indices for r in range(self.world_size)])
+            proposed = int(union.size)
+            frames = protocol.encode("indices", union.astype(self.index_dtype, copy=False),
+                                     iter=it)
+            broadcast += sum(self._send(self.rank_peer[r], frames)
+                             for r in range(self.world_size))
+        pushes, push_bytes = self._collect(it, "push")
+        upload += push_bytes
         self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
 
         union, mean = self.aggregate([pushes[r] for r in range(self.world_size)])
         frames = protocol.encode("aggregate", union, mean, iter=it, workers=self.world_size)
-        broadcast = sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
+        broadcast += sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
 
         ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
         losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
@@ -183,6 +173,7 @@ class Server:
             "k": ks,
             "union": int(union.size),
             "broadcast_entries": int(union.size),
+            "proposed": proposed,
             "upload_bytes": upload,
             "broadcast_bytes": broadcast,
             "loss": float(np.mean(losses)) if losses else None,
@@ -190,6 +181,37 @@ class Server:
             "time_s": round(time.perf_counter() - self._t0, 6),
         }
         self._account(record)
+
+    def _collect(self, it: int, msg_type: str) -> tuple[dict[int, protocol.Message], int]:
+        """One ``msg_type`` message of iteration ``it`` from every rank, and their wire bytes.
+
+        Metrics messages arriving meanwhile are handled; anything else is rejected.
+        """
+        deadline = time.monotonic() + self.timeout
+        got: dict[int, protocol.Message] = {}
+        nbytes_total = 0
+        while len(got) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(got))
+            peer, frames, nbytes = self._wait(f"{msg_type} messages of iteration {it} from "
+                                              f"ranks {missing}", deadline)
+            msg = self._accept(peer, frames)
+            if msg is None:
+                continue
+            if msg.type == "metrics":
+                self._on_metrics(msg)
+            elif msg.type != msg_type:
+                self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
+                                                f"waits for {msg_type} of iteration {it}"))
+            elif msg["iter"] != it:
+                self.reject(peer, ProtocolError(f"{msg_type} for iteration {msg['iter']}, the "
+                                                f"server is at iteration {it}"))
+            elif msg["rank"] in got:
+                self.reject(peer, ProtocolError(f"rank {msg['rank']} already sent {msg_type} "
+                                                f"for iteration {it}"))
+            else:
+                got[msg["rank"]] = msg
+                nbytes_total += nbytes
+        return got, nbytes_total
 
     def aggregate(self, pushes: list[protocol.Message]) -> tuple[np.ndarray, np.ndarray]:
         union, mean = sparse_mean(self.accumulator, [m.indices for m in pushes],

@@ -101,32 +101,3 @@ def density_to_k(density: float, numel: int) -> int:
         raise ValueError(f"density must be in (0, 1], got {density}")
     return max(1, min(numel, int(round(density * numel))))
 
-
-class TopK:
-    """Top-k of a flat accumulator, over the whole model or per layer.
-
-    ``layer_sizes`` lists the sizes of the consecutive slices (layers) of the flat vector. With
-    granularity "layer", k is split across layers in proportion to their sizes (``split_k``) and
-    each layer picks its own top entries; with "model", one top-k runs over everything.
-    """
-
-    def __init__(self, layer_sizes: list[int], k: int, granularity: str = "model"):
-        if granularity not in ("model", "layer"):
-            raise ValueError(f"granularity must be 'model' or 'layer', got {granularity!r}")
-        n = sum(layer_sizes)
-        self.k = min(k, n)
-        if granularity == "model":
-            self.slices = [(0, n, self.k)]
-        else:
-            offsets = np.cumsum([0, *layer_sizes[:-1]])
-            self.slices = [(int(o), int(s), ks) for o, s, ks in
-                           zip(offsets, layer_sizes, split_k(self.k, layer_sizes))]
-        self.selectors = [Selector(s) for _, s, _ in self.slices]
-
-    def select(self, acc: np.ndarray) -> np.ndarray:
-        """Sorted indices into ``acc`` of the entries to send."""
-        parts = [sel.topk(acc[o:o + s], ks) + o
-                 for (o, s, ks), sel in zip(self.slices, self.selectors) if ks > 0]
-        if len(parts) == 1:
-            return parts[0]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -1,11 +1,12 @@
-"""A training worker: local gradient, error-feedback accumulator, top-k push, apply the aggregate.
+"""A training worker: local gradient, error-feedback accumulator, sparse push, apply the aggregate.
 
 Per iteration:
   1. forward/backward on this rank's next minibatch (the gradient lands in one flat buffer);
-  2. accumulator += gradient (error feedback: what is not sent now is sent later);
-  3. select k entries of the accumulator, push (indices, values) to the server, zero them;
-  4. receive the aggregate (mean of all pushes at the union of their indices), write it into the
-     parameters' ``.grad`` and step SGD.
+  2. accumulator += gradient (error feedback: what is not sent now is sent later; ``memory.py``);
+  3. the selection policy picks k entries of the accumulator (``policies/``; two-phase policies
+     first exchange proposed indices through the server); push (indices, values), zero them;
+  4. receive the aggregate (mean of all pushes at the union of their indices), show it to the
+     policy, write it into the parameters' ``.grad`` and step SGD.
 
 Every replica applies the same bytes with the same optimizer from the same seeded weights, so all
 replicas stay bit-identical; workers send a weight checksum every ``check_every`` iterations and
@@ -30,9 +31,11 @@ import torch.nn.functional as F
 from . import protocol
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
+from .memory import Memory, density_schedule
 from .models import build_model
+from .policies import Layout, PolicyError, build_policy
 from .protocol import ProtocolError
-from .sparsify import TopK, density_to_k
+from .sparsify import density_to_k
 from .transport import Channel, TransportTimeout
 
 
@@ -80,11 +83,16 @@ class Worker:
         self.shard = Shard(self.data, rank, cfg.workers, cfg.batch_size, cfg.seed)
         torch.manual_seed(cfg.seed)  # same initial weights on every worker
         self.net = FlatModel(build_model(cfg.model, self.data.in_shape, self.data.num_classes))
-        self.optimizer = torch.optim.SGD(self.net.parameters, lr=cfg.lr, momentum=cfg.momentum,
+        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm)
+        # With DGC the momentum is applied locally (in the memory), so SGD must not add more.
+        momentum = cfg.momentum if self.memory.optimizer_momentum_applies else 0.0
+        self.optimizer = torch.optim.SGD(self.net.parameters, lr=cfg.lr, momentum=momentum,
                                          weight_decay=cfg.weight_decay)
         self.k = density_to_k(cfg.density, self.net.numel)
-        self.topk = TopK(self.net.layer_sizes, self.k, cfg.granularity)
-        self.accumulator = np.zeros(self.net.numel, dtype=np.float32)
+        self.policy = build_policy(cfg.policy, cfg.policy_args,
+                                   Layout(self.net.layer_sizes, cfg.granularity),
+                                   self._k_at(0), rank=rank, world_size=cfg.workers,
+                                   seed=cfg.seed)
         self.index_dtype = np.dtype(protocol.index_dtype_for(self.net.numel))
         self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
         self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
@@ -151,9 +159,16 @@ class Worker:
         self._send(protocol.encode(
             "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
             checksum=self.net.checksum(), iterations=self.iterations,
-            config_digest=self.cfg.digest()))
+            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase))
         self._expect("ready", "the ready signal (all workers registered)")
-        self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations}")
+        self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
+                 f"policy={self.policy.describe()} memory={self.cfg.memory}")
+
+    def _k_at(self, it: int) -> int:
+        """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
+        epoch = it / self.shard.batches_per_epoch
+        density = density_schedule(self.cfg.density, self.cfg.density_warmup, epoch)
+        return density_to_k(density, self.net.numel)
 
     def step(self, it: int) -> None:
         t = time.perf_counter()
@@ -164,11 +179,23 @@ class Worker:
         loss.backward()
         t1 = time.perf_counter()
 
-        acc = self.accumulator
-        acc += self.net.grad.numpy()  # error feedback: carry what was not sent
-        indices = self.topk.select(acc)
-        values = acc[indices]  # fancy indexing copies, so zeroing below cannot change the push
-        acc[indices] = 0.0
+        k = self._k_at(it)
+        if k != self.policy.k:
+            self.policy.set_k(k)
+        acc = self.memory.add(self.net.grad.numpy())  # error feedback: carry what was not sent
+        group = None
+        if self.policy.two_phase:
+            proposal = self.policy.propose(acc, it)
+            if proposal is None:
+                proposal = np.empty(0, dtype=self.index_dtype)
+            self.stats["push_bytes"] += self._send(protocol.encode(
+                "propose", proposal.astype(self.index_dtype, copy=False), iter=it,
+                rank=self.rank))
+            msg = self._expect("indices", f"the group's indices of iteration {it}", it)
+            self.stats["aggregate_bytes"] += msg.extra["nbytes"]
+            group = msg.indices
+        indices = self.policy.select(acc, it, group=group)
+        values = self.memory.take(indices)
         t2 = time.perf_counter()
 
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
@@ -180,6 +207,7 @@ class Worker:
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]
         t3 = time.perf_counter()
 
+        self.policy.observe(agg.indices, agg.values, it)
         grad = self.net.grad.numpy()
         grad[:] = 0.0
         grad[agg.indices] = agg.values
@@ -208,6 +236,7 @@ class Worker:
     def finish(self, wall: float) -> None:
         info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
                 "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
+                "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +287,7 @@ def main(argv=None) -> int:
     try:
         worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights)
         return worker.run()
-    except (WorkerError, DataError) as exc:
+    except (WorkerError, DataError, PolicyError) as exc:
         print(f"psparse-worker[{args.rank}]: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

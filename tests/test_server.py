@@ -24,7 +24,7 @@ class Client:
         self.rank = rank
         self.ch = Channel.client("127.0.0.1", port)
         self.reg = dict(rank=rank, world_size=world_size, numel=numel, checksum=checksum,
-                        iterations=iterations, config_digest=digest)
+                        iterations=iterations, config_digest=digest, two_phase=False)
         self.received = {}  # wire bytes received, by message type
 
     def register(self):
@@ -206,7 +206,7 @@ def test_bad_messages_get_errors_and_the_round_still_completes(server_factory):
     # well-behaved pushes still make a correct round
     a.push(0, [2, 3], [1.0, 2.0])
     expect_error(a, protocol.encode("push", np.array([1], np.int32), np.ones(1, np.float32),
-                                    iter=0, rank=0), "already pushed")
+                                    iter=0, rank=0), "already sent push")
     b.push(0, [3, 4], [4.0, 8.0])
     for c in clients:
         agg = c.recv()

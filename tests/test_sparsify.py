@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.sparsify import Selector, TopK, density_to_k, split_k, topk_exact
+from psparse.policies import Layout, TopK
+from psparse.sparsify import Selector, density_to_k, split_k, topk_exact
 
 
 def reference_topk(x, k):
@@ -69,8 +70,8 @@ def test_per_layer_topk_picks_each_layers_own_largest():
     x[[2, 3]] = [5, 4]          # layer 0
     x[[15, 20, 35]] = [1, 2, 3]  # layer 1
     x[40:100] = np.linspace(0.1, 0.7, 60)
-    whole = TopK(sizes, 10, "model").select(x)
-    per_layer = TopK(sizes, 10, "layer").select(x)
+    whole = TopK(Layout(sizes, "model"), 10).select(x, 0)
+    per_layer = TopK(Layout(sizes, "layer"), 10).select(x, 0)
     assert whole.size == per_layer.size == 10
     assert set(per_layer[per_layer < 10]) == {2}  # k_0 = 1
     assert set(per_layer[(per_layer >= 10) & (per_layer < 40)]) == {20, 35, 15}

@@ -1,0 +1,67 @@
+"""Selection policies: which k entries each worker pushes. One file per policy.
+
+``--policy NAME`` picks one from ``REGISTRY``; ``--policy package.module:ClassName`` loads a
+user class (a subclass of ``SelectionPolicy``); ``--policy-arg key=value`` sets its parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Layout, Param, PolicyError, SelectionPolicy
+from .cltk import CyclicLocalTopK
+from .core import SharedCore
+from .ema import EMA
+from .frequency import Frequency
+from .penalty import Penalty
+from .randomk import RandomK
+from .threshold import Threshold
+from .topk import TopK
+
+REGISTRY: dict[str, type[SelectionPolicy]] = {
+    cls.name: cls
+    for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty, CyclicLocalTopK, SharedCore)
+}
+
+__all__ = ["REGISTRY", "Layout", "Param", "PolicyError", "SelectionPolicy", "build_policy",
+           "parse_policy_args", "policy_class"]
+
+
+def policy_class(spec: str) -> type[SelectionPolicy]:
+    """A registered name, or ``package.module:ClassName`` for a user class."""
+    if ":" not in spec:
+        if spec not in REGISTRY:
+            raise PolicyError(f"unknown policy {spec!r}; registered: {', '.join(REGISTRY)} "
+                              "(or give package.module:ClassName)")
+        return REGISTRY[spec]
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PolicyError(f"cannot import policy module {module_name!r}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SelectionPolicy)):
+        raise PolicyError(f"{spec!r} is not a SelectionPolicy subclass")
+    return cls
+
+
+def parse_policy_args(items: list[str] | dict | None) -> dict[str, str]:
+    """``["beta=0.9", "lam=16"]`` (or a dict from a config file) -> {"beta": "0.9", ...}."""
+    if not items:
+        return {}
+    if isinstance(items, dict):
+        return {str(k): v for k, v in items.items()}
+    out = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise PolicyError(f"--policy-arg {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def build_policy(spec: str, args, layout: Layout, k: int, *, rank: int = 0,
+                 world_size: int = 1, seed: int = 0) -> SelectionPolicy:
+    cls = policy_class(spec)
+    return cls(layout, k, rank=rank, world_size=world_size, seed=seed,
+               **parse_policy_args(args))

@@ -1,0 +1,176 @@
+"""The selection-policy plug-in point: which k entries of its accumulator a worker sends.
+
+A policy is a small class. The runtime calls, on every worker, every iteration:
+
+    indices = policy.select(accumulator, iteration)        # sorted int64 indices to push
+    ...push, receive the aggregate...
+    policy.observe(agg_indices, agg_values, iteration)     # the same bytes on every worker
+
+``observe`` sees only the aggregate, which is identical on every worker, so any state built from
+it is identical everywhere: that is how policies steer workers toward the same indices without
+extra messages. ``select`` may use that shared state and the worker's own accumulator.
+
+The easiest override is ``score``: the default ``select`` takes, per slice (the whole model, or
+each layer with ``--granularity layer``), the k entries of largest score; the default score is
+|accumulator| (plain top-k). Override ``select_slice`` to change how a slice is chosen, or
+``select`` for everything.
+
+Two-phase policies (``two_phase = True``, e.g. ``cltk``) get a first step each round: every
+worker's ``propose(accumulator, iteration)`` returns indices (or None); the server sends the
+union of all proposals back, and ``select(accumulator, iteration, group=that_union)`` decides
+what to push.
+
+Parameters are declared in ``params`` (name -> Param) and arrive as attributes, converted and
+validated; ``--policy-arg name=value`` sets them. See docs/policies.md for a complete example.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..sparsify import Selector, split_k
+
+
+class PolicyError(ValueError):
+    """Unknown policy or bad policy parameter; the text lists what is valid."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """A declared policy parameter: its type, default, help, and an optional check."""
+
+    type: type
+    default: Any
+    help: str
+    check: Callable[[Any], bool] | None = None
+    check_text: str = ""
+
+    def convert(self, name: str, raw: Any) -> Any:
+        try:
+            if self.type is bool and isinstance(raw, str):
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(raw)
+                value = raw.lower() in ("true", "1", "yes")
+            else:
+                value = self.type(raw)
+        except (TypeError, ValueError):
+            raise PolicyError(f"parameter {name}={raw!r}: expected {self.type.__name__}") from None
+        if self.check is not None and not self.check(value):
+            raise PolicyError(f"parameter {name}={value!r}: must be {self.check_text}")
+        return value
+
+
+class Layout:
+    """How the flat parameter vector is cut into selection slices.
+
+    granularity "model": one slice, the whole vector. "layer": one slice per parameter tensor,
+    k split across them in proportion to their sizes.
+    """
+
+    def __init__(self, layer_sizes: list[int], granularity: str = "model"):
+        if granularity not in ("model", "layer"):
+            raise ValueError(f"granularity must be 'model' or 'layer', got {granularity!r}")
+        self.layer_sizes = list(layer_sizes)
+        self.numel = sum(layer_sizes)
+        self.granularity = granularity
+        if granularity == "model":
+            self.slices = [(0, self.numel)]
+        else:
+            offsets = np.cumsum([0, *layer_sizes[:-1]])
+            self.slices = [(int(o), int(s)) for o, s in zip(offsets, layer_sizes)]
+
+    def split(self, k: int) -> list[int]:
+        return [k] if len(self.slices) == 1 else split_k(k, [s for _, s in self.slices])
+
+
+class SelectionPolicy:
+    """Base class: plain top-k of |accumulator|. Subclass and override what differs."""
+
+    name = "base"
+    params: dict[str, Param] = {}
+    two_phase = False
+
+    def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, **params):
+        self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            raise PolicyError(f"policy {self.name!r} has no parameter {unknown[0]!r}; valid: "
+                              f"{', '.join(sorted(self.params)) or '(none)'}")
+        for name, spec in self.params.items():
+            setattr(self, name, spec.convert(name, params.get(name, spec.default)))
+        self._selectors = [Selector(size) for _, size in layout.slices]
+        self.set_k(k)
+
+    # ---------------------------------------------------------------------------- the hooks
+    def set_k(self, k: int) -> None:
+        """Entries to send per iteration (changes during density warm-up)."""
+        self.k = min(k, self.layout.numel)
+        self.slice_k = self.layout.split(self.k)
+
+    def select(self, accumulator: np.ndarray, iteration: int,
+               group: np.ndarray | None = None) -> np.ndarray:
+        parts = []
+        for (offset, size), k in zip(self.layout.slices, self.slice_k):
+            if k > 0:
+                chosen = self.select_slice(accumulator[offset:offset + size], k, offset)
+                parts.append(chosen + offset if offset else chosen)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def select_slice(self, acc: np.ndarray, k: int, offset: int) -> np.ndarray:
+        """Sorted indices (relative to the slice) of the k entries to send from one slice."""
+        return self.topk(self.score(acc, offset), k, offset)
+
+    def score(self, acc: np.ndarray, offset: int) -> np.ndarray:
+        """Per-entry priority for the slice starting at ``offset``; larger is sent first."""
+        return acc
+
+    def propose(self, accumulator: np.ndarray, iteration: int) -> np.ndarray | None:
+        """Two-phase policies: indices this worker proposes to the group (None: nothing)."""
+        return None
+
+    def observe(self, indices: np.ndarray, values: np.ndarray, iteration: int) -> None:
+        """The round's aggregate (identical on every worker): update shared state here."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            current = getattr(self, key)
+            if isinstance(current, np.ndarray):
+                current[...] = value
+            else:
+                setattr(self, key, value)
+
+    # --------------------------------------------------------------------------- utilities
+    def topk(self, score: np.ndarray, k: int, offset: int = 0) -> np.ndarray:
+        """Sorted indices of the k largest |score| in a slice (exact; deterministic)."""
+        selector = self._selectors[self._slice_index(offset)]
+        return selector.topk(score, k)
+
+    def _slice_index(self, offset: int) -> int:
+        for i, (o, _) in enumerate(self.layout.slices):
+            if o == offset:
+                return i
+        raise ValueError(f"no slice starts at offset {offset}")
+
+    def state_digest(self) -> str:
+        """Hash of the state: equal on all workers for policies whose state is shared."""
+        h = hashlib.blake2b(digest_size=8)
+        for key, value in sorted(self.state_dict().items()):
+            h.update(key.encode())
+            h.update(np.ascontiguousarray(value).tobytes() if isinstance(value, np.ndarray)
+                     else repr(value).encode())
+        return h.hexdigest()
+
+    def describe(self) -> str:
+        args = ", ".join(f"{n}={getattr(self, n)}" for n in self.params)
+        return f"{self.name}({args})" if args else self.name

@@ -1,0 +1,26 @@
+"""cltk: cyclic local top-k (ScaleCom, Chen et al. NeurIPS 2020).
+
+At iteration t the leader, rank t mod N, proposes the top-k of its own accumulator; every worker
+pushes its own accumulator values at exactly those indices, so the union is k. This needs the
+leader's indices before the push: a two-phase round (proposals, then pushes), which costs one
+extra index broadcast per round, counted in the metrics.
+"""
+
+import numpy as np
+
+from .base import SelectionPolicy
+
+
+class CyclicLocalTopK(SelectionPolicy):
+    name = "cltk"
+    two_phase = True
+
+    def propose(self, accumulator, iteration):
+        if iteration % self.world_size != self.rank:
+            return None
+        return super().select(accumulator, iteration)
+
+    def select(self, accumulator, iteration, group=None):
+        if group is None:
+            raise ValueError("cltk needs the group's indices (a two-phase round)")
+        return np.asarray(group, dtype=np.int64)

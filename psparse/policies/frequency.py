@@ -1,0 +1,42 @@
+"""frequency: among the c*k largest |accumulator| entries, send the k most often aggregated.
+
+priority[i] = decayed count of rounds in which index i was in the aggregate:
+    priority <- gamma * priority;  priority[aggregate indices] += 1
+(identical on every worker, since it is built from the aggregate alone). Candidates are the
+c*k entries of largest |accumulator|; of those, the k with the highest priority are sent,
+ties broken by magnitude. Error feedback zeroes what was just sent, so recently aggregated
+indices often drop out of the candidate pool: a larger c keeps them reachable.
+"""
+
+import numpy as np
+
+from .base import Param, SelectionPolicy
+
+
+class Frequency(SelectionPolicy):
+    name = "frequency"
+    params = {
+        "c": Param(float, 4.0, "candidate pool size, as a multiple of k", lambda v: v >= 1,
+                   ">= 1"),
+        "gamma": Param(float, 0.9, "per-round decay of the counts", lambda v: 0 <= v < 1,
+                       "in [0, 1)"),
+    }
+
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self.priority = np.zeros(layout.numel, dtype=np.float32)
+
+    def select_slice(self, acc, k, offset):
+        pool = min(acc.size, int(np.ceil(self.c * k)))
+        candidates = self.topk(acc, pool, offset)
+        prio = self.priority[offset + candidates]
+        # highest priority first, then largest magnitude (lexsort: last key is primary)
+        order = np.lexsort((-np.abs(acc[candidates]), -prio))
+        return np.sort(candidates[order[:k]])
+
+    def observe(self, indices, values, iteration):
+        self.priority *= self.gamma
+        self.priority[indices] += 1.0
+
+    def state_dict(self):
+        return {"priority": self.priority}
