@@ -49,6 +49,7 @@ class RunConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
+    record_selections: bool = False
     eval_every: int = 100
     check_every: int = 10
     threads: int | None = None
@@ -91,7 +92,7 @@ class RunConfig:
     def digest(self) -> str:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
-        for local in ("data_dir", "threads", "timeout", "max_message_mb"):
+        for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -123,6 +124,8 @@ HELP = {
     "momentum": "SGD momentum",
     "weight_decay": "SGD weight decay",
     "seed": "seed for initial weights, data shards and shuffling",
+    "record_selections": "workers save each iteration's top-k gradient indices and sent indices "
+                         "to RUN_DIR/selections-rank-R.npz, for psparse-locality",
     "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
     "check_every": "workers send a weight checksum every this many iterations; the server stops "
                    "the run if replicas differ",
@@ -146,6 +149,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
+        if kind is bool:
+            group.add_argument(flag, action="store_true", default=None, dest=f.name,
+                               help=HELP[f.name])
+            continue
         text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
         group.add_argument(flag, type=kind, default=None, dest=f.name,
                            metavar=kind.__name__.upper(), help=text)
@@ -155,6 +162,8 @@ def _field_type(f):
     t = str(f.type)
     if "list" in t:
         return list
+    if t == "bool":
+        return bool
     if "int" in t and "float" not in t:
         return int
     if "float" in t:
@@ -205,7 +214,7 @@ def load_config_file(path: Path) -> dict:
         if value is not None:
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"config file {path}: option {key!r} must be "
                                   f"{kind.__name__}, got {value!r}")
         out[name] = value

@@ -211,7 +211,7 @@ class Launch:
             self._last["metrics"] = rec
             self._bytes[0] += rec["upload_bytes"]
             self._bytes[1] += rec["broadcast_bytes"]
-            self._unions.append(rec["union"] / max(1, max(rec["k"])))
+            self._unions.append(rec["union"] / max(1, rec["budget"]))
         for rec in self._read_lines(EVAL_FILE):
             self._last["eval"] = rec
 

@@ -28,14 +28,16 @@ _NUM = (int, float)
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # worker -> server, once: who I am and what I train; the server checks all workers agree.
     "register": {"rank": _INT, "world_size": _INT, "numel": _INT, "checksum": (str,),
-                 "iterations": _INT, "config_digest": (str,), "two_phase": (bool,)},
+                 "iterations": _INT, "config_digest": (str,), "two_phase": (bool,), "k": _INT},
     # server -> worker: every worker registered and agreed; training may start.
     "ready": {"world_size": _INT, "numel": _INT, "iterations": _INT},
     # worker -> server, once per iteration: the selected entries of the accumulator.
     "push": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
              "value_dtype": (str,)},
-    # two-phase rounds only, worker -> server: indices this worker proposes to the group.
-    "propose": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,)},
+    # two-phase rounds only, worker -> server: entries this worker proposes to the group, and
+    # how many indices the group keeps (those of largest mean |value| over all proposals).
+    "propose": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
+                "value_dtype": (str,), "select": _INT},
     # two-phase rounds only, server -> every worker: the union of all proposals.
     "indices": {"iter": _INT, "count": _INT, "index_dtype": (str,)},
     # server -> every worker, once per iteration: the mean of the pushes at their index union.
@@ -49,12 +51,12 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "error": {"message": (str,)},
 }
 OPTIONAL: dict[str, dict[str, tuple]] = {
-    "push": {"loss": _NUM, "checksum": (str,)},
+    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
 }
-SPARSE_TYPES = frozenset({"push", "aggregate"})  # frames: header, indices, values
-INDEX_TYPES = frozenset({"propose", "indices"})  # frames: header, indices
+SPARSE_TYPES = frozenset({"push", "aggregate", "propose"})  # frames: header, indices, values
+INDEX_TYPES = frozenset({"indices"})  # frames: header, indices
 
 
 class ProtocolError(ValueError):

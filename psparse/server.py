@@ -25,6 +25,7 @@ import zmq
 from . import protocol
 from .config import ConfigError, add_config_arguments, resolve_config
 from .protocol import ProtocolError
+from .sparsify import topk_exact
 from .transport import Channel, TransportTimeout, is_loopback, warn
 
 METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
@@ -53,7 +54,8 @@ class Server:
         self._metrics_fh = self._eval_fh = None
         self._finals: dict[int, dict] = {}
         self._last_eval: dict | None = None
-        self._totals = {"upload_bytes": 0, "broadcast_bytes": 0, "union": [], "k": 0, "loss": []}
+        self.k = 0
+        self._totals = {"upload_bytes": 0, "broadcast_bytes": 0, "union": [], "loss": []}
         self._t0 = time.perf_counter()
 
     @property
@@ -125,6 +127,7 @@ class Server:
         first = regs[0]
         self.numel, self.iterations = first["numel"], first["iterations"]
         self.two_phase = first["two_phase"]
+        self.k = first["k"]  # the configured k (density x numel), the unit of union/k
         # The only model-sized buffer: pushes are summed into it, then the touched entries are
         # read out and zeroed again, so no round allocates or clears numel floats.
         self.accumulator = np.zeros(self.numel, dtype=np.float32)
@@ -138,7 +141,7 @@ class Server:
         self._t0 = time.perf_counter()
 
     def _check_agreement(self, regs: dict[int, protocol.Message]) -> None:
-        for field in ("numel", "checksum", "iterations", "config_digest", "two_phase"):
+        for field in ("numel", "checksum", "iterations", "config_digest", "two_phase", "k"):
             values = {r: m[field] for r, m in sorted(regs.items())}
             if len(set(values.values())) > 1:
                 raise RunAborted(f"workers disagree on {field}: " +
@@ -150,11 +153,11 @@ class Server:
         upload = broadcast = 0
         proposed = None
         if self.two_phase:
-            # Phase 1: every worker proposes indices (possibly none); all get the union back.
+            # Phase 1: every worker proposes entries (possibly none); the group keeps the
+            # `select` indices of largest mean |value| and every worker pushes there.
             proposals, upload = self._collect(it, "propose")
-            union = sorted_union([proposals[r].indices for r in range(self.world_size)])
-            proposed = int(union.size)
-            frames = protocol.encode("indices", union.astype(self.index_dtype, copy=False),
+            chosen, proposed = self.vote([proposals[r] for r in range(self.world_size)], it)
+            frames = protocol.encode("indices", chosen.astype(self.index_dtype, copy=False),
                                      iter=it)
             broadcast += sum(self._send(self.rank_peer[r], frames)
                              for r in range(self.world_size))
@@ -167,10 +170,14 @@ class Server:
         broadcast += sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
 
         ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
+        # the round's k: what each worker was allowed to send (workers say; during a density
+        # warm-up it changes), the unit of union/k
+        budget = max(int(pushes[r].get("budget", ks[r])) for r in range(self.world_size))
         losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
         record = {
             "iter": it,
             "k": ks,
+            "budget": budget,
             "union": int(union.size),
             "broadcast_entries": int(union.size),
             "proposed": proposed,
@@ -213,6 +220,19 @@ class Server:
                 nbytes_total += nbytes
         return got, nbytes_total
 
+    def vote(self, proposals: list[protocol.Message], it: int) -> tuple[np.ndarray, int]:
+        """The indices a two-phase round keeps, and how many distinct indices were proposed."""
+        wanted = {m["select"] for m in proposals}
+        if len(wanted) > 1:
+            raise RunAborted(f"workers disagree on how many indices to keep at iteration {it}: "
+                             f"{sorted(wanted)}")
+        union, mean_abs = sparse_mean(self.accumulator, [m.indices for m in proposals],
+                                      [np.abs(m.values) for m in proposals])
+        keep = wanted.pop()
+        if keep >= union.size:
+            return union, int(union.size)
+        return union[topk_exact(mean_abs, keep)], int(union.size)
+
     def aggregate(self, pushes: list[protocol.Message]) -> tuple[np.ndarray, np.ndarray]:
         union, mean = sparse_mean(self.accumulator, [m.indices for m in pushes],
                                   [m.values for m in pushes])
@@ -228,8 +248,7 @@ class Server:
         t = self._totals
         t["upload_bytes"] += record["upload_bytes"]
         t["broadcast_bytes"] += record["broadcast_bytes"]
-        t["union"].append(record["union"])
-        t["k"] = max(t["k"], max(record["k"]))
+        t["union"].append(record["union"] / max(1, record["budget"]))
         if record["loss"] is not None:
             t["loss"].append(record["loss"])
         if self._metrics_fh:
@@ -330,19 +349,18 @@ class Server:
         t = self._totals
         wall = time.perf_counter() - self._t0
         done = len(t["union"])
-        k = t["k"] or 1
         dense_round = 2 * self.world_size * self.numel * 4  # float32 up and down, every worker
         summary = {
             "status": status,
             "error": error,
             "world_size": self.world_size,
             "numel": self.numel,
-            "k": t["k"],
+            "k": self.k,
             "iterations": done,
             "wall_s": round(wall, 3),
             "iterations_per_s": round(done / wall, 3) if wall > 0 and done else None,
-            "union_over_k_mean": round(float(np.mean(t["union"])) / k, 4) if done else None,
-            "union_over_k_max": round(float(np.max(t["union"])) / k, 4) if done else None,
+            "union_over_k_mean": round(float(np.mean(t["union"])), 4) if done else None,
+            "union_over_k_max": round(float(np.max(t["union"])), 4) if done else None,
             "upload_mb": round(t["upload_bytes"] / 1e6, 4),
             "broadcast_mb": round(t["broadcast_bytes"] / 1e6, 4),
             "dense_mb": round(done * dense_round / 1e6, 4),

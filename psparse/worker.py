@@ -31,11 +31,12 @@ import torch.nn.functional as F
 from . import protocol
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
+from .locality import SelectionRecorder
 from .memory import Memory, density_schedule
 from .models import build_model
 from .policies import Layout, PolicyError, build_policy
 from .protocol import ProtocolError
-from .sparsify import density_to_k
+from .sparsify import density_to_k, topk_exact
 from .transport import Channel, TransportTimeout
 
 
@@ -52,7 +53,9 @@ class FlatModel:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.layer_names = [n for n, _ in named]
+        params = [p for _, p in named]
         self.layer_sizes = [p.numel() for p in params]
         self.numel = sum(self.layer_sizes)
         self.params = torch.empty(self.numel, dtype=torch.float32)
@@ -94,6 +97,8 @@ class Worker:
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
                                    seed=cfg.seed)
         self.index_dtype = np.dtype(protocol.index_dtype_for(self.net.numel))
+        self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
+            if cfg.record_selections else None
         self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
         self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
                                       max_message_bytes=int(cfg.max_message_mb * 1e6))
@@ -159,7 +164,7 @@ class Worker:
         self._send(protocol.encode(
             "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
             checksum=self.net.checksum(), iterations=self.iterations,
-            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase))
+            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase, k=self.k))
         self._expect("ready", "the ready signal (all workers registered)")
         self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}")
@@ -182,27 +187,31 @@ class Worker:
         k = self._k_at(it)
         if k != self.policy.k:
             self.policy.set_k(k)
-        acc = self.memory.add(self.net.grad.numpy())  # error feedback: carry what was not sent
+        grad = self.net.grad.numpy()
+        grad_topk = topk_exact(grad, k) if self.recorder else None  # before grad is reused
+        acc = self.memory.add(grad)  # error feedback: carry what was not sent
         group = None
         if self.policy.two_phase:
             proposal = self.policy.propose(acc, it)
             if proposal is None:
                 proposal = np.empty(0, dtype=self.index_dtype)
             self.stats["push_bytes"] += self._send(protocol.encode(
-                "propose", proposal.astype(self.index_dtype, copy=False), iter=it,
-                rank=self.rank))
+                "propose", proposal.astype(self.index_dtype, copy=False), acc[proposal],
+                iter=it, rank=self.rank, select=self.policy.group_k))
             msg = self._expect("indices", f"the group's indices of iteration {it}", it)
             self.stats["aggregate_bytes"] += msg.extra["nbytes"]
             group = msg.indices
         indices = self.policy.select(acc, it, group=group)
         values = self.memory.take(indices)
+        if self.recorder:
+            self.recorder.record(grad_topk, indices)
         t2 = time.perf_counter()
 
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
         extra = {"checksum": checksum} if checksum else {}
         self.stats["push_bytes"] += self._send(protocol.encode(
             "push", indices.astype(self.index_dtype, copy=False), values, iter=it,
-            rank=self.rank, loss=loss.item(), **extra))
+            rank=self.rank, loss=loss.item(), budget=self.policy.k, **extra))
         agg = self._expect("aggregate", f"the aggregate of iteration {it}", it)
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]
         t3 = time.perf_counter()
@@ -241,6 +250,8 @@ class Worker:
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / f"rank-{self.rank}.json").write_text(json.dumps(info, indent=2))
+        if self.recorder and self.out_dir:
+            self.recorder.save(self.out_dir / f"selections-rank-{self.rank}.npz")
         if self.save_weights:
             torch.save(self.net.model.state_dict(), self.save_weights)
         self.log(f"done in {wall:.1f} s (checksum {info['checksum']})")

@@ -107,7 +107,7 @@ def test_core_shares_a_core_and_keeps_an_own_slice():
     assert a.state_digest() == b.state_digest()
 
 
-@pytest.mark.parametrize("name", sorted(set(REGISTRY) - {"threshold", "cltk"}))
+@pytest.mark.parametrize("name", sorted(set(REGISTRY) - {"threshold", "cltk", "vote"}))
 def test_per_layer_granularity_splits_k_by_layer_size(name):
     sizes = [30, 100, 370]
     acc = np.random.default_rng(0).standard_normal(500).astype(np.float32)
@@ -121,11 +121,20 @@ def test_per_layer_granularity_splits_k_by_layer_size(name):
         p.observe(chosen, acc[chosen], it)
 
 
-def test_per_layer_cltk_proposal():
-    p = make("cltk", 10, [50, 50], "layer", rank=0)
+@pytest.mark.parametrize("name", ["cltk", "vote"])
+def test_per_layer_two_phase_proposals(name):
+    p = make(name, 10, [50, 50], "layer", rank=0)
     acc = np.random.default_rng(1).standard_normal(100).astype(np.float32)
     proposal = p.propose(acc, 0)
     assert np.count_nonzero(proposal < 50) == 5 and proposal.size == 10
+
+
+def test_vote_proposes_its_top_entries_and_asks_the_group_to_keep_keep_k():
+    acc = arr(0, 5, 0, -4, 0, 3, 0, 0, 0, 1)
+    p = make("vote", 2, offer=1.5, keep=0.5, rank=3)
+    assert p.two_phase and p.group_k == 1
+    assert p.propose(acc, 0).tolist() == [1, 3, 5]  # 1.5 k = 3, every worker proposes
+    assert p.select(acc, 0, group=np.array([3])).tolist() == [3]
 
 
 def test_unknown_policy_and_parameters_name_the_valid_ones():

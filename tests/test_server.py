@@ -24,7 +24,7 @@ class Client:
         self.rank = rank
         self.ch = Channel.client("127.0.0.1", port)
         self.reg = dict(rank=rank, world_size=world_size, numel=numel, checksum=checksum,
-                        iterations=iterations, config_digest=digest, two_phase=False)
+                        iterations=iterations, config_digest=digest, two_phase=False, k=10)
         self.received = {}  # wire bytes received, by message type
 
     def register(self):
@@ -270,3 +270,33 @@ def test_world_sizes(server_factory, world):
     for c in clients:
         c.finish(0)
     assert server.wait()[0] == 0
+
+
+def test_two_phase_round_keeps_the_proposals_of_largest_mean_magnitude(server_factory):
+    n = 3
+    server = server_factory(n)
+    clients = [Client(server.port, r, n, 1) for r in range(n)]
+    for c in clients:
+        c.reg["two_phase"] = True
+        c.register()
+    for c in clients:
+        assert c.recv().type == "ready"
+    proposals = {0: ([1, 5, 9], [3.0, -1.0, 0.5]), 1: ([5, 9], [-4.0, 0.25]), 2: ([], [])}
+    for c in clients:
+        idx, val = proposals[c.rank]
+        c.send(protocol.encode("propose", np.array(idx, np.int32), np.array(val, np.float32),
+                               iter=0, rank=c.rank, select=2))
+    # mean |value| over 3 workers: 1 -> 1.0, 5 -> 5/3, 9 -> 0.25: keep {1, 5}
+    for c in clients:
+        msg = c.recv()
+        assert msg.type == "indices" and msg.indices.tolist() == [1, 5]
+    for c in clients:
+        c.push(0, [1, 5], [1.0, float(c.rank)])
+    for c in clients:
+        agg = c.recv()
+        assert agg.indices.tolist() == [1, 5] and agg.values.tolist() == [1.0, 1.0]
+    for c in clients:
+        c.finish(0)
+    assert server.wait()[0] == 0
+    (m,) = server.metrics()
+    assert m["proposed"] == 3 and m["union"] == 2

@@ -17,10 +17,12 @@ from .penalty import Penalty
 from .randomk import RandomK
 from .threshold import Threshold
 from .topk import TopK
+from .vote import Vote
 
 REGISTRY: dict[str, type[SelectionPolicy]] = {
     cls.name: cls
-    for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty, CyclicLocalTopK, SharedCore)
+    for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty, CyclicLocalTopK, SharedCore,
+                Vote)
 }
 
 __all__ = ["REGISTRY", "Layout", "Param", "PolicyError", "SelectionPolicy", "build_policy",

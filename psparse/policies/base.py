@@ -15,10 +15,11 @@ each layer with ``--granularity layer``), the k entries of largest score; the de
 |accumulator| (plain top-k). Override ``select_slice`` to change how a slice is chosen, or
 ``select`` for everything.
 
-Two-phase policies (``two_phase = True``, e.g. ``cltk``) get a first step each round: every
-worker's ``propose(accumulator, iteration)`` returns indices (or None); the server sends the
-union of all proposals back, and ``select(accumulator, iteration, group=that_union)`` decides
-what to push.
+Two-phase policies (``two_phase = True``: ``cltk``, ``vote``) get a first step each round: every
+worker's ``propose(accumulator, iteration)`` returns indices (or None) and the worker sends its
+accumulator values there; the server keeps the ``group_k`` proposed indices of largest mean
+|value| (all of them if fewer were proposed) and sends them back, and ``select(accumulator,
+iteration, group=those indices)`` decides what to push.
 
 Parameters are declared in ``params`` (name -> Param) and arrive as attributes, converted and
 validated; ``--policy-arg name=value`` sets them. See docs/policies.md for a complete example.
@@ -103,6 +104,9 @@ class SelectionPolicy:
             raise PolicyError(f"policy {self.name!r} has no parameter {unknown[0]!r}; valid: "
                               f"{', '.join(sorted(self.params)) or '(none)'}")
         for name, spec in self.params.items():
+            if callable(getattr(type(self), name, None)):
+                raise PolicyError(f"policy {self.name!r}: parameter {name!r} would hide the "
+                                  "method of that name; rename the parameter")
             setattr(self, name, spec.convert(name, params.get(name, spec.default)))
         self._selectors = [Selector(size) for _, size in layout.slices]
         self.set_k(k)
@@ -115,10 +119,14 @@ class SelectionPolicy:
 
     def select(self, accumulator: np.ndarray, iteration: int,
                group: np.ndarray | None = None) -> np.ndarray:
+        return self.per_slice(accumulator, self.slice_k, self.select_slice)
+
+    def per_slice(self, accumulator: np.ndarray, slice_k: list[int], choose) -> np.ndarray:
+        """Apply ``choose(slice, k, offset)`` to every slice; sorted global indices."""
         parts = []
-        for (offset, size), k in zip(self.layout.slices, self.slice_k):
+        for (offset, size), k in zip(self.layout.slices, slice_k):
             if k > 0:
-                chosen = self.select_slice(accumulator[offset:offset + size], k, offset)
+                chosen = choose(accumulator[offset:offset + size], k, offset)
                 parts.append(chosen + offset if offset else chosen)
         if len(parts) == 1:
             return parts[0]
@@ -135,6 +143,11 @@ class SelectionPolicy:
     def propose(self, accumulator: np.ndarray, iteration: int) -> np.ndarray | None:
         """Two-phase policies: indices this worker proposes to the group (None: nothing)."""
         return None
+
+    @property
+    def group_k(self) -> int:
+        """Two-phase policies: how many proposed indices the group keeps."""
+        return self.k
 
     def observe(self, indices: np.ndarray, values: np.ndarray, iteration: int) -> None:
         """The round's aggregate (identical on every worker): update shared state here."""

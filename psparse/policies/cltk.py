@@ -18,7 +18,7 @@ class CyclicLocalTopK(SelectionPolicy):
     def propose(self, accumulator, iteration):
         if iteration % self.world_size != self.rank:
             return None
-        return super().select(accumulator, iteration)
+        return self.per_slice(accumulator, self.slice_k, self.topk)
 
     def select(self, accumulator, iteration, group=None):
         if group is None:

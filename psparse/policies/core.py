@@ -2,6 +2,7 @@
 
 Shared state (identical on every worker, built from the aggregates):
     priority <- beta * priority;  priority[i] += (1 - beta) * |aggregate_i|
+(with ``signed=true``: the EMA of the signed aggregate, ranked by its magnitude)
 
 Each round, per slice, with budget k:
     core = the (1 - own) * k indices of highest priority (only indices with priority > 0)
@@ -27,6 +28,8 @@ class SharedCore(SelectionPolicy):
                      lambda v: 0 <= v <= 1, "in [0, 1]"),
         "beta": Param(float, 0.9, "EMA decay of the shared priority", lambda v: 0 <= v < 1,
                       "in [0, 1)"),
+        "signed": Param(bool, False, "rank the core by |EMA of the signed aggregate| (noise "
+                        "that flips sign cancels) instead of the EMA of |aggregate|"),
     }
 
     def __init__(self, layout, k, **kw):
@@ -36,6 +39,8 @@ class SharedCore(SelectionPolicy):
 
     def select_slice(self, acc, k, offset):
         prio = self.priority[offset:offset + acc.size]
+        if self.signed:
+            prio = np.abs(prio)
         core_k = min(k - int(round(self.own * k)), int(np.count_nonzero(prio)))
         core = self.topk(prio, core_k, offset) if core_k > 0 else np.empty(0, np.int64)
         mag = np.abs(acc, out=self._mag[offset:offset + acc.size])
@@ -45,7 +50,7 @@ class SharedCore(SelectionPolicy):
 
     def observe(self, indices, values, iteration):
         self.priority *= self.beta
-        self.priority[indices] += (1.0 - self.beta) * np.abs(values)
+        self.priority[indices] += (1.0 - self.beta) * (values if self.signed else np.abs(values))
 
     def state_dict(self):
         return {"priority": self.priority}

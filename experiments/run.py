@@ -1,0 +1,134 @@
+"""Run a named experiment sweep with psparse-launch and write its results table.
+
+    python -m experiments.run policies            # every policy, LeNet/MNIST, 8 workers
+    python -m experiments.run policies --only core,topk --seeds 0,1,2
+
+Each run's directory lands in runs/<sweep>/<run>-s<seed>/; the table (markdown) and the raw
+figures (JSON) in experiments/results/<sweep>.{md,json}. Runs whose summary.json already says
+"ok" with the same configuration are reused, so an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+
+LENET = ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density", "0.01",
+         "--epochs", "2", "--eval-every", "0"]
+
+# name -> launcher arguments (added to the sweep's base arguments)
+SWEEPS: dict[str, dict] = {
+    "policies": {
+        "base": LENET,
+        "runs": {
+            "topk": ["--policy", "topk"],
+            "randomk": ["--policy", "randomk"],
+            "threshold": ["--policy", "threshold", "--policy-arg", "lam=0.02"],
+            "frequency": ["--policy", "frequency"],
+            "ema": ["--policy", "ema"],
+            "penalty-0.25": ["--policy", "penalty", "--policy-arg", "pi=0.25"],
+            "penalty-0.1": ["--policy", "penalty", "--policy-arg", "pi=0.1"],
+            "cltk": ["--policy", "cltk"],
+            "core": ["--policy", "core"],
+            "core-own0.0625": ["--policy", "core", "--policy-arg", "own=0.0625"],
+            "core-own0.25": ["--policy", "core", "--policy-arg", "own=0.25"],
+            "core-beta0.5": ["--policy", "core", "--policy-arg", "beta=0.5"],
+            "core-beta0.2": ["--policy", "core", "--policy-arg", "beta=0.2"],
+            "core-beta0": ["--policy", "core", "--policy-arg", "beta=0"],
+            "core-signed": ["--policy", "core", "--policy-arg", "beta=0.5",
+                            "--policy-arg", "signed=true"],
+            "core-signed-b0.8": ["--policy", "core", "--policy-arg", "beta=0.8",
+                                 "--policy-arg", "signed=true"],
+            "core-beta0.97": ["--policy", "core", "--policy-arg", "beta=0.97"],
+            "vote": ["--policy", "vote"],
+            "vote-keep2": ["--policy", "vote", "--policy-arg", "keep=2"],
+            "vote-keep1.5": ["--policy", "vote", "--policy-arg", "keep=1.5"],
+        },
+    },
+}
+
+
+def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None) -> dict:
+    out = ROOT / "runs" / sweep / f"{name}-s{seed}"
+    cmd = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet", *args,
+           "--seed", str(seed)]
+    if data_dir:
+        cmd += ["--data-dir", data_dir]
+    summary_path = out / "summary.json"
+    done = summary_path.is_file() and json.loads(summary_path.read_text())["status"] == "ok" \
+        and (out / "command.json").is_file() \
+        and json.loads((out / "command.json").read_text()) == cmd[3:]
+    if not done:
+        t = time.perf_counter()
+        print(f"[{sweep}] {name} seed {seed} ...", flush=True)
+        r = subprocess.run(cmd, cwd=ROOT)
+        if r.returncode != 0:
+            raise SystemExit(f"{name} seed {seed} failed (exit {r.returncode}); logs in {out}")
+        (out / "command.json").write_text(json.dumps(cmd[3:]))
+        print(f"[{sweep}] {name} seed {seed} done in {time.perf_counter() - t:.0f} s",
+              flush=True)
+    summary = json.loads(summary_path.read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ratio = np.array([m["union"] / m.get("budget", max(m["k"])) for m in metrics])
+    return {"run": name, "seed": seed, "test_acc": summary["test_acc"],
+            "union_k_mean": float(ratio.mean()), "union_k_p95": float(np.percentile(ratio, 95)),
+            "broadcast_mb": summary["broadcast_mb"], "upload_mb": summary["upload_mb"],
+            "k_mean": float(np.mean([np.mean(m["k"]) for m in metrics])),
+            "iterations_per_s": summary["iterations_per_s"], "dir": str(out.relative_to(ROOT))}
+
+
+def table(rows: list[dict]) -> str:
+    by_run: dict[str, list[dict]] = {}
+    for r in rows:
+        by_run.setdefault(r["run"], []).append(r)
+    lines = ["| run | seeds | test acc % | union/k mean | union/k p95 | broadcast MB | "
+             "upload MB | mean k | it/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, rs in by_run.items():
+        acc = np.array([r["test_acc"] for r in rs]) * 100
+        accs = f"{acc.mean():.2f}" + (f" ± {acc.std():.2f}" if len(rs) > 1 else "")
+        mean = lambda key: np.mean([r[key] for r in rs])  # noqa: E731
+        lines.append(f"| {name} | {len(rs)} | {accs} | {mean('union_k_mean'):.2f} | "
+                     f"{mean('union_k_p95'):.2f} | {mean('broadcast_mb'):.1f} | "
+                     f"{mean('upload_mb'):.1f} | {mean('k_mean'):.0f} | "
+                     f"{mean('iterations_per_s'):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", choices=sorted(SWEEPS))
+    p.add_argument("--only", default=None, help="comma-separated run names of the sweep")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    args = p.parse_args(argv)
+    sweep = SWEEPS[args.sweep]
+    names = args.only.split(",") if args.only else list(sweep["runs"])
+    unknown = [n for n in names if n not in sweep["runs"]]
+    if unknown:
+        p.error(f"unknown run(s) {unknown}; the sweep has {list(sweep['runs'])}")
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name in names:
+            rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
+                                args.data_dir))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    text = table(rows)
+    (RESULTS / f"{stem}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Locality of large gradient entries (the thesis's section 6.2 observation), measured on a run.
+
+Recording: with ``--record-selections``, every worker saves, per iteration, the top-k indices of
+its raw gradient |g| and the indices it actually sent, to RUN_DIR/selections-rank-R.npz.
+
+Analysis: ``psparse-locality RUN_DIR`` reads them and reports
+  * recurrence: of the top-k gradient indices at iteration t, the fraction that are in the top-k
+    again within the next h iterations (h = 1..horizon), per layer and overall, against the
+    k/n expected of random sets;
+  * agreement: the Jaccard overlap |A∩B|/|A∪B| of two workers' top-k sets at the same
+    iteration, averaged over worker pairs, per layer and over iterations; also for the sets sent;
+and writes locality.json and locality.png (both panels) into RUN_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+
+
+class SelectionRecorder:
+    """Collects per-iteration index sets in memory; ``save`` writes one npz."""
+
+    def __init__(self, layer_sizes: list[int], layer_names: list[str]):
+        self.layer_sizes, self.layer_names = layer_sizes, layer_names
+        self.grad_topk: list[np.ndarray] = []
+        self.sent: list[np.ndarray] = []
+
+    def record(self, grad_topk: np.ndarray, sent: np.ndarray) -> None:
+        self.grad_topk.append(np.asarray(grad_topk, dtype=np.int64).copy())
+        self.sent.append(np.asarray(sent, dtype=np.int64).copy())
+
+    def save(self, path: Path) -> None:
+        def packed(sets):
+            offsets = np.cumsum([0] + [len(s) for s in sets])
+            return np.concatenate(sets) if sets else np.empty(0, np.int64), offsets
+
+        g, g_off = packed(self.grad_topk)
+        s, s_off = packed(self.sent)
+        np.savez_compressed(path, grad_topk=g, grad_offsets=g_off, sent=s, sent_offsets=s_off,
+                            layer_sizes=np.array(self.layer_sizes),
+                            layer_names=np.array(self.layer_names))
+
+
+def load(path: Path) -> dict:
+    with np.load(path) as z:
+        def unpack(values, offsets):
+            return [values[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+        return {"grad_topk": unpack(z["grad_topk"], z["grad_offsets"]),
+                "sent": unpack(z["sent"], z["sent_offsets"]),
+                "layer_sizes": z["layer_sizes"].tolist(),
+                "layer_names": [str(n) for n in z["layer_names"]]}
+
+
+def recurrence(sets: list[np.ndarray], numel: int, horizon: int,
+               layer_of: np.ndarray, n_layers: int) -> np.ndarray:
+    """[layer+1, horizon]: fraction of an iteration's set seen again within h iterations.
+
+    Row 0 is over all indices, row 1+l over layer l. Iterations closer than h to the end are
+    left out of the h-th column so every column has a full window.
+    """
+    T = len(sets)
+    next_seen = np.full(numel, np.iinfo(np.int64).max // 2, dtype=np.int64)
+    hits = np.zeros((n_layers + 1, horizon))
+    totals = np.zeros((n_layers + 1, horizon))
+    for t in range(T - 1, -1, -1):  # backwards: next_seen[i] = next iteration holding i
+        idx = sets[t]
+        lag = next_seen[idx] - t
+        layers = layer_of[idx]
+        for h in range(1, horizon + 1):
+            if t + h >= T:
+                continue
+            ok = lag <= h
+            hits[0, h - 1] += ok.sum()
+            totals[0, h - 1] += idx.size
+            hits[1:, h - 1] += np.bincount(layers[ok], minlength=n_layers)
+            totals[1:, h - 1] += np.bincount(layers, minlength=n_layers)
+        next_seen[idx] = t
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return hits / totals
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    inter = np.intersect1d(a, b, assume_unique=True).size
+    union = a.size + b.size - inter
+    return inter / union if union else 1.0
+
+
+def analyse(run_dir: Path, horizon: int = 20) -> dict:
+    files = sorted(run_dir.glob("selections-rank-*.npz"),
+                   key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    if not files:
+        raise FileNotFoundError(f"no selections-rank-*.npz in {run_dir}: run psparse-launch "
+                                "with --record-selections")
+    ranks = [load(f) for f in files]
+    sizes, names = ranks[0]["layer_sizes"], ranks[0]["layer_names"]
+    numel = sum(sizes)
+    layer_of = np.repeat(np.arange(len(sizes)), sizes)
+    k = int(np.median([s.size for s in ranks[0]["grad_topk"]]))
+    rec = np.nanmean([recurrence(r["grad_topk"], numel, horizon, layer_of, len(sizes))
+                      for r in ranks], axis=0)
+    T = min(len(r["grad_topk"]) for r in ranks)
+    pairs = list(combinations(range(len(ranks)), 2))
+    agree_grad = [np.mean([jaccard(ranks[a]["grad_topk"][t], ranks[b]["grad_topk"][t])
+                           for a, b in pairs]) if pairs else 1.0 for t in range(T)]
+    agree_sent = [np.mean([jaccard(ranks[a]["sent"][t], ranks[b]["sent"][t])
+                           for a, b in pairs]) if pairs else 1.0 for t in range(T)]
+    share = np.bincount(np.concatenate([layer_of[s] for r in ranks for s in r["grad_topk"]]),
+                        minlength=len(sizes)) / max(1, sum(s.size for r in ranks
+                                                             for s in r["grad_topk"]))
+    per_layer_jaccard = []
+    for layer in range(len(sizes)):
+        vals = [jaccard(ranks[a]["grad_topk"][t][layer_of[ranks[a]["grad_topk"][t]] == layer],
+                        ranks[b]["grad_topk"][t][layer_of[ranks[b]["grad_topk"][t]] == layer])
+                for t in range(0, T, max(1, T // 50)) for a, b in pairs]
+        per_layer_jaccard.append(float(np.mean(vals)) if vals else None)
+    return {
+        "workers": len(ranks), "iterations": T, "numel": numel, "k": k, "horizon": horizon,
+        "random_recurrence_1": k / numel,
+        "recurrence": rec[0].tolist(),
+        "layers": [{"name": n, "size": s, "share_of_numel": s / numel,
+                    "share_of_topk": float(share[i]), "recurrence": rec[i + 1].tolist(),
+                    "jaccard_between_workers": per_layer_jaccard[i]}
+                   for i, (n, s) in enumerate(zip(names, sizes))],
+        "jaccard_topk_mean": float(np.mean(agree_grad)),
+        "jaccard_sent_mean": float(np.mean(agree_sent)),
+        "jaccard_topk": [float(v) for v in agree_grad],
+        "jaccard_sent": [float(v) for v in agree_sent],
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    h = np.arange(1, result["horizon"] + 1)
+    a.plot(h, result["recurrence"], "k-", lw=2, label="all layers")
+    for layer in result["layers"]:
+        a.plot(h, layer["recurrence"], lw=1, label=layer["name"])
+    a.axhline(result["random_recurrence_1"], color="grey", ls=":", label="random set, h=1")
+    a.set_xlabel("window h (iterations)")
+    a.set_ylabel("fraction of top-k seen again within h")
+    a.set_title("Recurrence of a worker's top-k gradient indices")
+    a.set_ylim(0, 1)
+    a.legend(fontsize=7)
+    t = np.arange(len(result["jaccard_topk"]))
+    b.plot(t, result["jaccard_topk"], lw=1, label="top-k of |gradient|")
+    b.plot(t, result["jaccard_sent"], lw=1, label="sets sent")
+    b.set_xlabel("iteration")
+    b.set_ylabel("mean Jaccard between workers")
+    b.set_title("Agreement between workers at the same iteration")
+    b.set_ylim(0, 1)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="psparse-locality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a run made with --record-selections")
+    p.add_argument("--horizon", type=int, default=20, help="largest window h (default 20)")
+    args = p.parse_args(argv)
+    try:
+        result = analyse(args.run_dir, args.horizon)
+    except FileNotFoundError as exc:
+        print(f"psparse-locality: error: {exc}", file=sys.stderr)
+        return 1
+    (args.run_dir / "locality.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.run_dir / "locality.png")
+    rec = result["recurrence"]
+    print(f"{result['workers']} workers, {result['iterations']} iterations, k = {result['k']} "
+          f"of {result['numel']} ({result['random_recurrence_1']:.2%} for a random set)")
+    print(f"top-k gradient indices seen again within 1 / 5 / {result['horizon']} iterations: "
+          f"{rec[0]:.1%} / {rec[min(4, len(rec) - 1)]:.1%} / {rec[-1]:.1%}")
+    print(f"mean Jaccard between workers: top-k {result['jaccard_topk_mean']:.3f}, "
+          f"sent {result['jaccard_sent_mean']:.3f}")
+    print(f"{'layer':<16}{'size':>8}{'share of n':>12}{'share of top-k':>16}{'again in 1':>12}"
+          f"{'Jaccard':>9}")
+    for layer in result["layers"]:
+        jac = layer["jaccard_between_workers"]
+        print(f"{layer['name']:<16}{layer['size']:>8}{layer['share_of_numel']:>12.1%}"
+              f"{layer['share_of_topk']:>16.1%}{layer['recurrence'][0]:>12.1%}"
+              f"{jac if jac is not None else float('nan'):>9.3f}")
+    print(f"wrote {args.run_dir / 'locality.json'} and {args.run_dir / 'locality.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
