@@ -54,6 +54,7 @@ class RunConfig:
     check_every: int = 10
     threads: int | None = None
     # Server and robustness.
+    server_limit: str | None = None
     timeout: float = 60.0
     max_message_mb: float = 1024.0
 
@@ -86,18 +87,42 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
         need(self.timeout > 0, "timeout must be > 0")
+        if self.server_limit is not None:
+            try:
+                parse_limit(self.server_limit)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         need(self.max_message_mb > 0, "max-message-mb must be > 0")
         return self
 
     def digest(self) -> str:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
-        for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections"):
+        for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
+                      "server_limit"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def parse_limit(text: str) -> tuple[float, str]:
+    """``"5000"`` -> (5000, "entries"); ``"2k"`` -> (2, "k"); ``"Nk"`` -> (0, "Nk")."""
+    t = str(text).strip()
+    try:
+        if t.lower() == "nk":
+            return 0.0, "Nk"
+        if t.lower().endswith("k"):
+            mult = float(t[:-1])
+            if mult > 0:
+                return mult, "k"
+        elif int(t) > 0:
+            return float(int(t)), "entries"
+    except ValueError:
+        pass
+    raise ValueError(f"server limit {text!r}: expected an entry count (5000), a multiple of k "
+                     "(2k, 1.5k) or Nk (world size times k)")
 
 
 HELP = {
@@ -130,6 +155,8 @@ HELP = {
     "check_every": "workers send a weight checksum every this many iterations; the server stops "
                    "the run if replicas differ",
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
+    "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
+                    "the rest is held in a server residual and sent later (default: no limit)",
     "timeout": "seconds any wait may last before the run ends with an error",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
 }

@@ -51,7 +51,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "error": {"message": (str,)},
 }
 OPTIONAL: dict[str, dict[str, tuple]] = {
-    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT},
+    # dense: the index frame is empty and the values are the whole vector (count = numel);
+    # sent when that is smaller than the sparse form (SparCML's switch).
+    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT, "dense": (bool,)},
+    "aggregate": {"dense": (bool,)},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
 }
@@ -89,6 +92,10 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
     header = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
+    if fields.get("dense"):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        header.update(count=int(values.size), index_dtype="int32", value_dtype="float32")
+        return [msgpack.packb(header), b"", values]
     if msg_type in SPARSE_TYPES:
         if indices is None or values is None:
             raise ValueError(f"{msg_type} needs indices and values")
@@ -142,7 +149,9 @@ def decode(frames, numel: int | None = None, max_count: int | None = None) -> Me
                             f"{expected_frames}")
     msg = Message(msg_type, header)
     limit = max_count if max_count is not None else numel
-    if msg_type in SPARSE_TYPES:
+    if header.get("dense"):
+        msg.values = _decode_dense(header, frames[1], frames[2], numel)
+    elif msg_type in SPARSE_TYPES:
         msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel, limit)
     elif msg_type in INDEX_TYPES:
         msg.indices, _ = _decode_sparse(header, frames[1], None, numel, limit)
@@ -218,6 +227,27 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
         if values is not None and not bool(np.isfinite(values).all()):
             raise ProtocolError("values contain NaN or Inf")
     return indices, values
+
+
+def dense_is_smaller(count: int, numel: int, index_dtype: str = "int32") -> bool:
+    """True when sending all numel values beats count (index, value) pairs."""
+    return count * (INDEX_DTYPES[index_dtype].itemsize + 4) > numel * 4
+
+
+def _decode_dense(header, idx_frame, val_frame, numel):
+    if len(_buffer(idx_frame)):
+        raise ProtocolError("dense message must have an empty index frame")
+    if header["value_dtype"] not in VALUE_DTYPES:
+        raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported")
+    if numel is not None and header["count"] != numel:
+        raise ProtocolError(f"dense message has {header['count']} values, the model {numel}")
+    buf = _buffer(val_frame)
+    if len(buf) != header["count"] * 4:
+        raise ProtocolError(f"value frame is {len(buf)} bytes, expected {header['count']} x 4")
+    values = np.frombuffer(buf, dtype=VALUE_DTYPES["float32"])
+    if not bool(np.isfinite(values).all()):
+        raise ProtocolError("values contain NaN or Inf")
+    return values
 
 
 def _buffer(frame) -> memoryview:

@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 
 from . import protocol
-from .config import ConfigError, add_config_arguments, resolve_config
+from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
 from .protocol import ProtocolError
 from .sparsify import topk_exact
 from .transport import Channel, TransportTimeout, is_loopback, warn
@@ -39,8 +39,10 @@ class RunAborted(RuntimeError):
 class Server:
     def __init__(self, world_size: int, *, bind: str = "127.0.0.1", port: int = 0,
                  out_dir: str | Path | None = None, timeout: float = 60.0,
-                 max_message_bytes: int = 1 << 30, log=None):
+                 max_message_bytes: int = 1 << 30, limit: str | None = None, log=None):
         self.world_size = world_size
+        self.limit_spec = parse_limit(limit) if limit else None
+        self.limit: ServerLimit | None = None
         self.timeout = timeout
         self.channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
                                       send_timeout_s=timeout)
@@ -131,7 +133,10 @@ class Server:
         # The only model-sized buffer: pushes are summed into it, then the touched entries are
         # read out and zeroed again, so no round allocates or clears numel floats.
         self.accumulator = np.zeros(self.numel, dtype=np.float32)
+        self._dense_out = np.empty(self.numel, dtype=np.float32)  # for dense broadcasts
+        self._all_indices = None
         self.index_dtype = protocol.index_dtype_for(self.numel)
+        self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
         ready = protocol.encode("ready", world_size=self.world_size, numel=self.numel,
                                 iterations=self.iterations)
         for rank in range(self.world_size):
@@ -165,21 +170,34 @@ class Server:
         upload += push_bytes
         self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
 
-        union, mean = self.aggregate([pushes[r] for r in range(self.world_size)])
-        frames = protocol.encode("aggregate", union, mean, iter=it, workers=self.world_size)
-        broadcast += sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
-
         ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
         # the round's k: what each worker was allowed to send (workers say; during a density
         # warm-up it changes), the unit of union/k
         budget = max(int(pushes[r].get("budget", ks[r])) for r in range(self.world_size))
+        union, mean = self.aggregate([pushes[r] for r in range(self.world_size)])
+        sent_idx, sent_val = union, mean
+        if self.limit is not None:
+            sent_idx, sent_val = self.limit.apply(union, mean,
+                                                  self.limit.entries(budget, self.world_size))
+        dense = protocol.dense_is_smaller(sent_idx.size, self.numel, self.index_dtype)
+        if dense:
+            self._dense_out[:] = 0.0
+            self._dense_out[sent_idx] = sent_val
+            frames = protocol.encode("aggregate", None, self._dense_out, iter=it,
+                                     workers=self.world_size, dense=True)
+        else:
+            frames = protocol.encode("aggregate", sent_idx.astype(self.index_dtype, copy=False),
+                                     sent_val, iter=it, workers=self.world_size)
+        broadcast += sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
         losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
         record = {
             "iter": it,
             "k": ks,
             "budget": budget,
             "union": int(union.size),
-            "broadcast_entries": int(union.size),
+            "broadcast_entries": int(sent_idx.size),
+            "residual_entries": self.limit.support.size if self.limit is not None else 0,
+            "dense": dense,
             "proposed": proposed,
             "upload_bytes": upload,
             "broadcast_bytes": broadcast,
@@ -234,9 +252,17 @@ class Server:
         return union[topk_exact(mean_abs, keep)], int(union.size)
 
     def aggregate(self, pushes: list[protocol.Message]) -> tuple[np.ndarray, np.ndarray]:
-        union, mean = sparse_mean(self.accumulator, [m.indices for m in pushes],
-                                  [m.values for m in pushes])
-        return union.astype(self.index_dtype, copy=False), mean
+        # a dense push covers every index
+        union, mean = sparse_mean(self.accumulator,
+                                  [self.all_indices if m.get("dense") else m.indices
+                                   for m in pushes], [m.values for m in pushes])
+        return union, mean
+
+    @property
+    def all_indices(self) -> np.ndarray:
+        if self._all_indices is None:
+            self._all_indices = np.arange(self.numel, dtype=np.int64)
+        return self._all_indices
 
     def _check_checksums(self, it: int, checksums: dict[int, str | None]) -> None:
         reported = {r: c for r, c in checksums.items() if c is not None}
@@ -305,6 +331,10 @@ class Server:
                                                 "iteration"))
         self._check_checksums(self.iterations,
                               {r: f["checksum"] for r, f in self._finals.items()})
+        if self.limit is not None and self.out_dir:
+            # what the limit still holds back: sent by no round yet, kept for inspection
+            np.savez(self.out_dir / "server_residual.npz", indices=self.limit.support,
+                     values=self.limit.residual[self.limit.support])
         self._write_summary("ok")
         self._broadcast_shutdown(True, "training complete")
         self.log(f"done: {self.iterations} iterations in "
@@ -368,8 +398,53 @@ class Server:
             "test_acc": self._last_eval.get("test_acc") if self._last_eval else None,
             "test_loss": self._last_eval.get("test_loss") if self._last_eval else None,
             "rejected_messages": self.rejected,
+            "server_limit": None if self.limit is None else
+            {"spec": "".join(str(x) for x in self.limit.spec), "held_back": int(
+                self.limit.support.size)},
         }
         _atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+
+
+class ServerLimit:
+    """A cap on the entries broadcast per round that loses nothing.
+
+    When the round's aggregate (plus what earlier rounds held back) has more than L entries, the
+    L of largest |value| are broadcast and the rest stays in a server-side residual that is
+    added to the next round's aggregate -- gTop-k returns its cut to residuals for the same
+    reason. Invariant: sum over rounds of the pushes' mean = sum of broadcasts + residual.
+    """
+
+    def __init__(self, numel: int, spec: tuple[float, str]):
+        self.spec = spec
+        self.residual = np.zeros(numel, dtype=np.float32)  # in aggregate (mean) units
+        self.support = np.empty(0, dtype=np.int64)  # sorted indices where residual != 0
+
+    def entries(self, k: int, world_size: int) -> int:
+        mult, unit = self.spec
+        if unit == "entries":
+            return int(mult)
+        if unit == "Nk":
+            return world_size * k
+        return max(1, int(round(mult * k)))
+
+    def apply(self, union: np.ndarray, mean: np.ndarray,
+              limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, values) to broadcast; the residual keeps the rest."""
+        if self.support.size == 0 and union.size <= limit:
+            return union, mean
+        candidates = sorted_union([union, self.support])
+        values = self.residual[candidates]  # fancy indexing: a copy
+        values[np.searchsorted(candidates, union)] += mean
+        self.residual[self.support] = 0.0
+        if candidates.size <= limit:
+            self.support = np.empty(0, dtype=np.int64)
+            return candidates, values
+        keep = topk_exact(values, limit)
+        held = np.ones(candidates.size, dtype=bool)
+        held[keep] = False
+        self.support = candidates[held]
+        self.residual[self.support] = values[held]
+        return candidates[keep], values[keep]
 
 
 def sparse_mean(accumulator: np.ndarray, indices: list[np.ndarray],
@@ -426,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="run directory for metrics files")
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
-    add_config_arguments(p, only=("workers", "timeout", "max_message_mb"))
+    add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit"))
     return p
 
 
@@ -442,8 +517,9 @@ def main(argv=None) -> int:
              "port (no authentication)")
     try:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
-                        timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6))
-    except OSError as exc:
+                        timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
+                        limit=cfg.server_limit)
+    except (OSError, ValueError) as exc:
         print(f"psparse-server: error: {exc}", file=sys.stderr)
         return 1
     return server.run()

@@ -209,21 +209,44 @@ class Worker:
 
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
         extra = {"checksum": checksum} if checksum else {}
-        self.stats["push_bytes"] += self._send(protocol.encode(
-            "push", indices.astype(self.index_dtype, copy=False), values, iter=it,
-            rank=self.rank, loss=loss.item(), budget=self.policy.k, **extra))
+        if protocol.dense_is_smaller(indices.size, self.net.numel, self.index_dtype.name):
+            dense = self._dense_buffer()  # SparCML's switch: all values beat (index, value) pairs
+            dense[:] = 0.0
+            dense[indices] = values
+            frames = protocol.encode("push", None, dense, iter=it, rank=self.rank, dense=True,
+                                     loss=loss.item(), budget=self.policy.k, **extra)
+        else:
+            frames = protocol.encode("push", indices.astype(self.index_dtype, copy=False), values,
+                                     iter=it, rank=self.rank, loss=loss.item(),
+                                     budget=self.policy.k, **extra)
+        self.stats["push_bytes"] += self._send(frames)
         agg = self._expect("aggregate", f"the aggregate of iteration {it}", it)
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]
         t3 = time.perf_counter()
 
-        self.policy.observe(agg.indices, agg.values, it)
         grad = self.net.grad.numpy()
-        grad[:] = 0.0
-        grad[agg.indices] = agg.values
+        if agg.get("dense"):
+            self.policy.observe(self._all_indices(), agg.values, it)
+            grad[:] = agg.values
+        else:
+            self.policy.observe(agg.indices, agg.values, it)
+            grad[:] = 0.0
+            grad[agg.indices] = agg.values
         self.optimizer.step()
         self.stats["compute_s"] += t1 - t + time.perf_counter() - t3
         self.stats["select_s"] += t2 - t1
         self.stats["wait_s"] += t3 - t2
+
+    def _dense_buffer(self) -> np.ndarray:
+        # Reused every round: the previous push has left once its aggregate came back.
+        if getattr(self, "_dense", None) is None:
+            self._dense = np.empty(self.net.numel, dtype=np.float32)
+        return self._dense
+
+    def _all_indices(self) -> np.ndarray:
+        if getattr(self, "_arange", None) is None:
+            self._arange = np.arange(self.net.numel, dtype=np.int64)
+        return self._arange
 
     @torch.no_grad()
     def evaluate(self, it: int) -> dict:
