@@ -16,6 +16,8 @@ from pathlib import Path
 
 import tomllib
 
+from .transport import parse_rate
+
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
 # data.DATASETS are checked against these in the tests.
 MODELS = ("lenet", "mlp", "resnet20")
@@ -55,6 +57,7 @@ class RunConfig:
     threads: int | None = None
     # Server and robustness.
     server_limit: str | None = None
+    bandwidth: str | None = None
     timeout: float = 60.0
     max_message_mb: float = 1024.0
 
@@ -87,6 +90,11 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
         need(self.timeout > 0, "timeout must be > 0")
+        if self.bandwidth is not None:
+            try:
+                parse_rate(self.bandwidth)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.server_limit is not None:
             try:
                 parse_limit(self.server_limit)
@@ -99,7 +107,7 @@ class RunConfig:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
         for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit"):
+                      "server_limit", "bandwidth"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -157,6 +165,8 @@ HELP = {
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
     "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
                     "the rest is held in a server residual and sent later (default: no limit)",
+    "bandwidth": "emulate links of this rate (100Mbit, 1Gbit) by pacing every socket: the "
+                 "server's link carries all pushes and broadcasts (default: no pacing)",
     "timeout": "seconds any wait may last before the run ends with an error",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
 }

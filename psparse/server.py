@@ -26,7 +26,7 @@ from . import protocol
 from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
 from .protocol import ProtocolError
 from .sparsify import topk_exact
-from .transport import Channel, TransportTimeout, is_loopback, warn
+from .transport import Channel, TransportTimeout, is_loopback, parse_rate, warn
 
 METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
 PORT_FILE = "server.port"
@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="run directory for metrics files")
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
-    add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit"))
+    add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
+                                  "bandwidth"))
     return p
 
 
@@ -519,6 +520,8 @@ def main(argv=None) -> int:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
                         limit=cfg.server_limit)
+        if cfg.bandwidth:
+            server.channel.set_bandwidth(parse_rate(cfg.bandwidth), ingress=True)
     except (OSError, ValueError) as exc:
         print(f"psparse-server: error: {exc}", file=sys.stderr)
         return 1

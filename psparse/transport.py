@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import socket as _socket
 import sys
+import time
 from collections.abc import Sequence
 
 import zmq
@@ -22,6 +23,39 @@ import zmq
 # A generous cap on any single incoming message; ZeroMQ drops the connection of a peer that sends
 # more (ZMQ_MAXMSGSIZE), so no peer can make us allocate unbounded memory.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+def parse_rate(text: str) -> float:
+    """Link rate in bits/s from ``"100Mbit"``, ``"1Gbit"``, ``"250M"``, ``"1e9"``."""
+    t = str(text).strip().lower().removesuffix("bit/s").removesuffix("bps").removesuffix("bit")
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"bandwidth {text!r}: expected a rate such as 100Mbit, 1Gbit, 5e8")
+    return value
+
+
+class Pacer:
+    """Emulates a link of a given rate: a message leaves no sooner than the link could send it.
+
+    A virtual clock per direction: each message occupies the link for bytes*8/rate seconds,
+    after whatever is still queued on it, and the caller sleeps until that time. Used in place
+    of a real shaped link (see launch/netns.sh for one) when the network is loopback.
+    """
+
+    def __init__(self, bits_per_s: float):
+        self.bytes_per_s = bits_per_s / 8.0
+        self.free_at = 0.0
+
+    def occupy(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self.free_at = max(self.free_at, now) + nbytes / self.bytes_per_s
+        delay = self.free_at - now
+        if delay > 0:
+            time.sleep(delay)
 
 
 class TransportTimeout(TimeoutError):
@@ -73,6 +107,13 @@ class Channel:
         self.routed = routed  # ROUTER: the first frame of every message is the peer's routing id
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.egress: Pacer | None = None  # link emulation (set_bandwidth)
+        self.ingress: Pacer | None = None
+
+    def set_bandwidth(self, bits_per_s: float, ingress: bool) -> None:
+        """Pace sends (and receives, for the side whose link carries everyone's traffic)."""
+        self.egress = Pacer(bits_per_s)
+        self.ingress = Pacer(bits_per_s) if ingress else None
 
     @classmethod
     def server(cls, bind: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -116,6 +157,8 @@ class Channel:
             raise TransportTimeout("send timed out: the peer is not reading") from exc
         n = wire_bytes(frames)
         self.sent_bytes += n
+        if self.egress:
+            self.egress.occupy(n)
         return n
 
     def recv(self, timeout_s: float):
@@ -132,6 +175,8 @@ class Channel:
             peer, parts = parts[0].bytes, parts[1:]
         n = wire_bytes(parts)
         self.received_bytes += n
+        if self.ingress:
+            self.ingress.occupy(n)
         return peer, parts, n
 
     def close(self, linger_s: float = 2.0) -> None:

@@ -1,0 +1,134 @@
+"""psparse-model: predicted time per iteration of centralized and decentralized exchanges.
+
+For N workers, a model of n float32 entries, k entries per push and a server broadcast of U
+entries (the union), on links of bandwidth B (bytes/s) and one-way latency L, with compute time
+C per iteration (forward, backward, selection; no overlap with communication, as in synchronous
+SGD), each (index, value) pair taking e = index size + 4 bytes plus a header h per message:
+
+  sparse PS           C + [N (k e + h) + N (U e + h)] / B + 2 L
+                      (the server's link carries every push in and every broadcast out)
+  sparse allgather    C + (N - 1)(k e + h) / B + (N - 1) L
+                      (ring allgather: each worker receives every other worker's k pairs)
+  dense PS            C + 2 N (4 n + h) / B + 2 L
+  dense ring allreduce C + 2 (N - 1)/N (4 n) / B + 2 (N - 1) L
+
+The thesis compares the first two (centralized vs decentralized models of equal cost when the
+union is k). Given a run directory, U, k, n, N and the measured bytes per iteration are read
+from it, and C is the run's measured time per iteration minus its own modelled communication
+(for a run under --bandwidth) -- so one run predicts any other bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .transport import parse_rate
+
+HEADER_BYTES = 110  # a push/aggregate header with its ZMTP framing, measured
+
+
+@dataclass
+class Setting:
+    numel: int
+    k: float
+    workers: int
+    union: float
+    compute_s: float
+    index_bytes: int = 4
+    up_bytes: float | None = None  # measured bytes per iteration, all workers' pushes
+    down_bytes: float | None = None  # measured bytes per iteration, all broadcasts
+
+
+def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0) -> dict[str, float]:
+    """Seconds per iteration for each scheme."""
+    B = bandwidth_bps / 8.0
+    e, h, N = s.index_bytes + 4, HEADER_BYTES, s.workers
+    up = s.up_bytes if s.up_bytes is not None else N * (s.k * e + h)
+    down = s.down_bytes if s.down_bytes is not None else N * (s.union * e + h)
+    return {
+        "sparse PS": s.compute_s + (up + down) / B + 2 * latency_s,
+        "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + (N - 1) * latency_s,
+        "dense PS": s.compute_s + 2 * N * (4 * s.numel + h) / B + 2 * latency_s,
+        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B
+        + 2 * (N - 1) * latency_s,
+    }
+
+
+def setting_from_run(run_dir: Path) -> tuple[Setting, dict]:
+    """Figures of a finished run; compute time net of its own (paced) communication."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if not metrics:
+        raise ValueError(f"{run_dir}: no iterations recorded")
+    iters = len(metrics)
+    # round_s runs from the first message of a round to the aggregate's send: the time between
+    # rounds is the workers' compute (and any evaluation, left out via the median)
+    times = np.diff([m["time_s"] for m in metrics])
+    measured = float(np.median(times)) if times.size else summary["wall_s"] / iters
+    s = Setting(numel=summary["numel"], k=float(np.mean([m["budget"] for m in metrics])),
+                workers=summary["world_size"],
+                union=float(np.mean([m["broadcast_entries"] for m in metrics])),
+                compute_s=0.0, index_bytes=4 if summary["numel"] < 2**31 else 8,
+                up_bytes=float(np.mean([m["upload_bytes"] for m in metrics])),
+                down_bytes=float(np.mean([m["broadcast_bytes"] for m in metrics])))
+    paced = config.get("bandwidth")
+    comm = predict(s, parse_rate(paced))["sparse PS"] if paced else 0.0
+    s.compute_s = max(0.0, measured - comm)
+    return s, {"measured_s": measured, "bandwidth": paced, "iterations": iters}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="psparse-model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", type=Path, default=None,
+                   help="take n, k, N, union, bytes and compute time from this run directory")
+    p.add_argument("--numel", type=int, help="model entries n")
+    p.add_argument("--k", type=float, help="entries per push")
+    p.add_argument("--workers", type=int, help="workers N")
+    p.add_argument("--union", type=float, help="entries per broadcast (default: k)")
+    p.add_argument("--compute", type=float, help="compute seconds per iteration")
+    p.add_argument("--bandwidth", action="append", default=None,
+                   help="link rate, e.g. 100Mbit, 1Gbit (repeatable; default 1Gbit, 10Gbit)")
+    p.add_argument("--latency", type=float, default=0.0, help="one-way latency in ms")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    try:
+        if args.run:
+            s, info = setting_from_run(args.run)
+        else:
+            missing = [f for f in ("numel", "k", "workers", "compute") if getattr(args, f) is None]
+            if missing:
+                p.error("without --run, give " + ", ".join(f"--{m}" for m in missing))
+            s = Setting(args.numel, args.k, args.workers, args.union or args.k, args.compute)
+            info = {}
+        rates = [parse_rate(b) for b in (args.bandwidth or ["1Gbit", "10Gbit"])]
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(str(exc))
+    rows = {f"{r / 1e6:g} Mbit/s": predict(s, r, args.latency / 1000) for r in rates}
+    if args.json:
+        print(json.dumps({"setting": s.__dict__, **info, "predicted_s": rows}, indent=1))
+        return 0
+    print(f"n = {s.numel:,}, k = {s.k:,.0f}, N = {s.workers}, union = {s.union:,.0f} "
+          f"({s.union / s.k:.2f} k), compute {s.compute_s * 1e3:.1f} ms/iteration"
+          + (f"; run measured {info['measured_s'] * 1e3:.1f} ms/iteration"
+             + (f" at {info['bandwidth']}" if info.get("bandwidth") else " (no pacing)")
+             if info else ""))
+    schemes = list(next(iter(rows.values())))
+    print(f"{'ms per iteration':<22}" + "".join(f"{name:>22}" for name in schemes))
+    for label, pred in rows.items():
+        ring = pred["dense ring allreduce"]
+        print(f"{label:<22}" + "".join(f"{pred[n] * 1e3:>13.2f} ({ring / pred[n]:.2f}x)"
+                                       for n in schemes))
+    print("(x: speed-up over dense ring allreduce)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

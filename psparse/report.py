@@ -1,0 +1,153 @@
+"""psparse-report: compare finished runs in a table and plots.
+
+    psparse-report runs/a runs/b ... [--out DIR]
+
+Prints one row per run (final and best test accuracy, union/k mean and p95, MB uploaded and
+broadcast, how much less than dense exchange, iterations/s) and writes PNG plots to DIR
+(default ./report): send cost per iteration, union/k per iteration, test accuracy against
+iterations and against wall time -- one line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def load_run(run_dir: Path) -> dict:
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished psparse run)")
+    summary = json.loads(summary_path.read_text())
+    config = json.loads((run_dir / "config.json").read_text()) \
+        if (run_dir / "config.json").is_file() else {}
+    read = lambda name: [json.loads(line) for line in  # noqa: E731
+                         (run_dir / name).read_text().splitlines() if line.strip()] \
+        if (run_dir / name).is_file() else []
+    metrics, evals = read("metrics.jsonl"), read("eval.jsonl")
+    budget = np.array([m.get("budget", max(m["k"]) or 1) for m in metrics], dtype=float)
+    union_k = np.array([m["union"] for m in metrics]) / np.maximum(budget, 1)
+    label = run_dir.name
+    if config.get("policy"):
+        label += f" ({config['policy']})"
+    return {"dir": run_dir, "label": label, "summary": summary, "config": config,
+            "metrics": metrics, "evals": evals, "union_k": union_k}
+
+
+def row(run: dict) -> dict:
+    s, evals = run["summary"], run["evals"]
+    sent = s["upload_mb"] + s["broadcast_mb"]
+    accs = [e["test_acc"] for e in evals]
+    return {
+        "run": run["label"],
+        "test_acc": s.get("test_acc"),
+        "best_acc": max(accs) if accs else s.get("test_acc"),
+        "union_k_mean": float(run["union_k"].mean()) if run["union_k"].size else None,
+        "union_k_p95": float(np.percentile(run["union_k"], 95)) if run["union_k"].size else None,
+        "upload_mb": s["upload_mb"],
+        "broadcast_mb": s["broadcast_mb"],
+        "vs_dense": s["dense_mb"] / sent if sent else None,
+        "iterations_per_s": s["iterations_per_s"],
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'run':<32}{'acc %':>8}{'best %':>8}{'union/k':>9}{'p95':>7}{'MB up':>9}"
+            f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['run'][:31]:<32}{f(r['test_acc'] and 100 * r['test_acc'], '.2f'):>8}"
+                     f"{f(r['best_acc'] and 100 * r['best_acc'], '.2f'):>8}"
+                     f"{f(r['union_k_mean'], '.2f'):>9}{f(r['union_k_p95'], '.2f'):>7}"
+                     f"{r['upload_mb']:>9.1f}{r['broadcast_mb']:>10.1f}"
+                     f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}")
+    return "\n".join(lines)
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    if y.size < window or window <= 1:
+        return y
+    return np.convolve(y, np.ones(window) / window, mode="valid")
+
+
+def plot(runs: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def figure(name, title, xlabel, ylabel, series, logy=False):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, x, y in series:
+            ax.plot(x, y, lw=1.2, label=label)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+
+    window = max(1, min(len(r["metrics"]) for r in runs) // 50)
+    cost, unions, acc_it, acc_t = [], [], [], []
+    for r in runs:
+        it = np.array([m["iter"] for m in r["metrics"]])
+        sent = np.array([m["broadcast_bytes"] + m["upload_bytes"] for m in r["metrics"]]) / 1e6
+        cost.append((r["label"], it[window - 1:] if window > 1 else it, smooth(sent, window)))
+        unions.append((r["label"], it[window - 1:] if window > 1 else it,
+                       smooth(r["union_k"], window)))
+        if r["evals"]:
+            acc_it.append((r["label"], [e["iter"] + 1 for e in r["evals"]],
+                           [100 * e["test_acc"] for e in r["evals"]]))
+            acc_t.append((r["label"], [e.get("time_s", np.nan) for e in r["evals"]],
+                          [100 * e["test_acc"] for e in r["evals"]]))
+    figure("send_cost.png", "Bytes on the wire per iteration (pushes + broadcasts)",
+           "iteration", "MB per iteration", cost, logy=True)
+    figure("union_k.png", "Server broadcast size: union / k", "iteration", "union / k", unions)
+    if acc_it:
+        figure("accuracy_iterations.png", "Test accuracy", "iteration", "test accuracy (%)",
+               acc_it)
+        figure("accuracy_time.png", "Test accuracy against wall time", "seconds",
+               "test accuracy (%)", acc_t)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="psparse-report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path, nargs="+", help="run directories")
+    p.add_argument("--out", type=Path, default=Path("report"), help="folder for the PNG plots")
+    p.add_argument("--no-plots", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
+    try:
+        runs = [load_run(d) for d in args.runs]
+    except (FileNotFoundError, json.JSONDecodeError) as exc:
+        print(f"psparse-report: error: {exc}", file=sys.stderr)
+        return 1
+    rows = [row(r) for r in runs]
+    print(format_table(rows))
+    (args.out).mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(rows, indent=1))
+    if not args.no_plots:
+        for path in plot(runs, args.out):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""psparse-report and psparse-model on real runs; link pacing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from conftest import python_module
+
+from psparse.costmodel import Setting, predict, setting_from_run
+from psparse.transport import Channel, parse_rate
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    dirs = []
+    for policy in ("topk", "core"):
+        out = root / policy
+        r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
+                                         "--workers", "3", "--model", "mlp", "--dataset",
+                                         "digits", "--iterations", "40", "--eval-every", "10",
+                                         "--policy", policy),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        dirs.append(out)
+    return dirs
+
+
+def test_report_table_and_plots(two_runs, tmp_path):
+    out = tmp_path / "report"
+    r = subprocess.run(python_module("psparse.report", *map(str, two_runs), "--out", str(out)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "topk (topk)" in r.stdout and "core (core)" in r.stdout and "union/k" in r.stdout
+    rows = json.loads((out / "report.json").read_text())
+    assert [round(x["union_k_mean"], 6) for x in rows] == [
+        round(np.mean([m["union"] / m["budget"] for m in map(
+            json.loads, (d / "metrics.jsonl").read_text().splitlines())]), 6)
+        for d in two_runs]
+    for name in ("send_cost.png", "union_k.png", "accuracy_iterations.png",
+                 "accuracy_time.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 15_000, name
+
+
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
+    r = subprocess.run(python_module("psparse.report", str(tmp_path)), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and "no summary.json" in r.stderr
+
+
+def test_model_formulas():
+    s = Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5)
+    p = predict(s, 8e6)  # 1 MB/s
+    e, h = 8, 110
+    assert p["sparse PS"] == pytest.approx(0.5 + (4 * (10 * e + h) + 4 * (20 * e + h)) / 1e6)
+    assert p["sparse allgather"] == pytest.approx(0.5 + 3 * (10 * e + h) / 1e6)
+    assert p["dense PS"] == pytest.approx(0.5 + 2 * 4 * (4000 + h) / 1e6)
+    assert p["dense ring allreduce"] == pytest.approx(0.5 + 2 * 3 / 4 * 4000 / 1e6)
+    slow = predict(s, 8e6, latency_s=0.01)
+    assert slow["dense ring allreduce"] - p["dense ring allreduce"] == pytest.approx(0.06)
+
+
+def test_model_reads_a_run(two_runs):
+    s, info = setting_from_run(two_runs[0])
+    assert s.workers == 3 and s.numel == 2410 and s.k == 24
+    assert 24 <= s.union <= 72 and s.compute_s == pytest.approx(info["measured_s"])
+    r = subprocess.run(python_module("psparse.costmodel", "--run", str(two_runs[0]),
+                                     "--bandwidth", "100Mbit"), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "sparse allgather" in r.stdout and "100 Mbit/s" in r.stdout
+
+
+def test_parse_rate():
+    assert parse_rate("100Mbit") == 1e8 and parse_rate("1Gbit") == 1e9
+    assert parse_rate("2.5e6") == 2.5e6
+    with pytest.raises(ValueError, match="bandwidth 'fast'"):
+        parse_rate("fast")
+
+
+def test_paced_link_takes_at_least_bytes_over_rate():
+    server = Channel.server("127.0.0.1", 0)
+    client = Channel.client("127.0.0.1", server.port)
+    client.set_bandwidth(8e6, ingress=False)  # 1 MB/s
+    payload = np.zeros(100_000, np.float32)  # 400 kB
+    t = time.perf_counter()
+    for _ in range(3):
+        client.send([payload])
+    elapsed = time.perf_counter() - t
+    got = [server.recv(5) for _ in range(3)]
+    assert all(g is not None for g in got)
+    assert elapsed >= 0.95 * 3 * 400_009 / 1e6  # the emulated link, not loopback speed
+    client.close()
+    server.close()
