@@ -27,6 +27,16 @@ LENET = ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density"
 
 # name -> launcher arguments (added to the sweep's base arguments)
 SWEEPS: dict[str, dict] = {
+    # time per iteration at emulated link rates, to check psparse-model (experiments/model_check)
+    "cost-model": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density", "0.01",
+                 "--iterations", "300", "--eval-every", "0"],
+        "runs": {
+            f"{policy}{'-' + rate if rate else ''}": ["--policy", policy] + (
+                ["--bandwidth", rate] if rate else [])
+            for policy in ("topk", "core") for rate in ("", "100Mbit", "1Gbit", "30Mbit")
+        },
+    },
     "policies": {
         "base": LENET,
         "runs": {

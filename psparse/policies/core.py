@@ -26,7 +26,7 @@ class SharedCore(SelectionPolicy):
     params = {
         "own": Param(float, 0.125, "fraction of k each worker picks from its own top entries",
                      lambda v: 0 <= v <= 1, "in [0, 1]"),
-        "beta": Param(float, 0.9, "EMA decay of the shared priority", lambda v: 0 <= v < 1,
+        "beta": Param(float, 0.5, "EMA decay of the shared priority", lambda v: 0 <= v < 1,
                       "in [0, 1)"),
         "signed": Param(bool, False, "rank the core by |EMA of the signed aggregate| (noise "
                         "that flips sign cancels) instead of the EMA of |aggregate|"),
