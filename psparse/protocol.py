@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from . import codec
+from .codec import CodecError, KeyCache
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -53,8 +56,11 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
 OPTIONAL: dict[str, dict[str, tuple]] = {
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
-    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT, "dense": (bool,)},
-    "aggregate": {"dense": (bool,)},
+    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT, "dense": (bool,),
+             "index_format": (str,)},
+    "aggregate": {"dense": (bool,), "index_format": (str,)},
+    "propose": {"index_format": (str,)},
+    "indices": {"index_format": (str,)},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
 }
@@ -87,8 +93,12 @@ def index_dtype_for(numel: int) -> str:
 
 
 def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray | None = None,
-           **fields) -> list:
-    """Build the frames of one message. Sparse types take ``indices`` and ``values``."""
+           *, model_size: int | None = None, cache: KeyCache | None = None, **fields) -> list:
+    """Build the frames of one message. Sparse types take ``indices`` and ``values``.
+
+    With ``model_size`` the index frame takes the smallest of the raw, delta and bitmap encodings
+    (``codec``); with a ``cache`` too, a set the receiver already holds goes as an 8-byte key.
+    """
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
     header = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
@@ -105,7 +115,8 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),
                       value_dtype="float32")
-        return [msgpack.packb(header), indices, values]
+        frame = _index_frame(header, indices, model_size, cache)  # may set index_format
+        return [msgpack.packb(header), frame, values]
     if msg_type in INDEX_TYPES:
         if indices is None:
             raise ValueError(f"{msg_type} needs indices")
@@ -113,15 +124,36 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         if indices.dtype not in (np.int32, np.int64):
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype))
-        return [msgpack.packb(header), indices]
+        frame = _index_frame(header, indices, model_size, cache)
+        return [msgpack.packb(header), frame]
     return [msgpack.packb(header)]
 
 
-def decode(frames, numel: int | None = None, max_count: int | None = None) -> Message:
+def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: KeyCache | None):
+    """The index frame in its smallest form; records the chosen form in the header."""
+    key = codec.set_key(indices) if cache is not None else None
+    if cache is not None and key in cache.sets:
+        fmt, frame = "cached", key
+    elif numel is None:
+        fmt, frame = "raw", indices
+    else:
+        fmt, _ = codec.choose(indices, numel, indices.dtype.itemsize)
+        frame = (indices if fmt == "raw" else codec.encode_delta(indices) if fmt == "delta"
+                 else codec.encode_bitmap(indices, numel))
+    if cache is not None:
+        cache.remember(indices, sent=True, key=key)
+    if fmt != "raw":
+        header["index_format"] = fmt
+    return frame
+
+
+def decode(frames, numel: int | None = None, max_count: int | None = None,
+           cache: KeyCache | None = None) -> Message:
     """Parse and validate one received message.
 
     ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
-    count (defaults to ``numel``). Raises ProtocolError on anything malformed.
+    count (defaults to ``numel``); ``cache`` resolves and records key-cached index sets. Raises
+    ProtocolError on anything malformed.
     """
     if not frames:
         raise ProtocolError("empty message")
@@ -152,9 +184,12 @@ def decode(frames, numel: int | None = None, max_count: int | None = None) -> Me
     if header.get("dense"):
         msg.values = _decode_dense(header, frames[1], frames[2], numel)
     elif msg_type in SPARSE_TYPES:
-        msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel, limit)
+        msg.indices, msg.values = _decode_sparse(header, frames[1], frames[2], numel, limit,
+                                                 cache)
     elif msg_type in INDEX_TYPES:
-        msg.indices, _ = _decode_sparse(header, frames[1], None, numel, limit)
+        msg.indices, _ = _decode_sparse(header, frames[1], None, numel, limit, cache)
+    if cache is not None and msg.indices is not None:
+        cache.remember(msg.indices, sent=False)
     return msg
 
 
@@ -191,7 +226,7 @@ def _check_type(msg_type: str, name: str, value, types: tuple) -> None:
         raise ProtocolError(f"{msg_type} field {name!r} is not finite")
 
 
-def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
+def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
     count = header["count"]
     idx_dtype = INDEX_DTYPES.get(header["index_dtype"])
     if idx_dtype is None:
@@ -200,10 +235,14 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
     if max_count is not None and count > max_count:
         raise ProtocolError(f"count {count} exceeds the limit {max_count}")
     idx_buf = _buffer(idx_frame)
-    if len(idx_buf) != count * idx_dtype.itemsize:
-        raise ProtocolError(f"index frame is {len(idx_buf)} bytes, expected {count} x "
-                            f"{idx_dtype.itemsize}")
-    indices = np.frombuffer(idx_buf, dtype=idx_dtype)
+    fmt = header.get("index_format", "raw")
+    if fmt == "raw":
+        if len(idx_buf) != count * idx_dtype.itemsize:
+            raise ProtocolError(f"index frame is {len(idx_buf)} bytes, expected {count} x "
+                                f"{idx_dtype.itemsize}")
+        indices = np.frombuffer(idx_buf, dtype=idx_dtype)
+    else:
+        indices = _decode_index_format(fmt, idx_buf, count, numel, cache)
     values = None
     if val_frame is not None:
         val_dtype = VALUE_DTYPES.get(header["value_dtype"])
@@ -227,6 +266,28 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count):
         if values is not None and not bool(np.isfinite(values).all()):
             raise ProtocolError("values contain NaN or Inf")
     return indices, values
+
+
+def _decode_index_format(fmt, buf, count, numel, cache) -> np.ndarray:
+    data = np.frombuffer(buf, dtype=np.uint8)
+    try:
+        if fmt == "delta":
+            return codec.decode_delta(data, count)
+        if fmt == "bitmap":
+            if numel is None:
+                raise ProtocolError("bitmap index frame needs the model size")
+            return codec.decode_bitmap(data, count, numel)
+        if fmt == "cached":
+            if cache is None:
+                raise ProtocolError("cached index set on a connection without a key cache")
+            indices = cache.lookup(bytes(buf))
+            if indices.size != count:
+                raise ProtocolError(f"cached index set has {indices.size} indices, count is "
+                                    f"{count}")
+            return indices
+    except CodecError as exc:
+        raise ProtocolError(str(exc)) from None
+    raise ProtocolError(f"index_format {fmt!r} unknown (use one of {list(codec.FORMATS)})")
 
 
 def dense_is_smaller(count: int, numel: int, index_dtype: str = "int32") -> bool:

@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from . import protocol
+from .codec import KeyCache
 from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
 from .protocol import ProtocolError
 from .sparsify import topk_exact
@@ -137,6 +138,8 @@ class Server:
         self._all_indices = None
         self.index_dtype = protocol.index_dtype_for(self.numel)
         self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
+        # per worker: the index sets both ends of that connection hold (protocol key caching)
+        self.caches = {r: KeyCache() for r in range(self.world_size)}
         ready = protocol.encode("ready", world_size=self.world_size, numel=self.numel,
                                 iterations=self.iterations)
         for rank in range(self.world_size):
@@ -162,10 +165,8 @@ class Server:
             # `select` indices of largest mean |value| and every worker pushes there.
             proposals, upload = self._collect(it, "propose")
             chosen, proposed = self.vote([proposals[r] for r in range(self.world_size)], it)
-            frames = protocol.encode("indices", chosen.astype(self.index_dtype, copy=False),
-                                     iter=it)
-            broadcast += sum(self._send(self.rank_peer[r], frames)
-                             for r in range(self.world_size))
+            broadcast += self._broadcast("indices", chosen.astype(self.index_dtype, copy=False),
+                                         None, iter=it)
         pushes, push_bytes = self._collect(it, "push")
         upload += push_bytes
         self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
@@ -183,12 +184,12 @@ class Server:
         if dense:
             self._dense_out[:] = 0.0
             self._dense_out[sent_idx] = sent_val
-            frames = protocol.encode("aggregate", None, self._dense_out, iter=it,
-                                     workers=self.world_size, dense=True)
+            broadcast += self._broadcast("aggregate", None, self._dense_out, iter=it,
+                                         workers=self.world_size, dense=True)
         else:
-            frames = protocol.encode("aggregate", sent_idx.astype(self.index_dtype, copy=False),
-                                     sent_val, iter=it, workers=self.world_size)
-        broadcast += sum(self._send(self.rank_peer[r], frames) for r in range(self.world_size))
+            broadcast += self._broadcast("aggregate",
+                                         sent_idx.astype(self.index_dtype, copy=False),
+                                         sent_val, iter=it, workers=self.world_size)
         losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
         record = {
             "iter": it,
@@ -206,6 +207,15 @@ class Server:
             "time_s": round(time.perf_counter() - self._t0, 6),
         }
         self._account(record)
+
+    def _broadcast(self, msg_type: str, indices, values, **fields) -> int:
+        """Send one message to every worker; its wire bytes summed over workers.
+
+        Encoded per worker: each connection's key cache knows different sets.
+        """
+        return sum(self._send(self.rank_peer[r], protocol.encode(
+            msg_type, indices, values, model_size=self.numel, cache=self.caches[r], **fields))
+            for r in range(self.world_size))
 
     def _collect(self, it: int, msg_type: str) -> tuple[dict[int, protocol.Message], int]:
         """One ``msg_type`` message of iteration ``it`` from every rank, and their wire bytes.
@@ -288,7 +298,7 @@ class Server:
         try:
             if rank is None:
                 raise ProtocolError("peer is not a registered worker of this run")
-            msg = protocol.decode(frames, numel=self.numel)
+            msg = protocol.decode(frames, numel=self.numel, cache=self.caches[rank])
             if msg.type == "register":
                 raise ProtocolError("training has started; register is no longer accepted")
             if "rank" in msg.header and msg["rank"] != rank:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import protocol
+from .codec import KeyCache
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
 from .locality import SelectionRecorder
@@ -97,6 +98,7 @@ class Worker:
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
                                    seed=cfg.seed)
         self.index_dtype = np.dtype(protocol.index_dtype_for(self.net.numel))
+        self.cache = KeyCache()  # index sets this worker and the server both hold
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
             if cfg.record_selections else None
         self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
@@ -129,7 +131,7 @@ class Worker:
                                   "(server gone or stalled)")
             _, frames, nbytes = got
             try:
-                msg = protocol.decode(frames, numel=self.net.numel)
+                msg = protocol.decode(frames, numel=self.net.numel, cache=self.cache)
             except ProtocolError as exc:
                 raise WorkerError(f"malformed message from the server: {exc}") from None
             if msg.type == "error":
@@ -199,7 +201,8 @@ class Worker:
                 proposal = np.empty(0, dtype=self.index_dtype)
             self.stats["push_bytes"] += self._send(protocol.encode(
                 "propose", proposal.astype(self.index_dtype, copy=False), acc[proposal],
-                iter=it, rank=self.rank, select=self.policy.group_k))
+                model_size=self.net.numel, cache=self.cache, iter=it, rank=self.rank,
+                select=self.policy.group_k))
             msg = self._expect("indices", f"the group's indices of iteration {it}", it)
             self.stats["aggregate_bytes"] += msg.extra["nbytes"]
             group = msg.indices
@@ -219,8 +222,9 @@ class Worker:
                                      loss=loss.item(), budget=self.policy.k, **extra)
         else:
             frames = protocol.encode("push", indices.astype(self.index_dtype, copy=False), values,
-                                     iter=it, rank=self.rank, loss=loss.item(),
-                                     budget=self.policy.k, **extra)
+                                     model_size=self.net.numel, cache=self.cache, iter=it,
+                                     rank=self.rank, loss=loss.item(), budget=self.policy.k,
+                                     **extra)
         self.stats["push_bytes"] += self._send(frames)
         agg = self._expect("aggregate", f"the aggregate of iteration {it}", it)
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]

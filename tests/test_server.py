@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from psparse import protocol
+from psparse.codec import KeyCache
 from psparse.transport import Channel
 
 NUMEL = 1000
@@ -26,6 +27,7 @@ class Client:
         self.reg = dict(rank=rank, world_size=world_size, numel=numel, checksum=checksum,
                         iterations=iterations, config_digest=digest, two_phase=False, k=10)
         self.received = {}  # wire bytes received, by message type
+        self.cache = KeyCache()  # like a worker: index sets both ends hold
 
     def register(self):
         self.ch.send(protocol.encode("register", **self.reg))
@@ -35,14 +37,14 @@ class Client:
 
     def push(self, it, idx, val, **kw):
         return self.send(protocol.encode("push", np.asarray(idx, np.int32),
-                                         np.asarray(val, np.float32), iter=it, rank=self.rank,
-                                         **kw))
+                                         np.asarray(val, np.float32), cache=self.cache, iter=it,
+                                         rank=self.rank, **kw))
 
     def recv(self, timeout=10.0) -> protocol.Message:
         got = self.ch.recv(timeout)
         assert got is not None, f"rank {self.rank}: nothing from the server in {timeout} s"
         _, frames, nbytes = got
-        msg = protocol.decode(frames, numel=NUMEL)
+        msg = protocol.decode(frames, numel=NUMEL, cache=self.cache)
         # independent of the server's accounting: raw frame sizes + ZMTP frame overhead
         self.received[msg.type] = self.received.get(msg.type, 0) + sum(
             len(f.buffer) + (2 if len(f.buffer) < 256 else 9) for f in frames)

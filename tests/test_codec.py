@@ -1,0 +1,107 @@
+"""Index encodings round-trip exactly; malformed frames are refused; key caching on the wire."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psparse import codec, protocol
+from psparse.codec import KeyCache
+from psparse.protocol import ProtocolError
+
+NUMEL = 100_000
+
+
+def sets():
+    rng = np.random.default_rng(0)
+    yield "empty", np.empty(0, np.int64)
+    yield "zero", np.array([0])
+    yield "last", np.array([NUMEL - 1])
+    yield "ends", np.array([0, NUMEL - 1])
+    yield "run", np.arange(5000, 9000)
+    yield "all", np.arange(NUMEL)
+    yield "random-small", np.sort(rng.choice(NUMEL, 50, replace=False))
+    yield "random-big", np.sort(rng.choice(NUMEL, 30_000, replace=False))
+    yield "clustered", np.unique(np.concatenate([np.arange(s, s + 40) for s in
+                                                 rng.choice(NUMEL - 40, 100)]))
+    yield "gaps-at-varint-edges", np.cumsum([0, 127, 128, 16383, 16384, 1, 2**14 - 1])
+
+
+@pytest.mark.parametrize("name, idx", list(sets()), ids=[n for n, _ in sets()])
+def test_every_encoding_round_trips(name, idx):
+    delta = codec.encode_delta(idx)
+    np.testing.assert_array_equal(codec.decode_delta(delta, idx.size), idx)
+    bitmap = codec.encode_bitmap(idx, NUMEL)
+    assert bitmap.size == (NUMEL + 7) // 8
+    np.testing.assert_array_equal(codec.decode_bitmap(bitmap, idx.size, NUMEL), idx)
+    fmt, size = codec.choose(idx, NUMEL)
+    sizes = {"raw": idx.size * 4, "bitmap": bitmap.size, "delta": delta.size}
+    assert size == min(sizes.values()) and sizes[fmt] == size
+    # and through the protocol, with values
+    vals = np.arange(idx.size, dtype=np.float32)
+    frames = protocol.encode("push", idx.astype(np.int32), vals, model_size=NUMEL, iter=0,
+                             rank=0)
+    frames = [f if isinstance(f, bytes) else memoryview(f).cast("B").tobytes() for f in frames]
+    msg = protocol.decode(frames, numel=NUMEL)
+    np.testing.assert_array_equal(msg.indices, idx)
+    np.testing.assert_array_equal(msg.values, vals)
+
+
+def test_large_int64_gaps_round_trip():
+    idx = np.array([3, 2**40, 2**62 + 5], dtype=np.int64)
+    np.testing.assert_array_equal(codec.decode_delta(codec.encode_delta(idx), 3), idx)
+
+
+def test_chooser_prefers_the_compact_forms_where_they_win():
+    assert codec.choose(np.arange(1000, 3000), NUMEL)[0] == "delta"  # gaps of 1: 1 byte each
+    assert codec.choose(np.arange(0, NUMEL, 2), NUMEL)[0] == "bitmap"
+    spread = np.arange(0, 2**31 - 1, 3 * 10**8)  # gaps >= 2^28: 5-byte varints
+    assert codec.choose(spread, 2**31 - 1)[0] == "raw"
+
+
+def _push(header_changes, frame, count):
+    h = {"v": 1, "type": "push", "iter": 0, "rank": 0, "count": count,
+         "index_dtype": "int32", "value_dtype": "float32", **header_changes}
+    import msgpack
+
+    return [msgpack.packb(h), frame, np.zeros(count, np.float32).tobytes()]
+
+
+@pytest.mark.parametrize("changes, frame, count, reason", [
+    ({"index_format": "delta"}, bytes([5, 0x81]), 2, "ends inside a varint"),
+    ({"index_format": "delta"}, bytes([5, 1, 1]), 2, "holds 3 varints, count is 2"),
+    ({"index_format": "delta"}, bytes([0x80] * 10 + [1]), 1, "longer than 10 bytes"),
+    ({"index_format": "delta"}, bytes([5, 0]), 2, "gaps must be positive"),
+    ({"index_format": "delta"}, bytes([0xFF, 0xFF, 0x7F]), 1, "out of range"),
+    ({"index_format": "bitmap"}, bytes(10), 0, "bitmap frame is 10 bytes"),
+    ({"index_format": "bitmap"}, bytes([1]) + bytes(12499), 2, "holds 1 indices, count is 2"),
+    ({"index_format": "cached"}, bytes(8), 3, "without a key cache"),
+    ({"index_format": "zip"}, b"", 0, "index_format 'zip' unknown"),
+])
+def test_malformed_encoded_frames_are_refused(changes, frame, count, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode(_push(changes, frame, count), numel=NUMEL)
+
+
+def test_bitmap_bits_beyond_the_model_are_refused():
+    frame = np.zeros(2, np.uint8)
+    frame[1] = 0x80  # bit 15 of a 10-entry model
+    with pytest.raises(ProtocolError, match="beyond the model size"):
+        protocol.decode(_push({"index_format": "bitmap"}, frame.tobytes(), 1), numel=10)
+
+
+def test_key_cache_sends_a_reference_for_a_set_the_receiver_holds():
+    sender, receiver = KeyCache(), KeyCache()
+    idx = np.array([1, 5, 9, 200], np.int32)
+    first = protocol.encode("indices", idx, model_size=NUMEL, cache=sender, iter=0)
+    protocol.decode([bytes(memoryview(f).cast("B")) for f in first], numel=NUMEL,
+                    cache=receiver)
+    again = protocol.encode("push", idx, np.ones(4, np.float32), model_size=NUMEL,
+                            cache=receiver, iter=0, rank=0)  # the receiver answers with them
+    assert len(again[1]) == 8  # a key, not the indices
+    msg = protocol.decode([bytes(memoryview(f).cast("B")) for f in again], numel=NUMEL,
+                          cache=sender)
+    np.testing.assert_array_equal(msg.indices, idx)
+    with pytest.raises(ProtocolError, match="unknown to the receiver"):
+        protocol.decode([bytes(memoryview(f).cast("B")) for f in again], numel=NUMEL,
+                        cache=KeyCache())
