@@ -165,8 +165,8 @@ HELP = {
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
     "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
                     "the rest is held in a server residual and sent later (default: no limit)",
-    "bandwidth": "emulate links of this rate (100Mbit, 1Gbit) by pacing every socket: the "
-                 "server's link carries all pushes and broadcasts (default: no pacing)",
+    "bandwidth": "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
+                 "of a round take bytes*8/rate (default: no pacing)",
     "timeout": "seconds any wait may last before the run ends with an error",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
 }

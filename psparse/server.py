@@ -27,7 +27,7 @@ from .codec import KeyCache
 from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
 from .protocol import ProtocolError
 from .sparsify import topk_exact
-from .transport import Channel, TransportTimeout, is_loopback, parse_rate, warn
+from .transport import Channel, Pacer, TransportTimeout, is_loopback, parse_rate, warn, wire_bytes
 
 METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
 PORT_FILE = "server.port"
@@ -43,6 +43,7 @@ class Server:
                  max_message_bytes: int = 1 << 30, limit: str | None = None, log=None):
         self.world_size = world_size
         self.limit_spec = parse_limit(limit) if limit else None
+        self.link: Pacer | None = None  # --bandwidth emulation of the server's link
         self.limit: ServerLimit | None = None
         self.timeout = timeout
         self.channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
@@ -164,11 +165,13 @@ class Server:
             # Phase 1: every worker proposes entries (possibly none); the group keeps the
             # `select` indices of largest mean |value| and every worker pushes there.
             proposals, upload = self._collect(it, "propose")
+            self._pace(upload)
             chosen, proposed = self.vote([proposals[r] for r in range(self.world_size)], it)
             broadcast += self._broadcast("indices", chosen.astype(self.index_dtype, copy=False),
                                          None, iter=it)
         pushes, push_bytes = self._collect(it, "push")
         upload += push_bytes
+        self._pace(push_bytes)
         self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
 
         ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
@@ -213,9 +216,22 @@ class Server:
 
         Encoded per worker: each connection's key cache knows different sets.
         """
-        return sum(self._send(self.rank_peer[r], protocol.encode(
-            msg_type, indices, values, model_size=self.numel, cache=self.caches[r], **fields))
-            for r in range(self.world_size))
+        messages = [protocol.encode(msg_type, indices, values, model_size=self.numel,
+                                    cache=self.caches[r], **fields)
+                    for r in range(self.world_size)]
+        self._pace(sum(wire_bytes(m) for m in messages))
+        return sum(self._send(self.rank_peer[r], m) for r, m in enumerate(messages))
+
+    def _pace(self, nbytes: int) -> None:
+        """With --bandwidth: hold the round as long as the server's link would need for nbytes.
+
+        Pushes arrive (and broadcasts leave) as one block: on a real link the N flows share the
+        server's bandwidth and all finish together, after N * size / rate. So every worker
+        receives the broadcast at the same moment, as on a cluster, and the emulation matches
+        psparse-model's additive form (compute + upload + broadcast).
+        """
+        if self.link is not None:
+            self.link.occupy(nbytes)
 
     def _collect(self, it: int, msg_type: str) -> tuple[dict[int, protocol.Message], int]:
         """One ``msg_type`` message of iteration ``it`` from every rank, and their wire bytes.
@@ -531,7 +547,7 @@ def main(argv=None) -> int:
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
                         limit=cfg.server_limit)
         if cfg.bandwidth:
-            server.channel.set_bandwidth(parse_rate(cfg.bandwidth), ingress=True)
+            server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:
         print(f"psparse-server: error: {exc}", file=sys.stderr)
         return 1

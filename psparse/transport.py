@@ -39,11 +39,11 @@ def parse_rate(text: str) -> float:
 
 
 class Pacer:
-    """Emulates a link of a given rate: a message leaves no sooner than the link could send it.
+    """Emulates a link of a given rate: traffic takes at least bytes*8/rate seconds.
 
-    A virtual clock per direction: each message occupies the link for bytes*8/rate seconds,
-    after whatever is still queued on it, and the caller sleeps until that time. Used in place
-    of a real shaped link (see launch/netns.sh for one) when the network is loopback.
+    A virtual clock: each block of traffic occupies the link for bytes*8/rate seconds after
+    whatever is still queued on it, and the caller sleeps until then. The server uses one for
+    its link (see Server.link): the pushes of a round, then its broadcast, each as one block.
     """
 
     def __init__(self, bits_per_s: float):
@@ -107,13 +107,7 @@ class Channel:
         self.routed = routed  # ROUTER: the first frame of every message is the peer's routing id
         self.sent_bytes = 0
         self.received_bytes = 0
-        self.egress: Pacer | None = None  # link emulation (set_bandwidth)
-        self.ingress: Pacer | None = None
 
-    def set_bandwidth(self, bits_per_s: float, ingress: bool) -> None:
-        """Pace sends (and receives, for the side whose link carries everyone's traffic)."""
-        self.egress = Pacer(bits_per_s)
-        self.ingress = Pacer(bits_per_s) if ingress else None
 
     @classmethod
     def server(cls, bind: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -157,8 +151,6 @@ class Channel:
             raise TransportTimeout("send timed out: the peer is not reading") from exc
         n = wire_bytes(frames)
         self.sent_bytes += n
-        if self.egress:
-            self.egress.occupy(n)
         return n
 
     def recv(self, timeout_s: float):
@@ -175,8 +167,6 @@ class Channel:
             peer, parts = parts[0].bytes, parts[1:]
         n = wire_bytes(parts)
         self.received_bytes += n
-        if self.ingress:
-            self.ingress.occupy(n)
         return peer, parts, n
 
     def close(self, linger_s: float = 2.0) -> None:

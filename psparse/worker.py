@@ -38,7 +38,7 @@ from .models import build_model
 from .policies import Layout, PolicyError, build_policy
 from .protocol import ProtocolError
 from .sparsify import density_to_k, topk_exact
-from .transport import Channel, TransportTimeout, parse_rate
+from .transport import Channel, TransportTimeout
 
 
 class WorkerError(RuntimeError):
@@ -104,8 +104,6 @@ class Worker:
         self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
         self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
                                       max_message_bytes=int(cfg.max_message_mb * 1e6))
-        if cfg.bandwidth:
-            self.channel.set_bandwidth(parse_rate(cfg.bandwidth), ingress=False)
         self.stats = {"push_bytes": 0, "aggregate_bytes": 0, "compute_s": 0.0, "select_s": 0.0,
                       "wait_s": 0.0}
 
