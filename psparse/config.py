@@ -58,6 +58,7 @@ class RunConfig:
     # Server and robustness.
     server_limit: str | None = None
     bandwidth: str | None = None
+    curve_keys: str | None = None
     timeout: float = 60.0
     max_message_mb: float = 1024.0
 
@@ -107,7 +108,7 @@ class RunConfig:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
         for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit", "bandwidth"):
+                      "server_limit", "bandwidth", "curve_keys"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -167,6 +168,9 @@ HELP = {
                     "the rest is held in a server residual and sent later (default: no limit)",
     "bandwidth": "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
                  "of a round take bytes*8/rate (default: no pacing)",
+    "curve_keys": "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "
+                  "server accepts only workers whose public key is in FOLDER/authorized "
+                  "(default: no authentication)",
     "timeout": "seconds any wait may last before the run ends with an error",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
 }

@@ -40,14 +40,15 @@ class RunAborted(RuntimeError):
 class Server:
     def __init__(self, world_size: int, *, bind: str = "127.0.0.1", port: int = 0,
                  out_dir: str | Path | None = None, timeout: float = 60.0,
-                 max_message_bytes: int = 1 << 30, limit: str | None = None, log=None):
+                 max_message_bytes: int = 1 << 30, limit: str | None = None,
+                 curve_keys: str | None = None, log=None):
         self.world_size = world_size
         self.limit_spec = parse_limit(limit) if limit else None
         self.link: Pacer | None = None  # --bandwidth emulation of the server's link
         self.limit: ServerLimit | None = None
         self.timeout = timeout
         self.channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
-                                      send_timeout_s=timeout)
+                                      send_timeout_s=timeout, curve_keys=curve_keys)
         self.out_dir = Path(out_dir) if out_dir else None
         self.log = log or (lambda msg: print(f"[server] {msg}", file=sys.stderr, flush=True))
         self.peers: dict[bytes, int] = {}  # routing id -> rank
@@ -309,12 +310,18 @@ class Server:
 
     # ---------------------------------------------------------------------- messages & ending
     def _accept(self, peer: bytes, frames) -> protocol.Message | None:
-        """Decode and authenticate a message from a registered worker; None if rejected."""
+        """Decode and authenticate a message from a registered worker; None if rejected.
+
+        Everything is validated first, whoever sent it, so a stranger's malformed message gets
+        the same precise error as a worker's; then the sender must be a registered worker and
+        may speak only for its own rank.
+        """
         rank = self.peers.get(peer)
         try:
+            msg = protocol.decode(frames, numel=self.numel,
+                                  cache=self.caches[rank] if rank is not None else None)
             if rank is None:
                 raise ProtocolError("peer is not a registered worker of this run")
-            msg = protocol.decode(frames, numel=self.numel, cache=self.caches[rank])
             if msg.type == "register":
                 raise ProtocolError("training has started; register is no longer accepted")
             if "rank" in msg.header and msg["rank"] != rank:
@@ -528,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
-                                  "bandwidth"))
+                                  "bandwidth", "curve_keys"))
     return p
 
 
@@ -539,13 +546,13 @@ def main(argv=None) -> int:
         cfg = resolve_config(args)
     except ConfigError as exc:
         p.error(str(exc))
-    if not is_loopback(args.bind):
+    if not is_loopback(args.bind) and not cfg.curve_keys:
         warn(f"binding {args.bind}: the server accepts pushes from any host that reaches this "
-             "port (no authentication)")
+             "port (no authentication; use --curve-keys)")
     try:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
-                        limit=cfg.server_limit)
+                        limit=cfg.server_limit, curve_keys=cfg.curve_keys)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:

@@ -17,6 +17,7 @@ import socket as _socket
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import zmq
 
@@ -107,14 +108,16 @@ class Channel:
         self.routed = routed  # ROUTER: the first frame of every message is the peer's routing id
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.authenticator = None  # CurveZMQ: zmq.auth's authenticator thread, on the server
 
 
     @classmethod
     def server(cls, bind: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-               send_timeout_s: float = 60.0) -> Channel:
+               send_timeout_s: float = 60.0, curve_keys: str | Path | None = None) -> Channel:
         ctx = zmq.Context()  # one per channel: close() can then wait for queued sends
         sock = ctx.socket(zmq.ROUTER)
         _configure(sock, max_message_bytes, send_timeout_s)
+        authenticator = _curve_server(ctx, sock, Path(curve_keys)) if curve_keys else None
         # Unroutable sends (a peer that went away) raise instead of being dropped silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -124,16 +127,23 @@ class Channel:
                 sock.bind(f"tcp://{_bracket(bind)}:{port}")
         except zmq.ZMQError as exc:
             sock.close(0)
+            if authenticator:
+                authenticator.stop()
             ctx.term()
             raise OSError(f"cannot bind tcp://{bind}:{port}: {exc}") from exc
-        return cls(sock, routed=True)
+        channel = cls(sock, routed=True)
+        channel.authenticator = authenticator
+        return channel
 
     @classmethod
     def client(cls, host: str, port: int, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-               send_timeout_s: float = 60.0) -> Channel:
+               send_timeout_s: float = 60.0, curve_keys: str | Path | None = None,
+               key_name: str = "worker") -> Channel:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         _configure(sock, max_message_bytes, send_timeout_s)
+        if curve_keys:
+            _curve_client(sock, Path(curve_keys), key_name)
         sock.connect(f"tcp://{_bracket(host)}:{port}")
         return cls(sock, routed=False)
 
@@ -173,7 +183,74 @@ class Channel:
         """Close, first giving queued messages up to ``linger_s`` to leave (a final shutdown
         message must reach the workers even if this process exits right after)."""
         self.sock.close(linger=int(linger_s * 1000))
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.ctx.term()
+
+
+# CurveZMQ key layout made by `psparse-keys DIR` (zmq.auth certificate files):
+#   DIR/server.key, DIR/server.key_secret      the server's key pair
+#   DIR/worker-R.key, DIR/worker-R.key_secret  one pair per worker rank (or worker.key*)
+#   DIR/authorized/*.key                       public keys the server accepts
+def _curve_server(ctx: zmq.Context, sock: zmq.Socket, keys: Path):
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, secret = _load_pair(keys / "server.key_secret")
+    authorized = keys / "authorized"
+    if not authorized.is_dir():
+        raise OSError(f"{authorized} is missing: run psparse-keys {keys}")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(authorized))
+    sock.curve_server = True
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    return auth
+
+
+def _curve_client(sock: zmq.Socket, keys: Path, key_name: str) -> None:
+    import zmq.auth
+
+    own = keys / f"{key_name}.key_secret"
+    if not own.is_file():
+        own = keys / "worker.key_secret"
+    public, secret = _load_pair(own)
+    server_public, _ = zmq.auth.load_certificate(str(_exists(keys / "server.key")))
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_serverkey = server_public
+
+
+def _load_pair(path: Path):
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(str(_exists(path)))
+    if secret is None:
+        raise OSError(f"{path} holds no secret key")
+    return public, secret
+
+
+def _exists(path: Path) -> Path:
+    if not path.is_file():
+        raise OSError(f"CurveZMQ key file {path} not found (create keys with psparse-keys)")
+    return path
+
+
+def create_keys(keys: Path, workers: int) -> list[Path]:
+    """Server key pair, one pair per worker rank, and the authorized/ folder of public keys."""
+    import shutil
+
+    import zmq.auth
+
+    keys.mkdir(parents=True, exist_ok=True)
+    (keys / "authorized").mkdir(exist_ok=True)
+    made = [Path(p) for p in zmq.auth.create_certificates(str(keys), "server")]
+    for rank in range(workers):
+        public, secret = zmq.auth.create_certificates(str(keys), f"worker-{rank}")
+        shutil.copy(public, keys / "authorized")
+        made += [Path(public), Path(secret)]
+    for path in made:
+        if path.name.endswith("_secret"):
+            path.chmod(0o600)
+    return made
 
 
 def _configure(sock: zmq.Socket, max_message_bytes: int, send_timeout_s: float) -> None:

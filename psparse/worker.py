@@ -102,8 +102,12 @@ class Worker:
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
             if cfg.record_selections else None
         self.iterations = cfg.iterations or math.ceil(cfg.epochs * self.shard.batches_per_epoch)
-        self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
-                                      max_message_bytes=int(cfg.max_message_mb * 1e6))
+        try:
+            self.channel = Channel.client(host, port, send_timeout_s=cfg.timeout,
+                                          max_message_bytes=int(cfg.max_message_mb * 1e6),
+                                          curve_keys=cfg.curve_keys, key_name=f"worker-{rank}")
+        except OSError as exc:
+            raise WorkerError(str(exc)) from None
         self.stats = {"push_bytes": 0, "aggregate_bytes": 0, "compute_s": 0.0, "select_s": 0.0,
                       "wait_s": 0.0}
 

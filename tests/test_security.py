@@ -1,0 +1,80 @@
+"""CurveZMQ: encrypted traffic, only authorised worker keys accepted; loopback by default."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import zmq.auth
+from conftest import python_module
+from test_server import Client
+
+from psparse import protocol
+from psparse.transport import Channel
+
+
+def make_keys(path, workers):
+    r = subprocess.run(python_module("psparse.keys", str(path), "--workers", str(workers)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def test_keys_layout(tmp_path):
+    keys = make_keys(tmp_path / "keys", 2)
+    for name in ("server.key", "server.key_secret", "worker-0.key_secret", "worker-1.key",
+                 "authorized/worker-0.key", "authorized/worker-1.key"):
+        assert (keys / name).is_file(), name
+    assert (keys / "worker-1.key_secret").stat().st_mode & 0o077 == 0  # secrets are private
+
+
+def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, server_factory):
+    keys = make_keys(tmp_path / "keys", 1)
+    server = server_factory(1, extra=("--curve-keys", str(keys)))
+    # a stranger with its own key pair, and a plaintext client: the handshake fails, nothing
+    # they send reaches the server, and nothing comes back
+    zmq.auth.create_certificates(str(tmp_path), "stranger")
+    shutil.copy(keys / "server.key", tmp_path)  # the server's public key is no secret
+    strangers = [Channel.client("127.0.0.1", server.port, curve_keys=tmp_path,
+                                key_name="stranger"),
+                 Channel.client("127.0.0.1", server.port)]
+    reg = dict(rank=0, world_size=1, numel=1000, checksum="c0", iterations=1,
+               config_digest="d0", two_phase=False, k=10)
+    for s in strangers:
+        s.send(protocol.encode("register", **reg))
+    for s in strangers:
+        assert s.recv(1.5) is None
+    # the authorised worker registers and trains
+    worker = Client(server.port, 0, 1, 1)
+    worker.ch.close()
+    worker.ch = Channel.client("127.0.0.1", server.port, curve_keys=keys, key_name="worker-0")
+    worker.register()
+    assert worker.recv().type == "ready"
+    worker.push(0, [1, 2], [1.0, 2.0])
+    assert worker.recv().indices.tolist() == [1, 2]
+    worker.finish(0)
+    assert server.wait()[0] == 0
+    summary = json.loads((server.out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["rejected_messages"] == 0
+    for s in strangers:
+        s.close(0)
+
+
+def test_training_run_with_curve_keys(tmp_path):
+    keys = make_keys(tmp_path / "keys", 2)
+    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), "--quiet",
+                                     "--workers", "2", "--model", "mlp", "--dataset", "digits",
+                                     "--iterations", "20", "--curve-keys", str(keys)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
+
+
+def test_non_loopback_bind_without_keys_warns(tmp_path):
+    proc = subprocess.Popen(python_module("psparse.server", "--bind", "0.0.0.0", "--port", "0",
+                                          "--workers", "1", "--timeout", "1", "--out",
+                                          str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(timeout=60)[0]
+    assert "warning: binding 0.0.0.0" in out and "--curve-keys" in out
