@@ -67,19 +67,22 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     if data_dir:
         cmd += ["--data-dir", data_dir]
     summary_path = out / "summary.json"
-    done = summary_path.is_file() and json.loads(summary_path.read_text())["status"] == "ok" \
-        and (out / "command.json").is_file() \
+    done = summary_path.is_file() and (out / "command.json").is_file() \
         and json.loads((out / "command.json").read_text()) == cmd[3:]
     if not done:
         t = time.perf_counter()
         print(f"[{sweep}] {name} seed {seed} ...", flush=True)
         r = subprocess.run(cmd, cwd=ROOT)
-        if r.returncode != 0:
-            raise SystemExit(f"{name} seed {seed} failed (exit {r.returncode}); logs in {out}")
         (out / "command.json").write_text(json.dumps(cmd[3:]))
+        if r.returncode != 0:
+            print(f"[{sweep}] {name} seed {seed} FAILED (exit {r.returncode}); logs in {out}",
+                  flush=True)
         print(f"[{sweep}] {name} seed {seed} done in {time.perf_counter() - t:.0f} s",
               flush=True)
     summary = json.loads(summary_path.read_text())
+    if summary["status"] != "ok":
+        return {"run": name, "seed": seed, "failed": summary["error"],
+                "dir": str(out.relative_to(ROOT))}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     ratio = np.array([m["union"] / m.get("budget", max(m["k"])) for m in metrics])
     return {"run": name, "seed": seed, "test_acc": summary["test_acc"],
@@ -96,6 +99,11 @@ def table(rows: list[dict]) -> str:
     lines = ["| run | seeds | test acc % | union/k mean | union/k p95 | broadcast MB | "
              "upload MB | mean k | it/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, rs in by_run.items():
+        failed = [r for r in rs if "failed" in r]
+        if failed:
+            lines.append(f"| {name} | {len(rs)} | failed: {failed[0]['failed'][:90]} | | | | | "
+                         "| |")
+            continue
         acc = np.array([r["test_acc"] for r in rs]) * 100
         accs = f"{acc.mean():.2f}" + (f" ± {acc.std():.2f}" if len(rs) > 1 else "")
         mean = lambda key: np.mean([r[key] for r in rs])  # noqa: E731

@@ -187,6 +187,9 @@ class Worker:
         x, y = self.shard.batch(it)
         self.net.grad.zero_()
         loss = F.cross_entropy(self.net.model(x), y)
+        if not torch.isfinite(loss):
+            raise WorkerError(f"training diverged at iteration {it}: loss is {loss.item()} "
+                              "(lower --lr, or use --clip-norm)")
         loss.backward()
         t1 = time.perf_counter()
 
