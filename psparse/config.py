@@ -59,7 +59,9 @@ class RunConfig:
     server_limit: str | None = None
     bandwidth: str | None = None
     curve_keys: str | None = None
-    timeout: float = 60.0
+    elastic: bool = False
+    timeout: float = 30.0
+    register_timeout: float = 120.0
     max_message_mb: float = 1024.0
 
     def validate(self) -> RunConfig:
@@ -91,6 +93,7 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
         need(self.timeout > 0, "timeout must be > 0")
+        need(self.register_timeout > 0, "register-timeout must be > 0")
         if self.bandwidth is not None:
             try:
                 parse_rate(self.bandwidth)
@@ -108,7 +111,7 @@ class RunConfig:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
         for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit", "bandwidth", "curve_keys"):
+                      "server_limit", "bandwidth", "curve_keys", "elastic", "register_timeout"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -171,7 +174,12 @@ HELP = {
     "curve_keys": "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "
                   "server accepts only workers whose public key is in FOLDER/authorized "
                   "(default: no authentication)",
-    "timeout": "seconds any wait may last before the run ends with an error",
+    "elastic": "when a worker is lost, go on with the others (the mean is over those present) "
+               "instead of ending the run",
+    "timeout": "seconds of silence (no message, no heartbeat) after which a worker or the server "
+               "counts as lost; no wait lasts more than 10x this",
+    "register_timeout": "seconds the server waits for every worker to register (processes "
+                        "starting on a busy cluster can take a while)",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
 }
 

@@ -52,6 +52,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "shutdown": {"ok": (bool,), "reason": (str,)},
     # either direction: the previous message was rejected, and why.
     "error": {"message": (str,)},
+    # liveness: workers send rank + the token from "ready" on a second connection; the server
+    # sends an empty one to waiting workers. Never answered.
+    "heartbeat": {},
 }
 OPTIONAL: dict[str, dict[str, tuple]] = {
     # dense: the index frame is empty and the values are the whole vector (count = numel);
@@ -63,6 +66,8 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     "indices": {"index_format": (str,)},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
+    "heartbeat": {"rank": _INT, "token": (str,)},
+    "ready": {"token": (str,), "heartbeat_s": _NUM},
 }
 SPARSE_TYPES = frozenset({"push", "aggregate", "propose"})  # frames: header, indices, values
 INDEX_TYPES = frozenset({"indices"})  # frames: header, indices

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -41,8 +42,19 @@ class Server:
     def __init__(self, world_size: int, *, bind: str = "127.0.0.1", port: int = 0,
                  out_dir: str | Path | None = None, timeout: float = 60.0,
                  max_message_bytes: int = 1 << 30, limit: str | None = None,
-                 curve_keys: str | None = None, log=None):
+                 curve_keys: str | None = None, elastic: bool = False,
+                 register_timeout: float = 120.0, log=None):
         self.world_size = world_size
+        self.register_timeout = register_timeout
+        self.elastic = elastic
+        self.heartbeat_s = timeout / 5  # several beats fit in one timeout
+        self.patience = 10  # a wait ends after 10 x timeout even if everyone heartbeats
+        self._last_heartbeat = 0.0
+        self._wait_start = time.monotonic()
+        self.active: set[int] = set(range(world_size))
+        self.lost: list[dict] = []
+        self.last_seen: dict[int, float] = {}
+        self.tokens: dict[int, str] = {}
         self.limit_spec = parse_limit(limit) if limit else None
         self.link: Pacer | None = None  # --bandwidth emulation of the server's link
         self.limit: ServerLimit | None = None
@@ -91,17 +103,58 @@ class Server:
                     fh.close()
             self.channel.close()
 
-    def _wait(self, what: str, deadline: float):
-        """Next message as (peer, frames, nbytes); RunAborted once ``deadline`` passes."""
-        remaining = deadline - time.monotonic()
-        got = self.channel.recv(remaining) if remaining > 0 else None
-        if got is None:
-            raise RunAborted(f"timed out after {self.timeout:g} s waiting for {what}")
-        return got
+    def _wait(self, what: str, deadline: float, waiting_for=(), it: int | None = None):
+        """Next message as (peer, frames, nbytes).
+
+        Ranks in ``waiting_for`` are declared lost once nothing (message or heartbeat) came from
+        them for ``timeout`` seconds; ``deadline`` bounds the whole wait in any case, so a worker
+        that heartbeats but never sends cannot hang the run either.
+        """
+        while True:
+            now = time.monotonic()
+            lost = [r for r in waiting_for if r in self.active
+                    and now - self.last_seen.get(r, now) > self.timeout]
+            if lost:
+                self._lose(lost, it, what)
+                return None
+            if now >= deadline:
+                raise RunAborted(f"timed out after {deadline - self._wait_start:.0f} s waiting "
+                                 f"for {what}")
+            if self.heartbeat_s and now - self._last_heartbeat >= self.heartbeat_s:
+                self._last_heartbeat = now  # tell waiting workers the server is alive
+                beat = protocol.encode("heartbeat")
+                for r in sorted(self.active & set(self.rank_peer)):
+                    try:
+                        self.channel.send(beat, self.rank_peer[r])
+                    except (zmq.ZMQError, TransportTimeout):
+                        pass  # a gone worker shows up as silence, handled above
+            step = min(deadline - now, self.heartbeat_s or deadline - now, 0.5)
+            got = self.channel.recv(max(step, 0.0))
+            if got is not None:
+                rank = self.peers.get(got[0])
+                if rank is not None:
+                    self.last_seen[rank] = time.monotonic()
+                return got
+
+    def _deadline(self) -> float:
+        self._wait_start = time.monotonic()
+        return self._wait_start + self.timeout * self.patience
+
+    def _lose(self, ranks: list[int], it: int | None, what: str) -> None:
+        where = f"at iteration {it}" if it is not None else "after the last iteration"
+        names = ", ".join(str(r) for r in ranks)
+        if not self.elastic or len(self.active) - len(ranks) < 1:
+            raise RunAborted(f"rank {names} stopped answering {where} (nothing for "
+                             f"{self.timeout:g} s while waiting for {what})")
+        self.active -= set(ranks)
+        self.lost += [{"rank": r, "iter": it} for r in ranks]
+        self.log(f"elastic: lost rank {names} {where}; continuing with "
+                 f"{len(self.active)} workers")
 
     # -------------------------------------------------------------------------- registration
     def register_workers(self) -> None:
-        deadline = time.monotonic() + self.timeout
+        self._wait_start = time.monotonic()
+        deadline = self._wait_start + self.register_timeout
         regs: dict[int, protocol.Message] = {}
         while len(regs) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(regs))
@@ -142,10 +195,14 @@ class Server:
         self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
         # per worker: the index sets both ends of that connection hold (protocol key caching)
         self.caches = {r: KeyCache() for r in range(self.world_size)}
-        ready = protocol.encode("ready", world_size=self.world_size, numel=self.numel,
-                                iterations=self.iterations)
+        self.active = set(range(self.world_size))
+        self.tokens = {r: secrets.token_hex(8) for r in range(self.world_size)}
+        self.last_seen = {r: time.monotonic() for r in range(self.world_size)}
         for rank in range(self.world_size):
-            self._send(self.rank_peer[rank], ready)
+            self._send(self.rank_peer[rank], protocol.encode(
+                "ready", world_size=self.world_size, numel=self.numel,
+                iterations=self.iterations, token=self.tokens[rank],
+                heartbeat_s=self.heartbeat_s))
         self.log(f"{self.world_size} workers registered: numel={self.numel}, "
                  f"iterations={self.iterations}")
         self._t0 = time.perf_counter()
@@ -167,7 +224,7 @@ class Server:
             # `select` indices of largest mean |value| and every worker pushes there.
             proposals, upload = self._collect(it, "propose")
             self._pace(upload)
-            chosen, proposed = self.vote([proposals[r] for r in range(self.world_size)], it)
+            chosen, proposed = self.vote([proposals[r] for r in sorted(proposals)], it)
             broadcast += self._broadcast("indices", chosen.astype(self.index_dtype, copy=False),
                                          None, iter=it)
         pushes, push_bytes = self._collect(it, "push")
@@ -175,28 +232,30 @@ class Server:
         self._pace(push_bytes)
         self._check_checksums(it, {r: m.get("checksum") for r, m in pushes.items()})
 
-        ks = [int(pushes[r]["count"]) for r in range(self.world_size)]
+        ranks = sorted(pushes)  # all workers, or those still in an elastic run
+        ks = [int(pushes[r]["count"]) for r in ranks]
         # the round's k: what each worker was allowed to send (workers say; during a density
         # warm-up it changes), the unit of union/k
-        budget = max(int(pushes[r].get("budget", ks[r])) for r in range(self.world_size))
-        union, mean = self.aggregate([pushes[r] for r in range(self.world_size)])
+        budget = max(int(pushes[r].get("budget", pushes[r]["count"])) for r in ranks)
+        union, mean = self.aggregate([pushes[r] for r in ranks])
         sent_idx, sent_val = union, mean
         if self.limit is not None:
             sent_idx, sent_val = self.limit.apply(union, mean,
-                                                  self.limit.entries(budget, self.world_size))
+                                                  self.limit.entries(budget, len(ranks)))
         dense = protocol.dense_is_smaller(sent_idx.size, self.numel, self.index_dtype)
         if dense:
             self._dense_out[:] = 0.0
             self._dense_out[sent_idx] = sent_val
             broadcast += self._broadcast("aggregate", None, self._dense_out, iter=it,
-                                         workers=self.world_size, dense=True)
+                                         workers=len(ranks), dense=True)
         else:
             broadcast += self._broadcast("aggregate",
                                          sent_idx.astype(self.index_dtype, copy=False),
-                                         sent_val, iter=it, workers=self.world_size)
-        losses = [pushes[r]["loss"] for r in range(self.world_size) if "loss" in pushes[r].header]
+                                         sent_val, iter=it, workers=len(ranks))
+        losses = [pushes[r]["loss"] for r in ranks if "loss" in pushes[r].header]
         record = {
             "iter": it,
+            "workers": len(ranks),
             "k": ks,
             "budget": budget,
             "union": int(union.size),
@@ -217,11 +276,11 @@ class Server:
 
         Encoded per worker: each connection's key cache knows different sets.
         """
+        ranks = sorted(self.active)
         messages = [protocol.encode(msg_type, indices, values, model_size=self.numel,
-                                    cache=self.caches[r], **fields)
-                    for r in range(self.world_size)]
+                                    cache=self.caches[r], **fields) for r in ranks]
         self._pace(sum(wire_bytes(m) for m in messages))
-        return sum(self._send(self.rank_peer[r], m) for r, m in enumerate(messages))
+        return sum(self._send(self.rank_peer[r], m) for r, m in zip(ranks, messages))
 
     def _pace(self, nbytes: int) -> None:
         """With --bandwidth: hold the round as long as the server's link would need for nbytes.
@@ -239,13 +298,16 @@ class Server:
 
         Metrics messages arriving meanwhile are handled; anything else is rejected.
         """
-        deadline = time.monotonic() + self.timeout
+        deadline = self._deadline()
         got: dict[int, protocol.Message] = {}
         nbytes_total = 0
-        while len(got) < self.world_size:
-            missing = sorted(set(range(self.world_size)) - set(got))
-            peer, frames, nbytes = self._wait(f"{msg_type} messages of iteration {it} from "
-                                              f"ranks {missing}", deadline)
+        while self.active - set(got):
+            missing = sorted(self.active - set(got))
+            received = self._wait(f"{msg_type} messages of iteration {it} from ranks {missing}",
+                                  deadline, missing, it)
+            if received is None:  # a rank was lost (elastic): wait for the others only
+                continue
+            peer, frames, nbytes = received
             msg = self._accept(peer, frames)
             if msg is None:
                 continue
@@ -320,8 +382,17 @@ class Server:
         try:
             msg = protocol.decode(frames, numel=self.numel,
                                   cache=self.caches[rank] if rank is not None else None)
+            if msg.type == "heartbeat":
+                beat = msg.get("rank")
+                if beat is None or self.tokens.get(beat) != msg.get("token"):
+                    raise ProtocolError("heartbeat with an unknown rank or token")
+                if beat in self.active:
+                    self.last_seen[beat] = time.monotonic()
+                return None  # heartbeats are never answered
             if rank is None:
                 raise ProtocolError("peer is not a registered worker of this run")
+            if rank not in self.active:
+                raise ProtocolError(f"rank {rank} was dropped from this (elastic) run")
             if msg.type == "register":
                 raise ProtocolError("training has started; register is no longer accepted")
             if "rank" in msg.header and msg["rank"] != rank:
@@ -350,10 +421,13 @@ class Server:
 
     def finish(self) -> None:
         """Wait for every worker's final report, verify replicas, write summary, stop workers."""
-        deadline = time.monotonic() + self.timeout
-        while len(self._finals) < self.world_size:
-            missing = sorted(set(range(self.world_size)) - set(self._finals))
-            peer, frames, _ = self._wait(f"final reports from ranks {missing}", deadline)
+        deadline = self._deadline()
+        while self.active - set(self._finals):
+            missing = sorted(self.active - set(self._finals))
+            received = self._wait(f"final reports from ranks {missing}", deadline, missing)
+            if received is None:
+                continue
+            peer, frames, _ = received
             msg = self._accept(peer, frames)
             if msg is None:
                 continue
@@ -380,9 +454,9 @@ class Server:
 
     def _broadcast_shutdown(self, ok: bool, reason: str) -> None:
         frames = protocol.encode("shutdown", ok=ok, reason=reason)
-        for peer in self.rank_peer.values():
+        for rank in sorted(self.active):
             try:
-                self.channel.send(frames, peer)
+                self.channel.send(frames, self.rank_peer[rank])
             except (zmq.ZMQError, TransportTimeout):
                 pass  # that worker is gone already; the others still hear about it
 
@@ -431,6 +505,7 @@ class Server:
             "test_acc": self._last_eval.get("test_acc") if self._last_eval else None,
             "test_loss": self._last_eval.get("test_loss") if self._last_eval else None,
             "rejected_messages": self.rejected,
+            "lost_workers": self.lost,
             "server_limit": None if self.limit is None else
             {"spec": "".join(str(x) for x in self.limit.spec), "held_back": int(
                 self.limit.support.size)},
@@ -535,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
-                                  "bandwidth", "curve_keys"))
+                                  "bandwidth", "curve_keys", "elastic", "register_timeout"))
     return p
 
 
@@ -552,7 +627,8 @@ def main(argv=None) -> int:
     try:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
-                        limit=cfg.server_limit, curve_keys=cfg.curve_keys)
+                        limit=cfg.server_limit, curve_keys=cfg.curve_keys,
+                        elastic=cfg.elastic, register_timeout=cfg.register_timeout)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:

@@ -21,12 +21,14 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import zmq
 
 from . import protocol
 from .codec import KeyCache
@@ -73,12 +75,45 @@ class FlatModel:
         return hashlib.blake2b(self.params.numpy().data, digest_size=8).hexdigest()
 
 
+class Heartbeat(threading.Thread):
+    """Tells the server this worker is alive while it computes, evaluates or waits.
+
+    Its own connection (ZeroMQ sockets are not thread-safe), carrying the rank and the token the
+    server handed out in "ready", so nobody else can keep a rank alive. A frozen or killed
+    process stops beating and the server declares it lost after --timeout.
+    """
+
+    def __init__(self, host: str, port: int, cfg: RunConfig, rank: int, token: str,
+                 interval: float):
+        super().__init__(name=f"heartbeat-{rank}", daemon=True)
+        self.channel = Channel.client(host, port, send_timeout_s=interval,
+                                      curve_keys=cfg.curve_keys, key_name=f"worker-{rank}")
+        self.beat = protocol.encode("heartbeat", rank=rank, token=token)
+        self.interval = interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self.channel.send(self.beat)
+                self._stop_event.wait(self.interval)
+        except (TransportTimeout, zmq.ZMQError):
+            pass  # the server is gone; the main thread notices through its own timeout
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2 * self.interval)
+        self.channel.close(linger_s=0)
+
+
 class Worker:
     def __init__(self, cfg: RunConfig, rank: int, host: str, port: int,
                  out_dir: str | Path | None = None, save_weights: str | Path | None = None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank = cfg, rank
+        self.host, self.port = host, port
+        self.heartbeat: Heartbeat | None = None
         self._t_created = time.perf_counter()
         self.out_dir = Path(out_dir) if out_dir else None
         self.save_weights = Path(save_weights) if save_weights else None
@@ -136,6 +171,9 @@ class Worker:
                 msg = protocol.decode(frames, numel=self.net.numel, cache=self.cache)
             except ProtocolError as exc:
                 raise WorkerError(f"malformed message from the server: {exc}") from None
+            if msg.type == "heartbeat":  # the server is alive, just waiting for others
+                deadline = time.monotonic() + self.cfg.timeout
+                continue
             if msg.type == "error":
                 raise WorkerError(f"the server rejected our message: {msg['message']}")
             if msg.type == "shutdown":
@@ -171,7 +209,11 @@ class Worker:
             "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
             checksum=self.net.checksum(), iterations=self.iterations,
             config_digest=self.cfg.digest(), two_phase=self.policy.two_phase, k=self.k))
-        self._expect("ready", "the ready signal (all workers registered)")
+        ready = self._expect("ready", "the ready signal (all workers registered)")
+        if ready.get("token") and ready.get("heartbeat_s"):
+            self.heartbeat = Heartbeat(self.host, self.port, self.cfg, self.rank, ready["token"],
+                                       ready["heartbeat_s"])
+            self.heartbeat.start()
         self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}")
 
@@ -291,6 +333,8 @@ class Worker:
         self.log(f"done in {wall:.1f} s (checksum {info['checksum']})")
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.channel.close()
 
 

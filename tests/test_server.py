@@ -28,6 +28,7 @@ class Client:
                         iterations=iterations, config_digest=digest, two_phase=False, k=10)
         self.received = {}  # wire bytes received, by message type
         self.cache = KeyCache()  # like a worker: index sets both ends hold
+        self.heartbeats = 0
 
     def register(self):
         self.ch.send(protocol.encode("register", **self.reg))
@@ -41,10 +42,15 @@ class Client:
                                          rank=self.rank, **kw))
 
     def recv(self, timeout=10.0) -> protocol.Message:
-        got = self.ch.recv(timeout)
-        assert got is not None, f"rank {self.rank}: nothing from the server in {timeout} s"
-        _, frames, nbytes = got
-        msg = protocol.decode(frames, numel=NUMEL, cache=self.cache)
+        """The server's next message, heartbeats skipped (counted in self.heartbeats)."""
+        while True:
+            got = self.ch.recv(timeout)
+            assert got is not None, f"rank {self.rank}: nothing from the server in {timeout} s"
+            _, frames, nbytes = got
+            msg = protocol.decode(frames, numel=NUMEL, cache=self.cache)
+            if msg.type != "heartbeat":
+                break
+            self.heartbeats += 1
         # independent of the server's accounting: raw frame sizes + ZMTP frame overhead
         self.received[msg.type] = self.received.get(msg.type, 0) + sum(
             len(f.buffer) + (2 if len(f.buffer) < 256 else 9) for f in frames)
@@ -250,7 +256,7 @@ def test_diverged_replicas_stop_the_run(server_factory):
 
 
 def test_missing_worker_times_out_with_a_clear_error(server_factory):
-    server = server_factory(2, timeout=1.5)
+    server = server_factory(2, timeout=1.5, extra=("--register-timeout", "1.5"))
     a = Client(server.port, 0, 2, 3)
     a.register()
     code, out = server.wait()
