@@ -79,6 +79,9 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
                   flush=True)
         print(f"[{sweep}] {name} seed {seed} done in {time.perf_counter() - t:.0f} s",
               flush=True)
+    if not summary_path.is_file():
+        return {"run": name, "seed": seed, "failed": "no summary (see logs)",
+                "dir": str(out.relative_to(ROOT))}
     summary = json.loads(summary_path.read_text())
     if summary["status"] != "ok":
         return {"run": name, "seed": seed, "failed": summary["error"],

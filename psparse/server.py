@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -140,10 +141,13 @@ class Server:
         self._wait_start = time.monotonic()
         return self._wait_start + self.timeout * self.patience
 
-    def _lose(self, ranks: list[int], it: int | None, what: str) -> None:
+    def _lose(self, ranks: list[int], it: int | None, what: str,
+              error: str | None = None) -> None:
         where = f"at iteration {it}" if it is not None else "after the last iteration"
         names = ", ".join(str(r) for r in ranks)
         if not self.elastic or len(self.active) - len(ranks) < 1:
+            if error:
+                raise RunAborted(f"rank {names} failed {where}: {error}")
             raise RunAborted(f"rank {names} stopped answering {where} (nothing for "
                              f"{self.timeout:g} s while waiting for {what})")
         self.active -= set(ranks)
@@ -313,6 +317,8 @@ class Server:
                 continue
             if msg.type == "metrics":
                 self._on_metrics(msg)
+            elif msg.type == "error":  # the worker gives up and says why
+                self._lose([self.peers[peer]], it, msg_type, msg["message"])
             elif msg.type != msg_type:
                 self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
                                                 f"waits for {msg_type} of iteration {it}"))
@@ -433,6 +439,8 @@ class Server:
                 continue
             if msg.type == "metrics":
                 self._on_metrics(msg)
+            elif msg.type == "error":
+                self._lose([self.peers[peer]], None, "final reports", msg["message"])
             else:
                 self.reject(peer, ProtocolError(f"unexpected {msg.type} after the last "
                                                 "iteration"))
@@ -634,6 +642,10 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as exc:
         print(f"psparse-server: error: {exc}", file=sys.stderr)
         return 1
+    def on_term(signum, frame):  # the launcher stops us: still leave a summary behind
+        raise RunAborted(f"terminated by signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, on_term)
     return server.run()
 
 

@@ -190,6 +190,16 @@ class Worker:
     def run(self) -> int:
         self.log("model and data ready; registering")
         self.register()
+        try:
+            return self._train()
+        except WorkerError as exc:
+            try:  # tell the server why, so the run's summary names the cause
+                self.channel.send(protocol.encode("error", message=str(exc), rank=self.rank))
+            except (TransportTimeout, zmq.ZMQError):
+                pass
+            raise
+
+    def _train(self) -> int:
         t0 = time.perf_counter()
         for it in range(self.iterations):
             self.step(it)
