@@ -129,6 +129,14 @@ class KeyCache:
         for stale in [k for k in self.sets if k not in (self._last_sent, self._last_received)]:
             del self.sets[stale]
 
+    def state(self) -> dict:
+        return {"sets": dict(self.sets), "last_sent": self._last_sent,
+                "last_received": self._last_received}
+
+    def restore(self, state: dict) -> None:
+        self.sets = dict(state["sets"])
+        self._last_sent, self._last_received = state["last_sent"], state["last_received"]
+
     def lookup(self, key: bytes) -> np.ndarray:
         if key not in self.sets:
             raise CodecError("cached index set unknown to the receiver")

@@ -52,6 +52,7 @@ class RunConfig:
     weight_decay: float = 0.0
     seed: int = 0
     record_selections: bool = False
+    checkpoint_every: int = 0
     eval_every: int = 100
     check_every: int = 10
     threads: int | None = None
@@ -91,6 +92,7 @@ class RunConfig:
         need(self.weight_decay >= 0, "weight-decay must be >= 0")
         need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
         need(self.check_every >= 1, "check-every must be >= 1")
+        need(self.checkpoint_every >= 0, "checkpoint-every must be >= 0")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
         need(self.timeout > 0, "timeout must be > 0")
         need(self.register_timeout > 0, "register-timeout must be > 0")
@@ -111,7 +113,8 @@ class RunConfig:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
         for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit", "bandwidth", "curve_keys", "elastic", "register_timeout"):
+                      "server_limit", "bandwidth", "curve_keys", "elastic", "register_timeout",
+                      "checkpoint_every"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -163,6 +166,8 @@ HELP = {
     "seed": "seed for initial weights, data shards and shuffling",
     "record_selections": "workers save each iteration's top-k gradient indices and sent indices "
                          "to RUN_DIR/selections-rank-R.npz, for psparse-locality",
+    "checkpoint_every": "every this many iterations the server and every worker save their "
+                        "state to RUN_DIR/checkpoint/ (0: never); --resume RUN_DIR continues",
     "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
     "check_every": "workers send a weight checksum every this many iterations; the server stops "
                    "the run if replicas differ",

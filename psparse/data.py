@@ -316,10 +316,13 @@ class Shard:
             rng = np.random.default_rng([self.seed, self.rank, epoch])
             self._order = self.indices[rng.permutation(len(self.indices))]
             self._epoch = epoch
-            self._gen.manual_seed(int(rng.integers(1 << 62)))
         sel = np.sort(self._order[b * self.batch_size:(b + 1) * self.batch_size])
         x = torch.from_numpy(self.ds.train_x[sel])
         if self.ds.augment:
+            # seeded per batch: batch(i) is a pure function of (seed, rank, i), so a run resumed
+            # from a checkpoint sees exactly the batches an uninterrupted one would
+            self._gen.manual_seed(int(np.random.default_rng([self.seed, self.rank, iteration])
+                                      .integers(1 << 62)))
             x = random_crop_flip(x, self._gen)
         return self.ds.normalise(x), torch.from_numpy(self.ds.train_y[sel])
 

@@ -105,8 +105,10 @@ def _run_child(module: str, argv: list[str], log_path: Path) -> None:
 
 
 class Launch:
-    def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0):
+    def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0,
+                 resume: bool = False):
         self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
+        self.resume = resume
         self.procs: dict[str, ForkedProcess] = {}
         self._offsets = {METRICS_FILE: 0, EVAL_FILE: 0}
         self._last = {"metrics": None, "eval": None}
@@ -121,10 +123,14 @@ class Launch:
     def run(self) -> int:
         cfg = self.cfg
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        for stale in (PORT_FILE, SUMMARY_FILE, METRICS_FILE, EVAL_FILE):
-            (self.out / stale).unlink(missing_ok=True)
+        stale = (PORT_FILE, SUMMARY_FILE) if self.resume else \
+            (PORT_FILE, SUMMARY_FILE, METRICS_FILE, EVAL_FILE)
+        for name in stale:
+            (self.out / name).unlink(missing_ok=True)
         config_path = self.out / "config.json"
-        config_path.write_text(cfg.to_json() + "\n")
+        if not self.resume:
+            config_path.write_text(cfg.to_json() + "\n")
+        again = ["--resume"] if self.resume else []
         # Import once here so that every forked worker starts with torch loaded (see above).
         importlib.import_module("psparse.worker")
         importlib.import_module("torch._dynamo")
@@ -132,12 +138,12 @@ class Launch:
                     f"{cfg.density:g}, run dir {self.out}")
         try:
             self._spawn("server", ["psparse.server", "--config", str(config_path), "--port", "0",
-                                   "--out", str(self.out)])
+                                   "--out", str(self.out), *again])
             port = self._wait_for_port()
             for r in range(cfg.workers):
                 self._spawn(f"rank-{r}", ["psparse.worker", "--config", str(config_path),
                                           "--rank", str(r), "--connect", f"127.0.0.1:{port}",
-                                          "--out", str(self.out)])
+                                          "--out", str(self.out), *again])
             return self._monitor()
         except KeyboardInterrupt:
             self._print("\ninterrupted: stopping all processes")
@@ -272,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
+                        "server and all workers saved (see --checkpoint-every)")
     add_config_arguments(p)
     return p
 
@@ -279,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.resume is not None:
+        if not (args.resume / "config.json").is_file():
+            p.error(f"--resume {args.resume}: no config.json there (not a psparse run)")
+        args.config, args.out = args.resume / "config.json", args.resume
     try:
         cfg = resolve_config(args)
     except ConfigError as exc:
@@ -290,7 +303,7 @@ def main(argv=None) -> int:
     if cfg.threads is None:
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     out = args.out or Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    launch = Launch(cfg, out, quiet=args.quiet)
+    launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -68,6 +68,7 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     "metrics": {"checksum": (str,)},
     "heartbeat": {"rank": _INT, "token": (str,)},
     "ready": {"token": (str,), "heartbeat_s": _NUM},
+    "register": {"start": _INT},
 }
 SPARSE_TYPES = frozenset({"push", "aggregate", "propose"})  # frames: header, indices, values
 INDEX_TYPES = frozenset({"indices"})  # frames: header, indices

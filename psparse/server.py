@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from . import protocol
+from . import checkpoint, protocol
 from .codec import KeyCache
 from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
 from .protocol import ProtocolError
@@ -44,8 +44,12 @@ class Server:
                  out_dir: str | Path | None = None, timeout: float = 60.0,
                  max_message_bytes: int = 1 << 30, limit: str | None = None,
                  curve_keys: str | None = None, elastic: bool = False,
-                 register_timeout: float = 120.0, log=None):
+                 register_timeout: float = 120.0, checkpoint_every: int = 0,
+                 resume: bool = False, log=None):
         self.world_size = world_size
+        self.checkpoint_every = checkpoint_every
+        self.start = 0  # first iteration to serve (> 0 when resuming)
+        self.resume = resume
         self.register_timeout = register_timeout
         self.elastic = elastic
         self.heartbeat_s = timeout / 5  # several beats fit in one timeout
@@ -85,14 +89,26 @@ class Server:
         """Serve one training run; returns the process exit code (0 ok, 1 aborted)."""
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_fh = open(self.out_dir / METRICS_FILE, "w")
-            self._eval_fh = open(self.out_dir / EVAL_FILE, "w")
+            saved = self._resume_point() if self.resume else None
+            self._metrics_fh = _open_truncated(self.out_dir / METRICS_FILE,
+                                               lambda n, rec: saved is not None and n < saved)
+            # rank 0 sends the evaluation of the checkpoint's last iteration again on resume
+            self._eval_fh = _open_truncated(self.out_dir / EVAL_FILE,
+                                            lambda n, rec: saved is not None
+                                            and rec["iter"] < saved - 1)
             _atomic_write(self.out_dir / PORT_FILE, f"{self.port}\n")
+        elif self.resume:
+            raise ValueError("resuming needs the run directory (--out)")
         self.log(f"listening on port {self.port} for {self.world_size} workers")
         try:
             self.register_workers()
-            for it in range(self.iterations):
+            if self.resume:
+                self._restore()
+            for it in range(self.start, self.iterations):
                 self.serve_round(it)
+                if self.checkpoint_every and (it + 1) % self.checkpoint_every == 0 \
+                        and it + 1 < self.iterations:
+                    self._checkpoint(it + 1)
             self.finish()
             return 0
         except RunAborted as exc:
@@ -136,6 +152,39 @@ class Server:
                 if rank is not None:
                     self.last_seen[rank] = time.monotonic()
                 return got
+
+    # ---------------------------------------------------------------------- checkpoint, resume
+    def _resume_point(self) -> int:
+        it = checkpoint.latest_common(self.out_dir, self.world_size)
+        if it is None:
+            raise ValueError(f"no checkpoint in {self.out_dir} that the server and all "
+                             f"{self.world_size} workers saved")
+        self.start = it
+        return it
+
+    def _checkpoint(self, iteration: int) -> None:
+        checkpoint.save(self.out_dir, "server", iteration, {
+            "iteration": iteration,
+            "totals": self._totals, "rejected": self.rejected, "last_eval": self._last_eval,
+            "active": sorted(self.active), "lost": self.lost,
+            "caches": {r: c.state() for r, c in self.caches.items()},
+            "limit": None if self.limit is None else
+            {"support": self.limit.support, "values": self.limit.residual[self.limit.support]},
+            "elapsed": time.perf_counter() - self._t0,
+        })
+
+    def _restore(self) -> None:
+        state = checkpoint.load(self.out_dir, "server", self.start)
+        self._totals, self.rejected = state["totals"], state["rejected"]
+        self._last_eval, self.lost = state["last_eval"], state["lost"]
+        self.active = set(state["active"])
+        for r, c in state["caches"].items():
+            self.caches[r].restore(c)
+        if state["limit"] is not None:
+            self.limit.support = state["limit"]["support"]
+            self.limit.residual[self.limit.support] = state["limit"]["values"]
+        self._t0 = time.perf_counter() - state["elapsed"]
+        self.log(f"resumed at iteration {self.start}")
 
     def _deadline(self) -> float:
         self._wait_start = time.monotonic()
@@ -212,6 +261,10 @@ class Server:
         self._t0 = time.perf_counter()
 
     def _check_agreement(self, regs: dict[int, protocol.Message]) -> None:
+        for r, m in regs.items():
+            if m.get("start", 0) != self.start:
+                raise RunAborted(f"rank {r} resumes at iteration {m.get('start', 0)}, the server "
+                                 f"at {self.start}")
         for field in ("numel", "checksum", "iterations", "config_digest", "two_phase", "k"):
             values = {r: m[field] for r, m in sorted(regs.items())}
             if len(set(values.values())) > 1:
@@ -597,6 +650,20 @@ def sorted_union(indices: list[np.ndarray]) -> np.ndarray:
     return merged[keep]
 
 
+def _open_truncated(path: Path, keep):
+    """Open a JSON-lines file for appending, first keeping only the lines ``keep(n, record)``
+    accepts (on resume: those written before the checkpoint); a fresh file otherwise."""
+    kept = []
+    if path.is_file():
+        for n, line in enumerate(path.read_text().splitlines()):
+            if line.strip() and keep(n, json.loads(line)):
+                kept.append(line + "\n")
+    fh = open(path, "w")
+    fh.writelines(kept)
+    fh.flush()
+    return fh
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -618,7 +685,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
-                                  "bandwidth", "curve_keys", "elastic", "register_timeout"))
+                                  "bandwidth", "curve_keys", "elastic", "register_timeout",
+                                  "checkpoint_every"))
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint")
     return p
 
 
@@ -636,7 +706,8 @@ def main(argv=None) -> int:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
                         limit=cfg.server_limit, curve_keys=cfg.curve_keys,
-                        elastic=cfg.elastic, register_timeout=cfg.register_timeout)
+                        elastic=cfg.elastic, register_timeout=cfg.register_timeout,
+                        checkpoint_every=cfg.checkpoint_every, resume=args.resume)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:
@@ -646,7 +717,11 @@ def main(argv=None) -> int:
         raise RunAborted(f"terminated by signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_term)
-    return server.run()
+    try:
+        return server.run()
+    except ValueError as exc:  # e.g. --resume without a usable checkpoint
+        print(f"psparse-server: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

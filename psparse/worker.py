@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 import zmq
 
-from . import protocol
+from . import checkpoint, protocol
 from .codec import KeyCache
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
@@ -108,7 +108,8 @@ class Heartbeat(threading.Thread):
 
 class Worker:
     def __init__(self, cfg: RunConfig, rank: int, host: str, port: int,
-                 out_dir: str | Path | None = None, save_weights: str | Path | None = None):
+                 out_dir: str | Path | None = None, save_weights: str | Path | None = None,
+                 resume: bool = False):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank = cfg, rank
@@ -145,6 +146,10 @@ class Worker:
             raise WorkerError(str(exc)) from None
         self.stats = {"push_bytes": 0, "aggregate_bytes": 0, "compute_s": 0.0, "select_s": 0.0,
                       "wait_s": 0.0}
+        self.start = 0
+        self.last_report: tuple[int, dict] | None = None  # rank 0's latest evaluation sent
+        if resume:
+            self._restore()
 
     def log(self, msg: str) -> None:
         print(f"[rank {self.rank} +{time.perf_counter() - self._t_created:.1f}s] {msg}",
@@ -201,12 +206,18 @@ class Worker:
 
     def _train(self) -> int:
         t0 = time.perf_counter()
-        for it in range(self.iterations):
+        if self.last_report is not None and self.last_report[0] == self.start - 1:
+            self.report(*self.last_report)  # the server may not have written it before the stop
+        for it in range(self.start, self.iterations):
             self.step(it)
             done = it + 1
             if self.rank == 0 and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
                     and done < self.iterations:
-                self.report(it, self.evaluate(it))
+                self.last_report = (it, self.evaluate(it))
+                self.report(*self.last_report)
+            if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0 \
+                    and done < self.iterations:
+                self._checkpoint(done)
         self.log(f"{self.iterations} iterations in {time.perf_counter() - t0:.1f} s")
         values = self.evaluate(self.iterations - 1) if self.rank == 0 else {}
         self.report(self.iterations - 1, {**values, "final": True}, self.net.checksum())
@@ -218,7 +229,8 @@ class Worker:
         self._send(protocol.encode(
             "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
             checksum=self.net.checksum(), iterations=self.iterations,
-            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase, k=self.k))
+            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase, k=self.k,
+            start=self.start))
         ready = self._expect("ready", "the ready signal (all workers registered)")
         if ready.get("token") and ready.get("heartbeat_s"):
             self.heartbeat = Heartbeat(self.host, self.port, self.cfg, self.rank, ready["token"],
@@ -226,6 +238,41 @@ class Worker:
             self.heartbeat.start()
         self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}")
+
+    # ---------------------------------------------------------------------- checkpoint, resume
+    def _checkpoint(self, iteration: int) -> None:
+        if not self.out_dir:
+            raise WorkerError("--checkpoint-every needs the run directory (--out)")
+        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration, {
+            "iteration": iteration,
+            "model": self.net.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "memory": self.memory.state_dict(),
+            "policy": self.policy.state_dict(),
+            "cache": self.cache.state(),
+            "stats": self.stats,
+            "last_report": self.last_report,
+        })
+
+    def _restore(self) -> None:
+        if not self.out_dir:
+            raise WorkerError("--resume needs the run directory (--out)")
+        start = checkpoint.latest_common(self.out_dir, self.cfg.workers)
+        if start is None:
+            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
+                              f"{self.cfg.workers} workers saved")
+        state = checkpoint.load(self.out_dir, f"rank-{self.rank}", start)
+        with torch.no_grad():  # copies into the flat buffers the parameters view
+            self.net.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name, array in state["memory"].items():
+            getattr(self.memory, name)[...] = array
+        self.policy.load_state_dict(state["policy"])
+        self.cache.restore(state["cache"])
+        self.stats.update(state["stats"])
+        self.last_report = state["last_report"]
+        self.start = start
+        self.log(f"resuming at iteration {start}")
 
     def _k_at(self, it: int) -> int:
         """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
@@ -368,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory: writes rank-R.json (bytes, timings, final checksum)")
     p.add_argument("--save-weights", type=Path, default=None,
                    help="save the final model state_dict here (torch.save)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out that all processes saved")
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p)
@@ -384,7 +433,7 @@ def main(argv=None) -> int:
         p.error(str(exc))
     worker = None
     try:
-        worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights)
+        worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights, args.resume)
         return worker.run()
     except (WorkerError, DataError, PolicyError) as exc:
         print(f"psparse-worker[{args.rank}]: error: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,65 @@
+"""Checkpoint/resume: a run stopped mid-way and resumed ends exactly as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import python_module, read_jsonl
+
+RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
+       "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet"]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
+
+
+@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"]],
+                         ids=["topk", "core+limit"])
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
+    whole = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "whole"),
+                                         *RUN, *extra), capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), *RUN, *extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not ((cut / "checkpoint" / "server-200.pt").is_file()
+               and len(read_jsonl(cut / "metrics.jsonl")) >= 230):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # stop everything mid-run
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    stopped_at = len(read_jsonl(cut / "metrics.jsonl"))
+    assert stopped_at < 400
+
+    resumed = subprocess.run(python_module("psparse.launch", "--resume", str(cut), "--quiet"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at iteration 200" in (cut / "logs" / "server.log").read_text()
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        assert without_timing(read_jsonl(cut / name)) == \
+            without_timing(read_jsonl(tmp_path / "whole" / name)), name
+    for r in range(3):
+        a = json.loads((cut / f"rank-{r}.json").read_text())
+        b = json.loads((tmp_path / "whole" / f"rank-{r}.json").read_text())
+        assert a["checksum"] == b["checksum"]  # bit-identical final weights
+        assert a["push_bytes"] == b["push_bytes"]
+    sa = json.loads((cut / "summary.json").read_text())
+    sb = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    for key in ("union_over_k_mean", "upload_mb", "broadcast_mb", "test_acc", "server_limit"):
+        assert sa[key] == sb[key], key
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    r = subprocess.run(python_module("psparse.launch", "--resume", str(tmp_path / "run")),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no config.json" in r.stderr
