@@ -56,6 +56,7 @@ class RunConfig:
     eval_every: int = 100
     check_every: int = 10
     threads: int | None = None
+    device: str = "cpu"
     # Server and robustness.
     server_limit: str | None = None
     bandwidth: str | None = None
@@ -94,6 +95,8 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.checkpoint_every >= 0, "checkpoint-every must be >= 0")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        need(self.device in ("cpu", "cuda", "auto"),
+             f"device must be cpu, cuda or auto, got {self.device!r}")
         need(self.timeout > 0, "timeout must be > 0")
         need(self.register_timeout > 0, "register-timeout must be > 0")
         if self.bandwidth is not None:
@@ -171,6 +174,8 @@ HELP = {
     "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
     "check_every": "workers send a weight checksum every this many iterations; the server stops "
                    "the run if replicas differ",
+    "device": "cpu, cuda (one GPU per worker: local rank modulo the visible devices; "
+              "CUDA_VISIBLE_DEVICES respected) or auto",
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
     "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
                     "the rest is held in a server residual and sent later (default: no limit)",

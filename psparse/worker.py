@@ -54,15 +54,21 @@ class FlatModel:
     place, so the worker reads and writes whole-model vectors with no gather/scatter copies.
     """
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None):
+        device = device or torch.device("cpu")
+        self.model = model.to(device)
+        self.device = device
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.layer_names = [n for n, _ in named]
         params = [p for _, p in named]
         self.layer_sizes = [p.numel() for p in params]
         self.numel = sum(self.layer_sizes)
-        self.params = torch.empty(self.numel, dtype=torch.float32)
-        self.grad = torch.zeros(self.numel, dtype=torch.float32)
+        self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # selection runs on the host: on a GPU the gradient crosses once per iteration into a
+        # pinned buffer (the CuPy kernels of the GPU path will keep it on the device)
+        self.host_grad = self.grad if device.type == "cpu" else \
+            torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
         offset = 0
         for p, n in zip(params, self.layer_sizes):
             self.params[offset:offset + n].copy_(p.data.view(-1))
@@ -72,7 +78,29 @@ class FlatModel:
         self.parameters = params
 
     def checksum(self) -> str:
-        return hashlib.blake2b(self.params.numpy().data, digest_size=8).hexdigest()
+        return hashlib.blake2b(self.params.cpu().numpy().data, digest_size=8).hexdigest()
+
+    def grad_on_host(self) -> np.ndarray:
+        if self.host_grad is not self.grad:
+            self.host_grad.copy_(self.grad)
+        return self.host_grad.numpy()
+
+    def set_grad(self, indices: np.ndarray | None, values: np.ndarray) -> None:
+        """The aggregate into .grad: dense values, or values at indices (zeros elsewhere)."""
+        if self.device.type == "cpu":
+            grad = self.grad.numpy()
+            if indices is None:
+                grad[:] = values
+            else:
+                grad[:] = 0.0
+                grad[indices] = values
+            return
+        vals = torch.from_numpy(np.asarray(values)).to(self.device)
+        if indices is None:
+            self.grad.copy_(vals)
+        else:
+            self.grad.zero_()
+            self.grad[torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)] = vals
 
 
 class Heartbeat(threading.Thread):
@@ -122,7 +150,9 @@ class Worker:
         self.data = load_dataset(cfg.dataset, cfg.data_dir)
         self.shard = Shard(self.data, rank, cfg.workers, cfg.batch_size, cfg.seed)
         torch.manual_seed(cfg.seed)  # same initial weights on every worker
-        self.net = FlatModel(build_model(cfg.model, self.data.in_shape, self.data.num_classes))
+        self.device = pick_device(cfg.device, rank)
+        self.net = FlatModel(build_model(cfg.model, self.data.in_shape, self.data.num_classes),
+                             self.device)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm)
         # With DGC the momentum is applied locally (in the memory), so SGD must not add more.
         momentum = cfg.momentum if self.memory.optimizer_momentum_applies else 0.0
@@ -284,6 +314,7 @@ class Worker:
         t = time.perf_counter()
         self.net.model.train()
         x, y = self.shard.batch(it)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.net.grad.zero_()
         loss = F.cross_entropy(self.net.model(x), y)
         if not torch.isfinite(loss):
@@ -295,7 +326,7 @@ class Worker:
         k = self._k_at(it)
         if k != self.policy.k:
             self.policy.set_k(k)
-        grad = self.net.grad.numpy()
+        grad = self.net.grad_on_host()
         grad_topk = topk_exact(grad, k) if self.recorder else None  # before grad is reused
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
         group = None
@@ -334,14 +365,12 @@ class Worker:
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]
         t3 = time.perf_counter()
 
-        grad = self.net.grad.numpy()
         if agg.get("dense"):
             self.policy.observe(self._all_indices(), agg.values, it)
-            grad[:] = agg.values
+            self.net.set_grad(None, agg.values)
         else:
             self.policy.observe(agg.indices, agg.values, it)
-            grad[:] = 0.0
-            grad[agg.indices] = agg.values
+            self.net.set_grad(agg.indices, agg.values)
         self.optimizer.step()
         self.stats["compute_s"] += t1 - t + time.perf_counter() - t3
         self.stats["select_s"] += t2 - t1
@@ -364,6 +393,7 @@ class Worker:
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in test_batches(self.data):
+            x, y = x.to(self.device), y.to(self.device)
             out = model(x)
             loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
             correct += int((out.argmax(1) == y).sum())
@@ -393,6 +423,26 @@ class Worker:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.channel.close()
+
+
+def local_rank(rank: int) -> int:
+    """This process's index on its node: torchrun's LOCAL_RANK, SLURM_LOCALID, else the rank."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return rank
+
+
+def pick_device(name: str, rank: int) -> torch.device:
+    """cpu, or one GPU per worker: local rank modulo the visible devices (CUDA_VISIBLE_DEVICES
+    is respected by CUDA itself); "auto" is cuda when a GPU is visible."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise WorkerError("--device cuda, but no CUDA device is visible")
+    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
