@@ -18,12 +18,16 @@ import ctypes
 import importlib
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from . import cluster
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .server import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
@@ -106,9 +110,12 @@ def _run_child(module: str, argv: list[str], log_path: Path) -> None:
 
 class Launch:
     def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0,
-                 resume: bool = False):
+                 resume: bool = False, cluster: dict | None = None):
         self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
         self.resume = resume
+        # None: all on this host. Else {"mode": "hostfile"|"slurm", "hosts", "server_host",
+        # "port", "bind", "rsh", "gpus_per_node"}
+        self.cluster = cluster
         self.procs: dict[str, ForkedProcess] = {}
         self._offsets = {METRICS_FILE: 0, EVAL_FILE: 0}
         self._last = {"metrics": None, "eval": None}
@@ -137,6 +144,9 @@ class Launch:
         self._print(f"psparse: {cfg.workers} workers, {cfg.model}/{cfg.dataset}, density "
                     f"{cfg.density:g}, run dir {self.out}")
         try:
+            if self.cluster:
+                self._start_cluster(config_path, again)
+                return self._monitor()
             self._spawn("server", ["psparse.server", "--config", str(config_path), "--port", "0",
                                    "--out", str(self.out), *again])
             port = self._wait_for_port()
@@ -153,6 +163,47 @@ class Launch:
             self._print(f"psparse-launch: error: {exc}")
             self.stop_all()
             return 1
+
+    def _start_cluster(self, config_path: Path, again: list[str]) -> None:
+        """Server here, workers through ssh (hostfile) or one srun (SLURM)."""
+        c, cfg = self.cluster, self.cfg
+        self._spawn("server", ["psparse.server", "--config", str(config_path), "--bind",
+                               c["bind"], "--port", str(c["port"]), "--out", str(self.out),
+                               *again])
+        self._wait_for_port()
+        server = f"{c['server_host']}:{c['port']}"
+        extra = ["--resume"] if again else []
+        out = str(self.out.resolve())
+        if c["mode"] == "slurm":
+            argv = cluster.srun_command(cfg, server, out) + extra
+            self._spawn_piped("workers", argv, prefix="rank ")
+            return
+        for rank, host, local in cluster.place(c["hosts"], cfg.workers):
+            env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
+            if c["gpus_per_node"] and "CUDA_VISIBLE_DEVICES" not in env:
+                env["CUDA_VISIBLE_DEVICES"] = str(local % c["gpus_per_node"])
+            argv = cluster.worker_argv(cfg, server, out, rank) + extra
+            self._spawn_piped(f"rank-{rank}", cluster.remote_command(
+                c["rsh"], host, argv, os.getcwd(), env), prefix=f"rank {rank}| ")
+
+    def _spawn_piped(self, name: str, argv: list[str], prefix: str) -> subprocess.Popen:
+        """A local client process (ssh, srun) whose output goes to the log and, prefixed, here."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log = open(self.out / "logs" / f"{name}.log", "wb")
+
+        def pump():
+            with log:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if not self.quiet:
+                        sys.stdout.write(prefix + line.decode(errors="replace"))
+                        sys.stdout.flush()
+
+        threading.Thread(target=pump, daemon=True).start()
+        self.procs[name] = proc
+        return proc
 
     def _wait_for_port(self) -> int:
         deadline = time.monotonic() + self.cfg.timeout
@@ -278,6 +329,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
+    g = p.add_argument_group("cluster (default: server and workers on this host)")
+    g.add_argument("--hostfile", type=Path, default=None,
+                   help="lines 'host slots=K': workers fill the slots in order, started with "
+                        "--rsh; the server runs here")
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a SLURM allocation: the server here, workers through one srun "
+                        "(--workers defaults to SLURM_NTASKS)")
+    g.add_argument("--server-host", default=None,
+                   help="address the workers use to reach this host's server (default: this "
+                        "host's name)")
+    g.add_argument("--port", type=int, default=5555, help="server port in cluster modes")
+    g.add_argument("--bind", default="0.0.0.0",
+                   help="server bind address in cluster modes (default 0.0.0.0)")
+    g.add_argument("--rsh", default="ssh -o BatchMode=yes",
+                   help="remote shell for --hostfile (default 'ssh -o BatchMode=yes')")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
+                        "already set")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
                         "server and all workers saved (see --checkpoint-every)")
@@ -303,7 +372,26 @@ def main(argv=None) -> int:
     if cfg.threads is None:
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     out = args.out or Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None)
+    cluster_mode = None
+    if args.hostfile or args.slurm:
+        if args.hostfile and args.slurm:
+            p.error("--hostfile and --slurm exclude each other")
+        try:
+            if args.slurm:
+                hosts = [cluster.Host(h, 1) for h in cluster.slurm_nodes()]
+                if args.workers is None:
+                    cfg.workers = cluster.slurm_workers()
+            else:
+                hosts = cluster.parse_hostfile(args.hostfile.read_text(), str(args.hostfile))
+                cluster.place(hosts, cfg.workers)  # enough slots?
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
+        cluster_mode = {"mode": "slurm" if args.slurm else "hostfile", "hosts": hosts,
+                        "server_host": args.server_host or socket.gethostname(),
+                        "port": args.port, "bind": args.bind, "rsh": shlex.split(args.rsh),
+                        "gpus_per_node": args.gpus_per_node}
+    launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,
+                    cluster=cluster_mode)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 import zmq
 
-from . import checkpoint, protocol
+from . import checkpoint, cluster, protocol
 from .codec import KeyCache
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
@@ -459,8 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "error-feedback accumulator to the server at --connect every iteration and "
                     "applies the aggregate it gets back. All workers of a run need the same "
                     "configuration.")
-    p.add_argument("--rank", type=int, required=True, help="this worker's rank, 0..workers-1")
-    p.add_argument("--connect", default="127.0.0.1:5555", help="server address HOST:PORT")
+    p.add_argument("--rank", type=int, default=None,
+                   help="this worker's rank, 0..workers-1 (default: from RANK, SLURM_PROCID, "
+                        "PMI_RANK or OMPI_COMM_WORLD_RANK)")
+    p.add_argument("--connect", default=None,
+                   help="server address HOST:PORT (default: $PSPARSE_SERVER, else "
+                        "$MASTER_ADDR:$PSPARSE_PORT (5555), else 127.0.0.1:5555)")
     p.add_argument("--out", type=Path, default=None,
                    help="run directory: writes rank-R.json (bytes, timings, final checksum)")
     p.add_argument("--save-weights", type=Path, default=None,
@@ -476,9 +480,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.rank is None:
+        args.rank = cluster.rank_from_env()
+        if args.rank is None:
+            p.error("--rank is required (or set RANK / SLURM_PROCID)")
+    if args.workers is None and args.config is None:
+        args.workers = cluster.world_size_from_env()
     try:
         cfg = resolve_config(args)
-        host, port = parse_endpoint(args.connect)
+        host, port = parse_endpoint(args.connect or cluster.server_from_env() or
+                                    "127.0.0.1:5555")
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))
     worker = None
