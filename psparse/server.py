@@ -351,17 +351,23 @@ class Server:
             self.link.occupy(nbytes)
 
     def _collect(self, it: int, msg_type: str) -> tuple[dict[int, protocol.Message], int]:
-        """One ``msg_type`` message of iteration ``it`` from every rank, and their wire bytes.
+        """One ``msg_type`` message of iteration ``it`` from every rank, and their wire bytes."""
+        got: dict[int, protocol.Message] = {}
+        nbytes = self._gather(got, f"{msg_type} messages of iteration {it}", it, msg_type)
+        return got, nbytes
 
-        Metrics messages arriving meanwhile are handled; anything else is rejected.
+    def _gather(self, got: dict, what: str, it: int | None, msg_type: str | None) -> int:
+        """Receive until every active rank has an entry in ``got``.
+
+        ``msg_type`` messages of iteration ``it`` go into ``got``; metrics are handled as they
+        come (final reports land in ``self._finals``); a worker's error message loses that
+        worker; anything else is rejected. Returns the wire bytes of the messages kept.
         """
         deadline = self._deadline()
-        got: dict[int, protocol.Message] = {}
         nbytes_total = 0
         while self.active - set(got):
             missing = sorted(self.active - set(got))
-            received = self._wait(f"{msg_type} messages of iteration {it} from ranks {missing}",
-                                  deadline, missing, it)
+            received = self._wait(f"{what} from ranks {missing}", deadline, missing, it)
             if received is None:  # a rank was lost (elastic): wait for the others only
                 continue
             peer, frames, nbytes = received
@@ -371,10 +377,10 @@ class Server:
             if msg.type == "metrics":
                 self._on_metrics(msg)
             elif msg.type == "error":  # the worker gives up and says why
-                self._lose([self.peers[peer]], it, msg_type, msg["message"])
-            elif msg.type != msg_type:
+                self._lose([self.peers[peer]], it, what, msg["message"])
+            elif msg_type is None or msg.type != msg_type:
                 self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
-                                                f"waits for {msg_type} of iteration {it}"))
+                                                f"waits for {what}"))
             elif msg["iter"] != it:
                 self.reject(peer, ProtocolError(f"{msg_type} for iteration {msg['iter']}, the "
                                                 f"server is at iteration {it}"))
@@ -384,7 +390,7 @@ class Server:
             else:
                 got[msg["rank"]] = msg
                 nbytes_total += nbytes
-        return got, nbytes_total
+        return nbytes_total
 
     def vote(self, proposals: list[protocol.Message], it: int) -> tuple[np.ndarray, int]:
         """The indices a two-phase round keeps, and how many distinct indices were proposed."""
@@ -480,23 +486,7 @@ class Server:
 
     def finish(self) -> None:
         """Wait for every worker's final report, verify replicas, write summary, stop workers."""
-        deadline = self._deadline()
-        while self.active - set(self._finals):
-            missing = sorted(self.active - set(self._finals))
-            received = self._wait(f"final reports from ranks {missing}", deadline, missing)
-            if received is None:
-                continue
-            peer, frames, _ = received
-            msg = self._accept(peer, frames)
-            if msg is None:
-                continue
-            if msg.type == "metrics":
-                self._on_metrics(msg)
-            elif msg.type == "error":
-                self._lose([self.peers[peer]], None, "final reports", msg["message"])
-            else:
-                self.reject(peer, ProtocolError(f"unexpected {msg.type} after the last "
-                                                "iteration"))
+        self._gather(self._finals, "final reports", None, None)
         self._check_checksums(self.iterations,
                               {r: f["checksum"] for r, f in self._finals.items()})
         if self.limit is not None and self.out_dir:
