@@ -89,7 +89,8 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     def figure(name, title, xlabel, ylabel, series, logy=False):
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, x, y in series:
-            ax.plot(x, y, lw=1.2, label=label)
+            # few points (sparse evaluations) get markers, or a single one would not show
+            ax.plot(x, y, lw=1.2, label=label, marker="o" if len(x) < 30 else None, ms=4)
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
