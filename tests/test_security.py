@@ -73,7 +73,7 @@ def test_training_run_with_curve_keys(tmp_path):
 
 def test_non_loopback_bind_without_keys_warns(tmp_path):
     proc = subprocess.Popen(python_module("psparse.server", "--bind", "0.0.0.0", "--port", "0",
-                                          "--workers", "1", "--timeout", "1", "--out",
+                                          "--workers", "1", "--register-timeout", "1", "--out",
                                           str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.communicate(timeout=60)[0]
