@@ -43,6 +43,12 @@ def _die_with_parent() -> None:
         pass  # not Linux: the workers' own timeouts still end them
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class ForkedProcess:
     """A child running ``module.main(argv)`` in a fork of this process; Popen-like interface."""
 
@@ -110,8 +116,10 @@ def _run_child(module: str, argv: list[str], log_path: Path) -> None:
 
 class Launch:
     def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0,
-                 resume: bool = False, cluster: dict | None = None):
+                 resume: bool = False, cluster: dict | None = None,
+                 baseline: str | None = None):
         self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
+        self.baseline = baseline
         self.resume = resume
         # None: all on this host. Else {"mode": "hostfile"|"slurm", "hosts", "server_host",
         # "port", "bind", "rsh", "gpus_per_node"}
@@ -144,6 +152,13 @@ class Launch:
         self._print(f"psparse: {cfg.workers} workers, {cfg.model}/{cfg.dataset}, density "
                     f"{cfg.density:g}, run dir {self.out}")
         try:
+            if self.baseline == "ddp":
+                port = _free_port()
+                for r in range(cfg.workers):
+                    self._spawn(f"rank-{r}", ["psparse.ddp", "--config", str(config_path),
+                                              "--rank", str(r), "--port", str(port),
+                                              "--out", str(self.out)])
+                return self._monitor()
             if self.cluster:
                 self._start_cluster(config_path, again)
                 return self._monitor()
@@ -266,6 +281,10 @@ class Launch:
     def _read_progress(self) -> None:
         for rec in self._read_lines(METRICS_FILE):
             self._last["metrics"] = rec
+            if "allreduce_bytes" in rec:  # the DDP baseline: a ring moves half each way
+                self._bytes[0] += rec["allreduce_bytes"] / 2
+                self._bytes[1] += rec["allreduce_bytes"] / 2
+                continue
             self._bytes[0] += rec["upload_bytes"]
             self._bytes[1] += rec["broadcast_bytes"]
             self._unions.append(rec["union"] / max(1, rec["budget"]))
@@ -280,8 +299,9 @@ class Launch:
         rate = it / m["time_s"] if m["time_s"] > 0 else 0.0
         acc = f"{100 * e['test_acc']:.2f}%" if e else "-"
         loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "-"
+        union = f"{self._unions[-1]:.2f}" if self._unions else "-"
         line = (f"iter {it:>6} | loss {loss} | test acc {acc} | union/k "
-                f"{self._unions[-1]:.2f} | up {self._bytes[0] / 1e6:.2f} MB | down "
+                f"{union} | up {self._bytes[0] / 1e6:.2f} MB | down "
                 f"{self._bytes[1] / 1e6:.2f} MB | {rate:.1f} it/s")
         tty = sys.stdout.isatty()
         print(("\r" + line) if tty else line, end="\n" if final or not tty else "", flush=True)
@@ -299,11 +319,17 @@ class Launch:
                            f"{s['wall_s']:.1f} s)"),
             ("test accuracy", acc),
             ("union/k", f"mean {s['union_over_k_mean']}  max {s['union_over_k_max']}  "
-                        f"(k = {s['k']}, numel = {s['numel']})"),
-            ("upload (all workers)", f"{s['upload_mb']:.2f} MB"),
-            ("broadcast (server)", f"{s['broadcast_mb']:.2f} MB"),
-            ("dense exchange", f"{s['dense_mb']:.2f} MB  ({ratio:.1f}x more than sparse)"),
+                        f"(k = {s['k']}, numel = {s['numel']})" if not s.get("baseline")
+             else f"- ({s['baseline']}: dense ring allreduce)"),
         ]
+        if s.get("baseline"):
+            rows.append(("ring allreduce", f"{total:.2f} MB  (all workers, both directions)"))
+        else:
+            rows += [
+                ("upload (all workers)", f"{s['upload_mb']:.2f} MB"),
+                ("broadcast (server)", f"{s['broadcast_mb']:.2f} MB"),
+                ("dense exchange", f"{s['dense_mb']:.2f} MB  ({ratio:.1f}x more than sparse)"),
+            ]
         width = max(len(r[0]) for r in rows)
         print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
         print(f"\nfiles: {self.out}/{{config.json, metrics.jsonl, eval.jsonl, summary.json, "
@@ -347,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
                         "already set")
+    p.add_argument("--baseline", choices=["ddp"], default=None,
+                   help="train the same run with torch DistributedDataParallel (dense ring "
+                        "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for comparison")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
                         "server and all workers saved (see --checkpoint-every)")
@@ -390,8 +419,10 @@ def main(argv=None) -> int:
                         "server_host": args.server_host or socket.gethostname(),
                         "port": args.port, "bind": args.bind, "rsh": shlex.split(args.rsh),
                         "gpus_per_node": args.gpus_per_node}
+    if args.baseline and (cluster_mode or args.resume):
+        p.error("--baseline runs on this host only, without --resume")
     launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,
-                    cluster=cluster_mode)
+                    cluster=cluster_mode, baseline=args.baseline)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -29,10 +29,13 @@ def load_run(run_dir: Path) -> dict:
                          (run_dir / name).read_text().splitlines() if line.strip()] \
         if (run_dir / name).is_file() else []
     metrics, evals = read("metrics.jsonl"), read("eval.jsonl")
-    budget = np.array([m.get("budget", max(m["k"]) or 1) for m in metrics], dtype=float)
-    union_k = np.array([m["union"] for m in metrics]) / np.maximum(budget, 1)
+    sparse = [m for m in metrics if "union" in m]  # a DDP baseline run has no union
+    budget = np.array([m.get("budget", max(m["k"]) or 1) for m in sparse], dtype=float)
+    union_k = np.array([m["union"] for m in sparse], dtype=float) / np.maximum(budget, 1)
     label = run_dir.name
-    if config.get("policy"):
+    if summary.get("baseline"):
+        label += f" ({summary['baseline']})"
+    elif config.get("policy"):
         label += f" ({config['policy']})"
     return {"dir": run_dir, "label": label, "summary": summary, "config": config,
             "metrics": metrics, "evals": evals, "union_k": union_k}
@@ -108,10 +111,12 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     cost, unions, acc_it, acc_t = [], [], [], []
     for r in runs:
         it = np.array([m["iter"] for m in r["metrics"]])
-        sent = np.array([m["broadcast_bytes"] + m["upload_bytes"] for m in r["metrics"]]) / 1e6
+        sent = np.array([m.get("allreduce_bytes", 0) + m.get("broadcast_bytes", 0)
+                         + m.get("upload_bytes", 0) for m in r["metrics"]]) / 1e6
         cost.append((r["label"], it[window - 1:] if window > 1 else it, smooth(sent, window)))
-        unions.append((r["label"], it[window - 1:] if window > 1 else it,
-                       smooth(r["union_k"], window)))
+        if r["union_k"].size:
+            unions.append((r["label"], it[window - 1:] if window > 1 else it,
+                           smooth(r["union_k"], window)))
         if r["evals"]:
             acc_it.append((r["label"], [e["iter"] + 1 for e in r["evals"]],
                            [100 * e["test_acc"] for e in r["evals"]]))

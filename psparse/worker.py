@@ -387,19 +387,10 @@ class Worker:
             self._arange = np.arange(self.net.numel, dtype=np.int64)
         return self._arange
 
-    @torch.no_grad()
     def evaluate(self, it: int) -> dict:
-        model = self.net.model
-        model.eval()
-        loss_sum, correct, n = 0.0, 0, 0
-        for x, y in test_batches(self.data):
-            x, y = x.to(self.device), y.to(self.device)
-            out = model(x)
-            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-            n += len(y)
+        test_loss, test_acc = evaluate_model(self.net.model, self.data, self.device)
         epoch = (it + 1) / self.shard.batches_per_epoch
-        return {"epoch": round(epoch, 4), "test_loss": loss_sum / n, "test_acc": correct / n}
+        return {"epoch": round(epoch, 4), "test_loss": test_loss, "test_acc": test_acc}
 
     def report(self, it: int, values: dict, checksum: str | None = None) -> None:
         extra = {"checksum": checksum} if checksum else {}
@@ -423,6 +414,20 @@ class Worker:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.channel.close()
+
+
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, data, device: torch.device) -> tuple[float, float]:
+    """(mean test loss, test accuracy) over the whole test set."""
+    model.eval()
+    loss_sum, correct, n = 0.0, 0, 0
+    for x, y in test_batches(data):
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+        n += len(y)
+    return loss_sum / n, correct / n
 
 
 def local_rank(rank: int) -> int:

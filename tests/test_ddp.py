@@ -1,0 +1,44 @@
+"""The DistributedDataParallel baseline trains the same thing as psparse at density 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import python_module, read_jsonl
+
+RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "60",
+       "--eval-every", "30", "--seed", "2", "--quiet"]
+
+
+def test_ddp_baseline_matches_dense_psparse(tmp_path):
+    for name, extra in (("ddp", ["--baseline", "ddp"]), ("dense", ["--density", "1"])):
+        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
+                                         *extra), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    ddp, dense = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("ddp", "dense"))
+    assert len(ddp) == len(dense) == 60
+    # same initial weights and batches: the first loss is the same number
+    assert abs(ddp[0]["loss"] - dense[0]["loss"]) < 1e-6
+    # the same averaged gradient every step (up to float summation order)
+    assert abs(ddp[-1]["loss"] - dense[-1]["loss"]) < 1e-3
+    s_ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    s_dense = json.loads((tmp_path / "dense" / "summary.json").read_text())
+    assert s_ddp["baseline"] == "ddp (gloo)" and s_ddp["iterations"] == 60
+    assert abs(s_ddp["test_acc"] - s_dense["test_acc"]) < 0.01
+    numel = 64 * 32 + 32 + 32 * 10 + 10
+    assert ddp[0]["allreduce_bytes"] == int(2 * 2 / 3 * 4 * numel * 3)
+    assert [e["iter"] for e in read_jsonl(tmp_path / "ddp" / "eval.jsonl")] == [29, 59]
+
+
+def test_report_compares_a_ddp_run_with_a_psparse_run(tmp_path):
+    for name, extra in (("ddp", ["--baseline", "ddp"]), ("sparse", [])):
+        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
+                                         *extra), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(python_module("psparse.report", str(tmp_path / "ddp"),
+                                     str(tmp_path / "sparse"), "--out", str(tmp_path / "rep")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ddp (ddp (gloo))" in r.stdout and "sparse (topk)" in r.stdout
+    assert (tmp_path / "rep" / "send_cost.png").stat().st_size > 15_000
