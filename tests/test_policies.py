@@ -258,3 +258,17 @@ def test_unknown_policy_is_refused_before_anything_starts(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no parameter 'gamma'; valid: beta, lam" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_documented_user_policy_works(tmp_path, monkeypatch):
+    """docs/policies.md's 30-line example, extracted and loaded like a user would."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "policies.md").read_text()
+    code = doc.split("### A complete user policy")[1].split("```python\n")[1].split("```")[0]
+    assert len(code.strip().splitlines()) <= 30
+    (tmp_path / "sticky.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = build_policy("sticky:Sticky", ["bonus=3"], Layout([10]), 2)
+    acc = arr(5, 0, 2, 0, 0, 0, 0, 0, 0, 1)
+    assert p.select(acc, 0).tolist() == [0, 2]
+    p.observe(np.array([9]), arr(1), 0)
+    assert p.select(acc, 1).tolist() == [0, 9]  # 1 x 3 beats 2
