@@ -187,17 +187,16 @@ class Launch:
                                *again])
         self._wait_for_port()
         server = f"{c['server_host']}:{c['port']}"
-        extra = ["--resume"] if again else []
         out = str(self.out.resolve())
         if c["mode"] == "slurm":
-            argv = cluster.srun_command(cfg, server, out) + extra
+            argv = cluster.srun_command(cfg, server, out) + again
             self._spawn_piped("workers", argv, prefix="rank ")
             return
         for rank, host, local in cluster.place(c["hosts"], cfg.workers):
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
             if c["gpus_per_node"] and "CUDA_VISIBLE_DEVICES" not in env:
                 env["CUDA_VISIBLE_DEVICES"] = str(local % c["gpus_per_node"])
-            argv = cluster.worker_argv(cfg, server, out, rank) + extra
+            argv = cluster.worker_argv(cfg, server, out, rank) + again
             self._spawn_piped(f"rank-{rank}", cluster.remote_command(
                 c["rsh"], host, argv, os.getcwd(), env), prefix=f"rank {rank}| ")
 
