@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench clean
+.PHONY: install test test-fast demo data lint bench clean exp-%
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ test-fast: install data
 
 demo: install data
 	$(VENV)/bin/psparse-launch --workers 8 --out runs/demo
+
+# experiment sweeps: make exp-policies, make exp-lenet-mnist, make exp-cost-model
+exp-%: install data
+	$(PY) -m experiments.run $*
 
 lint: install
 	$(VENV)/bin/ruff check psparse tests benchmarks

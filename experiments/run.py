@@ -25,8 +25,39 @@ RESULTS = ROOT / "experiments" / "results"
 LENET = ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density", "0.01",
          "--epochs", "2", "--eval-every", "0"]
 
+# The policies of the LeNet/MNIST sweep, with the parameters measured best at density 1%.
+SWEEP_POLICIES = {
+    "topk": ["--policy", "topk"],
+    "randomk": ["--policy", "randomk"],
+    "threshold": ["--policy", "threshold", "--policy-arg", "lam=0.02"],
+    "frequency": ["--policy", "frequency"],
+    "ema": ["--policy", "ema"],
+    "penalty": ["--policy", "penalty", "--policy-arg", "pi=0.1"],
+    "cltk": ["--policy", "cltk"],
+    "core": ["--policy", "core"],
+    "vote": ["--policy", "vote", "--policy-arg", "keep=1.5"],
+}
+
+
+def _lenet_mnist_runs() -> dict[str, list[str]]:
+    """Every policy at density 1% and 0.1%, with and without a 2k server limit; dense."""
+    runs = {"dense": ["--density", "1"]}
+    for density in ("0.01", "0.001"):
+        for name, args in SWEEP_POLICIES.items():
+            runs[f"{name}-d{density}"] = ["--density", density, *args]
+            runs[f"{name}-d{density}-limit2k"] = ["--density", density, "--server-limit", "2k",
+                                                  *args]
+    return runs
+
+
 # name -> launcher arguments (added to the sweep's base arguments)
 SWEEPS: dict[str, dict] = {
+    # issue 6: the thesis-style convergence sweep, CPU-sized (about 80 s per run here)
+    "lenet-mnist": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
+                 "--eval-every", "117"],
+        "runs": _lenet_mnist_runs(),
+    },
     # time per iteration at emulated link rates, to check psparse-model (experiments/model_check)
     "cost-model": {
         "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density", "0.01",
@@ -124,12 +155,18 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the psparse-launch arguments of every run and stop")
     args = p.parse_args(argv)
     sweep = SWEEPS[args.sweep]
     names = args.only.split(",") if args.only else list(sweep["runs"])
     unknown = [n for n in names if n not in sweep["runs"]]
     if unknown:
         p.error(f"unknown run(s) {unknown}; the sweep has {list(sweep['runs'])}")
+    if args.dry_run:
+        for name in names:
+            print(f"{name}: psparse-launch {' '.join(sweep['base'] + sweep['runs'][name])}")
+        return 0
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in names:
