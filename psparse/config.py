@@ -230,6 +230,15 @@ def _field_type(f):
     return str
 
 
+def parse_with_config(parser: argparse.ArgumentParser, argv=None):
+    """(args, config) from the command line; a bad config exits with the parser's error."""
+    args = parser.parse_args(argv)
+    try:
+        return args, resolve_config(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """Defaults, then the config file, then command-line flags; validated."""
     values = {}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .config import RunConfig, add_config_arguments, parse_with_config
 from .data import Shard, load_dataset
 from .models import build_model
 from .worker import evaluate_model, pick_device
@@ -114,12 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-    except ConfigError as exc:
-        p.error(str(exc))
+    args, cfg = parse_with_config(build_parser(), argv)
     return train(cfg, args.rank, args.port, args.out)
 
 

@@ -26,7 +26,7 @@ import zmq
 
 from . import checkpoint, protocol
 from .codec import KeyCache
-from .config import ConfigError, add_config_arguments, parse_limit, resolve_config
+from .config import add_config_arguments, parse_limit, parse_with_config
 from .protocol import ProtocolError
 from .sparsify import topk_exact
 from .transport import Channel, Pacer, TransportTimeout, is_loopback, parse_rate, warn, wire_bytes
@@ -683,12 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    try:
-        cfg = resolve_config(args)
-    except ConfigError as exc:
-        p.error(str(exc))
+    args, cfg = parse_with_config(build_parser(), argv)
     if not is_loopback(args.bind) and not cfg.curve_keys:
         warn(f"binding {args.bind}: the server accepts pushes from any host that reaches this "
              "port (no authentication; use --curve-keys)")
