@@ -98,13 +98,16 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     if data_dir:
         cmd += ["--data-dir", data_dir]
     summary_path = out / "summary.json"
+    # The run's identity is its arguments, not where the checkout lives (sweeps are often run
+    # from a separate worktree so that editing the code does not change a running sweep).
+    identity = cmd[6:]
     done = summary_path.is_file() and (out / "command.json").is_file() \
-        and json.loads((out / "command.json").read_text()) == cmd[3:]
+        and json.loads((out / "command.json").read_text()) == identity
     if not done:
         t = time.perf_counter()
         print(f"[{sweep}] {name} seed {seed} ...", flush=True)
         r = subprocess.run(cmd, cwd=ROOT)
-        (out / "command.json").write_text(json.dumps(cmd[3:]))
+        (out / "command.json").write_text(json.dumps(identity))
         if r.returncode != 0:
             print(f"[{sweep}] {name} seed {seed} FAILED (exit {r.returncode}); logs in {out}",
                   flush=True)
