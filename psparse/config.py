@@ -213,8 +213,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
                                help=HELP[f.name])
             continue
         text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
+        # argparse %-formats help strings: a literal "25%" would crash --help
         group.add_argument(flag, type=kind, default=None, dest=f.name,
-                           metavar=kind.__name__.upper(), help=text)
+                           metavar=kind.__name__.upper(), help=text.replace("%", "%%"))
 
 
 def _field_type(f):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,20 @@ def test_every_metrics_and_summary_field_is_in_the_readme(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     missing = [k for k in [*record, *summary] if f"`{k}`" not in README]
     assert not missing, f"README does not document {missing}"
+
+
+
+# console script name -> module, from setup.cfg's entry points
+SCRIPTS = dict((name.strip(), target.strip().split(":")[0]) for name, target in
+               (line.split("=") for line in
+                (Path(__file__).resolve().parent.parent / "setup.cfg").read_text().splitlines()
+                if line.strip().startswith("psparse-") and "=" in line))
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_console_script_prints_its_help(script):
+    """--help is the first thing a user runs; argparse %-formats help text, so it can crash."""
+    r = subprocess.run([sys.executable, "-m", SCRIPTS[script], "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage:" in r.stdout
