@@ -9,6 +9,7 @@ each hold a float copy of the training set.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import hashlib
 import io
@@ -208,26 +209,32 @@ def _cifar_jpeg_cached(source: Path):
     stat = source.stat()
     key = hashlib.sha1(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     path = cache_dir() / f"cifar10-{key.hexdigest()[:12]}.npz"
-    if path.is_file():
-        with np.load(path) as z:
-            return z["tx"], z["ty"], z["vx"], z["vy"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # All workers of a run start together: one decodes (~20 s of CPU) while the others wait on
+    # the lock and then read its cache, instead of all decoding and racing on the same file.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            _decode_cifar_jpegs(source, path)
+    with np.load(path) as z:
+        return z["tx"], z["ty"], z["vx"], z["vy"]
+
+
+def _decode_cifar_jpegs(source: Path, path: Path) -> None:
     print(f"decoding CIFAR-10 JPEGs from {source} (once; cached in {path}) ...", flush=True)
     images: dict[str, list] = {"train": [], "test": []}
     for split, cls, data in _iter_jpegs(source):
         images[split].append((cls, data))
-    arrays = []
-    for split in ("train", "test"):
+    arrays = {}
+    for split, (xname, yname) in (("train", ("tx", "ty")), ("test", ("vx", "vy"))):
         items = sorted(images[split], key=lambda t: (t[0], t[1][0]))
         if not items:
             raise DataError(f"{source}: no {split}/<class>/*.jpg images found")
-        x = np.stack([_decode_jpeg(data) for _, (_, data) in items])
-        y = np.array([CIFAR_CLASSES.index(cls) for cls, _ in items], dtype=np.int64)
-        arrays += [x, y]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, tx=arrays[0], ty=arrays[1], vx=arrays[2], vy=arrays[3])
-    tmp.replace(path)
-    return tuple(arrays)
+        arrays[xname] = np.stack([_decode_jpeg(data) for _, (_, data) in items])
+        arrays[yname] = np.array([CIFAR_CLASSES.index(cls) for cls, _ in items], dtype=np.int64)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)  # atomic: a reader sees the whole file or none
 
 
 def _iter_jpegs(source: Path):

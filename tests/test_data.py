@@ -5,7 +5,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,17 +61,17 @@ def test_missing_mnist_says_what_to_do(tmp_path):
         load_dataset("mnist", tmp_path)
 
 
-def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch):
+def _write_image_archive(path: Path, per_class: int) -> dict:
+    """A CIFAR-style image-folder tar.gz (train|test/<class>/NNNN.png); returns the pixels."""
     from PIL import Image
 
-    monkeypatch.setenv("PSPARSE_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     pixels = {}
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for split in ("train", "test"):
             for cls in ("cat", "ship"):
-                for i in range(2):
+                for i in range(per_class):
                     img = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
                     b = io.BytesIO()
                     Image.fromarray(img).save(b, format="PNG")  # lossless: pixels comparable
@@ -76,7 +80,13 @@ def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch)
                     b.seek(0)
                     tar.addfile(info, b)
                     pixels[(split, cls, i)] = img
-    (tmp_path / "cifar10-jpeg.tar.gz").write_bytes(buf.getvalue())
+    path.write_bytes(buf.getvalue())
+    return pixels
+
+
+def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSPARSE_CACHE", str(tmp_path / "cache"))
+    pixels = _write_image_archive(tmp_path / "cifar10-jpeg.tar.gz", per_class=2)
     ds = load_dataset("cifar10", tmp_path)
     assert ds.train_x.shape == (4, 3, 32, 32) and ds.test_x.shape == (4, 3, 32, 32)
     assert ds.train_y.tolist() == [3, 3, 8, 8]  # cat = 3, ship = 8 in CIFAR order
@@ -84,6 +94,26 @@ def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch)
     assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
     again = load_dataset("cifar10", tmp_path)  # from the cache
     np.testing.assert_array_equal(again.test_x, ds.test_x)
+
+
+def test_workers_starting_together_decode_the_archive_once(tmp_path):
+    """Eight workers of a run load CIFAR at the same moment: one decodes, the rest wait for its
+    cache (each decoding on its own once raced on the cache file and crashed a run)."""
+    _write_image_archive(tmp_path / "cifar10-jpeg.tar.gz", per_class=300)
+    env = {**os.environ, "PSPARSE_CACHE": str(tmp_path / "cache")}
+    code = ("import sys, hashlib; from psparse.data import load_dataset; "
+            "d = load_dataset('cifar10', sys.argv[1]); "
+            "print('digest', hashlib.sha1(d.train_x.tobytes()).hexdigest())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in outs]
+    stdout = "".join(out for out, _ in outs)
+    assert stdout.count("decoding CIFAR-10") == 1, stdout
+    assert len({line for line in stdout.splitlines() if line.startswith("digest")}) == 1
+    assert [p.name for p in (tmp_path / "cache").glob("*.npz")] and \
+        not list((tmp_path / "cache").glob("*.tmp.npz"))
 
 
 def test_cifar_python_batches(tmp_path):
