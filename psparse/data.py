@@ -214,10 +214,16 @@ def _cifar_jpeg_cached(source: Path):
     # the lock and then read its cache, instead of all decoding and racing on the same file.
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.is_file():
-            _decode_cifar_jpegs(source, path)
-    with np.load(path) as z:
-        return z["tx"], z["ty"], z["vx"], z["vy"]
+        if path.is_file():
+            try:
+                with np.load(path) as z:
+                    return z["tx"], z["ty"], z["vx"], z["vy"]
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+                print(f"cache {path} unreadable ({e}); decoding again", flush=True)
+                path.unlink()
+        _decode_cifar_jpegs(source, path)
+        with np.load(path) as z:
+            return z["tx"], z["ty"], z["vx"], z["vy"]
 
 
 def _decode_cifar_jpegs(source: Path, path: Path) -> None:

@@ -151,3 +151,13 @@ def test_model_sizes():
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(models.LeNet5()) == 61706
     assert 260_000 < count(models.ResNet20()) < 280_000
+
+
+def test_a_corrupt_cache_is_decoded_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("PSPARSE_CACHE", str(tmp_path / "cache"))
+    _write_image_archive(tmp_path / "cifar10-jpeg.tar.gz", per_class=2)
+    ds = load_dataset("cifar10", tmp_path)
+    (cache,) = (tmp_path / "cache").glob("*.npz")
+    cache.write_bytes(cache.read_bytes()[:100])  # e.g. a crash mid-write by an older version
+    again = load_dataset("cifar10", tmp_path)
+    np.testing.assert_array_equal(again.train_x, ds.train_x)
