@@ -40,13 +40,27 @@ SWEEP_POLICIES = {
 
 
 def _lenet_mnist_runs() -> dict[str, list[str]]:
-    """Every policy at density 1% and 0.1%, with and without a 2k server limit; dense."""
-    runs = {"dense": ["--density", "1"]}
+    """Every policy at density 1% and 0.1%, with and without a 2k server limit; dense; DDP."""
+    runs = {"dense": ["--density", "1"], "ddp": ["--baseline", "ddp", "--density", "1"]}
     for density in ("0.01", "0.001"):
         for name, args in SWEEP_POLICIES.items():
             runs[f"{name}-d{density}"] = ["--density", density, *args]
             runs[f"{name}-d{density}-limit2k"] = ["--density", density, "--server-limit", "2k",
                                                   *args]
+    return runs
+
+
+# 8 workers x 32 images = 256 per iteration, 195 iterations per epoch.
+RESNET20 = ["--workers", "8", "--model", "resnet20", "--dataset", "cifar10", "--batch-size",
+            "32", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "1e-4"]
+
+
+def _resnet20_runs() -> dict[str, list[str]]:
+    """Dense, top-k, the best aligning policy (core) and cltk at density 1% and 0.1%."""
+    runs = {"dense": ["--density", "1"]}
+    for density in ("0.01", "0.001"):
+        for name in ("topk", "core", "cltk"):
+            runs[f"{name}-d{density}"] = ["--density", density, *SWEEP_POLICIES[name]]
     return runs
 
 
@@ -57,6 +71,36 @@ SWEEPS: dict[str, dict] = {
         "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
                  "--eval-every", "117"],
         "runs": _lenet_mnist_runs(),
+    },
+    # issue 6: the same LeNet runs on an emulated 100 Mbit/s link at the server (the thesis's
+    # question: does a smaller broadcast make training reach an accuracy sooner in time?)
+    "time-to-accuracy": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
+                 "--eval-every", "117", "--bandwidth", "100Mbit"],
+        "runs": {
+            "dense": ["--density", "1"],
+            "topk-d0.01": ["--density", "0.01", *SWEEP_POLICIES["topk"]],
+            "topk-d0.01-limit2k": ["--density", "0.01", "--server-limit", "2k",
+                                   *SWEEP_POLICIES["topk"]],
+            "core-d0.01": ["--density", "0.01", *SWEEP_POLICIES["core"]],
+            "vote-d0.01": ["--density", "0.01", *SWEEP_POLICIES["vote"]],
+            "cltk-d0.01": ["--density", "0.01", *SWEEP_POLICIES["cltk"]],
+        },
+    },
+    # issue 6, CPU-sized: ResNet-20/CIFAR-10 for 2 epochs (about 12 min per run on 2 cores),
+    # DGC warm-up over the first epoch, SGD lr 0.1, momentum 0.9, weight decay 1e-4.
+    "resnet20-cifar10": {
+        "base": RESNET20 + ["--epochs", "2", "--eval-every", "98", "--density-warmup", "1"],
+        "runs": _resnet20_runs(),
+        "target": 0.5,
+    },
+    # the same sweep sized for a GPU cluster (ResNet paper schedule length, DGC's 4 warm-up
+    # epochs): python -m experiments.run resnet20-cifar10-gpu --data-dir DIR
+    "resnet20-cifar10-gpu": {
+        "base": RESNET20 + ["--epochs", "160", "--eval-every", "390", "--density-warmup", "4",
+                            "--device", "cuda"],
+        "runs": _resnet20_runs(),
+        "target": 0.9,
     },
     # time per iteration at emulated link rates, to check psparse-model (experiments/model_check)
     "cost-model": {
@@ -91,7 +135,8 @@ SWEEPS: dict[str, dict] = {
 }
 
 
-def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None) -> dict:
+def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None,
+            target: float) -> dict:
     out = ROOT / "runs" / sweep / f"{name}-s{seed}"
     cmd = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet", *args,
            "--seed", str(seed)]
@@ -107,6 +152,7 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
         t = time.perf_counter()
         print(f"[{sweep}] {name} seed {seed} ...", flush=True)
         r = subprocess.run(cmd, cwd=ROOT)
+        out.mkdir(parents=True, exist_ok=True)  # a launcher that failed early may not have
         (out / "command.json").write_text(json.dumps(identity))
         if r.returncode != 0:
             print(f"[{sweep}] {name} seed {seed} FAILED (exit {r.returncode}); logs in {out}",
@@ -121,33 +167,51 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
         return {"run": name, "seed": seed, "failed": summary["error"],
                 "dir": str(out.relative_to(ROOT))}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    row = {"run": name, "seed": seed, "test_acc": summary["test_acc"],
+           "best_acc": max(e["test_acc"] for e in evals),
+           "broadcast_mb": summary["broadcast_mb"], "upload_mb": summary["upload_mb"],
+           "iterations_per_s": summary["iterations_per_s"],
+           "ms_per_iteration": 1000 * summary["wall_s"] / summary["iterations"],
+           "target_acc": target,
+           # wall time at the first evaluation that reached the target (None: never reached)
+           "time_to_target_s": next((e["time_s"] for e in evals if e["test_acc"] >= target),
+                                    None),
+           "dir": str(out.relative_to(ROOT))}
+    if "baseline" in summary:  # DDP: dense ring allreduce, no union; bytes = ring traffic
+        row.update(baseline=summary["baseline"], union_k_mean=1.0, union_k_p95=1.0,
+                   k_mean=float(summary["numel"]))
+        return row
     ratio = np.array([m["union"] / m.get("budget", max(m["k"])) for m in metrics])
-    return {"run": name, "seed": seed, "test_acc": summary["test_acc"],
-            "union_k_mean": float(ratio.mean()), "union_k_p95": float(np.percentile(ratio, 95)),
-            "broadcast_mb": summary["broadcast_mb"], "upload_mb": summary["upload_mb"],
-            "k_mean": float(np.mean([np.mean(m["k"]) for m in metrics])),
-            "iterations_per_s": summary["iterations_per_s"], "dir": str(out.relative_to(ROOT))}
+    row.update(union_k_mean=float(ratio.mean()), union_k_p95=float(np.percentile(ratio, 95)),
+               k_mean=float(np.mean([np.mean(m["k"]) for m in metrics])))
+    return row
 
 
 def table(rows: list[dict]) -> str:
     by_run: dict[str, list[dict]] = {}
     for r in rows:
         by_run.setdefault(r["run"], []).append(r)
-    lines = ["| run | seeds | test acc % | union/k mean | union/k p95 | broadcast MB | "
-             "upload MB | mean k | it/s |", "|---|---|---|---|---|---|---|---|---|"]
+    target = next((r["target_acc"] for r in rows if "target_acc" in r), 0.98)
+    lines = ["| run | seeds | final acc % | best acc % | union/k mean | union/k p95 | "
+             f"broadcast MB | upload MB | mean k | ms/iter | s to {100 * target:g}% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in by_run.items():
         failed = [r for r in rs if "failed" in r]
         if failed:
             lines.append(f"| {name} | {len(rs)} | failed: {failed[0]['failed'][:90]} | | | | | "
-                         "| |")
+                         "| | | |")
             continue
         acc = np.array([r["test_acc"] for r in rs]) * 100
         accs = f"{acc.mean():.2f}" + (f" ± {acc.std():.2f}" if len(rs) > 1 else "")
         mean = lambda key: np.mean([r[key] for r in rs])  # noqa: E731
-        lines.append(f"| {name} | {len(rs)} | {accs} | {mean('union_k_mean'):.2f} | "
-                     f"{mean('union_k_p95'):.2f} | {mean('broadcast_mb'):.1f} | "
-                     f"{mean('upload_mb'):.1f} | {mean('k_mean'):.0f} | "
-                     f"{mean('iterations_per_s'):.1f} |")
+        reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
+        to_target = (f"{np.mean(reached):.0f}" if len(reached) == len(rs) else
+                     f"not reached ({len(rs) - len(reached)} of {len(rs)})")
+        lines.append(f"| {name} | {len(rs)} | {accs} | {100 * mean('best_acc'):.2f} | "
+                     f"{mean('union_k_mean'):.2f} | {mean('union_k_p95'):.2f} | "
+                     f"{mean('broadcast_mb'):.1f} | {mean('upload_mb'):.1f} | "
+                     f"{mean('k_mean'):.0f} | {mean('ms_per_iteration'):.1f} | {to_target} |")
     return "\n".join(lines)
 
 
@@ -174,7 +238,7 @@ def main(argv=None) -> int:
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in names:
             rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
-                                args.data_dir))
+                                args.data_dir, sweep.get("target", 0.98)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
