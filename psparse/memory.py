@@ -20,39 +20,35 @@ import math
 
 import numpy as np
 
+from . import kernels
+from .xp import array_module
+
 MEMORIES = ("residual", "dgc")
 
 
 class Memory:
+    """The accumulator (and DGC velocity) of one worker, on the host (``xp=numpy``) or the GPU
+    (``xp=cupy``: then ``add`` takes the gradient as a CuPy view of the torch tensor)."""
+
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = None, xp=np):
         if kind not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {kind!r}")
         self.kind, self.momentum, self.clip_norm = kind, momentum, clip_norm
-        self.accumulator = np.zeros(numel, dtype=np.float32)
-        self.velocity = np.zeros(numel, dtype=np.float32) if kind == "dgc" else None
+        self.accumulator = xp.zeros(numel, dtype=xp.float32)
+        self.velocity = xp.zeros(numel, dtype=xp.float32) if kind == "dgc" else None
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
         if self.clip_norm is not None:
-            norm = float(np.linalg.norm(grad))
+            norm = float(array_module(grad).linalg.norm(grad))
             if norm > self.clip_norm:
                 grad = grad * np.float32(self.clip_norm / norm)
-        if self.velocity is not None:
-            self.velocity *= np.float32(self.momentum)
-            self.velocity += grad
-            self.accumulator += self.velocity
-        else:
-            self.accumulator += grad
-        return self.accumulator
+        return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
 
-    def take(self, indices: np.ndarray) -> np.ndarray:
+    def take(self, indices):
         """Values at ``indices`` (to push), then zero them there (and the velocity, for DGC)."""
-        values = self.accumulator[indices]  # fancy indexing copies
-        self.accumulator[indices] = 0.0
-        if self.velocity is not None:
-            self.velocity[indices] = 0.0
-        return values
+        return kernels.take(self.accumulator, indices, self.velocity)
 
     @property
     def optimizer_momentum_applies(self) -> bool:

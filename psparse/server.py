@@ -27,6 +27,7 @@ import zmq
 from . import checkpoint, protocol
 from .codec import KeyCache
 from .config import add_config_arguments, parse_limit, parse_with_config
+from .kernels import sorted_union, sparse_mean
 from .protocol import ProtocolError
 from .sparsify import topk_exact
 from .transport import Channel, Pacer, TransportTimeout, is_loopback, parse_rate, warn, wire_bytes
@@ -604,40 +605,6 @@ class ServerLimit:
         self.support = candidates[held]
         self.residual[self.support] = values[held]
         return candidates[keep], values[keep]
-
-
-def sparse_mean(accumulator: np.ndarray, indices: list[np.ndarray],
-                values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Mean of N sparse vectors, as (sorted union of their indices, mean values there).
-
-    ``accumulator`` is a zeroed dense scratch vector, left zeroed again on return (only the
-    union's entries are touched, so a round costs O(N*k), not O(numel)). Vectors are summed in
-    list order, so the float result does not depend on message arrival order.
-    """
-    if not indices:
-        return np.empty(0, np.int64), np.empty(0, np.float32)
-    for idx, val in zip(indices, values):
-        # numpy >= 1.25 has a fast add.at path; it is ~3x faster than ``acc[idx] += val``
-        # (gather, add, scatter with temporaries) on sorted unique indices.
-        np.add.at(accumulator, idx, val)
-    union = sorted_union(indices)
-    mean = accumulator[union] / np.float32(len(indices))
-    accumulator[union] = 0.0
-    return union, mean
-
-
-def sorted_union(indices: list[np.ndarray]) -> np.ndarray:
-    """Sorted distinct values of several index arrays.
-
-    Sort then drop repeats: ``numpy.unique`` (numpy 2.x) is ~50x slower than this on 10^6 ints.
-    """
-    merged = np.sort(np.concatenate(indices))
-    if merged.size < 2:
-        return merged
-    keep = np.empty(merged.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(merged[1:], merged[:-1], out=keep[1:])
-    return merged[keep]
 
 
 def _open_truncated(path: Path, keep):

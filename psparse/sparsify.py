@@ -1,40 +1,49 @@
-"""Top-k selection of an accumulator's largest-magnitude entries (CPU, numpy).
+"""Top-k selection of an accumulator's largest-magnitude entries, on the host or the GPU.
 
-Two algorithms, one answer (the k indices of largest |x|, returned sorted):
+Two algorithms, one answer (the k indices of largest |x|, ties to the lower index, sorted):
 
-* ``topk_exact``: ``numpy.argpartition`` on |x|. Used for small tensors, and as the fallback.
-* ``topk_threshold``: estimate the magnitude of the k-th largest entry from a strided sample
-  (~1% of x), lower it by a safety margin, then one streaming pass collects the indices with
-  |x| >= threshold, block by block so the |x| scratch stays in cache; finally trim the (slightly
-  more than k) candidates to exactly k with argpartition. If the estimate was too high and fewer
-  than k candidates come back, the exact path runs instead, so the result is always exact.
+* ``topk_exact``: ``numpy.partition`` for the k-th magnitude, then the entries above it and the
+  lowest-index ties. Used for small tensors (below ``EXACT_BELOW``).
+* ``Selector.topk`` on large tensors: ``kernels.select`` -- estimate the k-th magnitude from a
+  strided ~1% sample, lowered by a margin, one streaming pass collects the candidates at or above
+  it (block by block so the |x| scratch stays in cache; on the GPU one fused CUDA pass), then the
+  ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th
+  magnitude is used, so the result is always exact.
 
+CuPy arrays (``--device cuda``) go to the GPU compaction; the answer is the same set.
 ``torch.topk`` on large 1-D CPU tensors is several times slower than either (see ``make bench``).
-Ties at the k-th magnitude are broken deterministically (same input, same output).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# Below this size argpartition is as fast as anything, so there is no point estimating.
+from . import kernels
+from .kernels import NonFiniteError
+from .xp import is_gpu
+
+__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "split_k",
+           "topk_exact"]
+
+# Below this size partition is as fast as anything, so there is no point estimating.
 EXACT_BELOW = 1 << 20
 BLOCK = 1 << 16  # elements per streaming block: 256 KiB of float32, fits in L2 with its scratch
-SAMPLE_STRIDE = 97  # prime stride: ~1% sample, no aliasing with layer shapes (powers of two)
-MARGIN = 1.25  # aim for 25% more candidates than k, so an unlucky sample rarely falls short
 
 
 def topk_exact(x: np.ndarray, k: int) -> np.ndarray:
-    """Sorted indices of the k largest |x| (exact)."""
+    """Sorted indices of the k largest |x| (exact; ties to the lower index)."""
     n = x.size
     if k <= 0:
         return np.empty(0, dtype=np.int64)
     if k >= n:
         return np.arange(n, dtype=np.int64)
     mag = np.abs(x)
-    idx = np.argpartition(mag, n - k)[n - k:]
-    idx.sort()
-    return idx
+    if not np.isfinite(mag.sum()):
+        raise NonFiniteError("the accumulator holds NaN or inf")
+    kth = np.partition(mag, n - k)[n - k]
+    above = np.flatnonzero(mag > kth)
+    ties = np.flatnonzero(mag == kth)[:k - above.size]
+    return np.union1d(above, ties)
 
 
 class Selector:
@@ -43,44 +52,23 @@ class Selector:
     def __init__(self, n: int, exact_below: int = EXACT_BELOW):
         self.n = n
         self.exact = n < exact_below
-        if not self.exact:
-            self._abs = np.empty(BLOCK, dtype=np.float32)
-            self._mask = np.empty(BLOCK, dtype=bool)
-        self.fallbacks = 0  # times the sampled threshold was too high (exact path used)
+        self._abs = None if self.exact else np.empty(BLOCK, dtype=np.float32)
+        self._passes = 0
+        self.fallbacks = 0  # times the sampled threshold misjudged (exact threshold used)
 
-    def topk(self, x: np.ndarray, k: int) -> np.ndarray:
+    def topk(self, x, k: int):
+        if is_gpu(x):
+            return kernels.select_any(x, k)[0]
         if self.exact or k <= 0 or k >= x.size:
             return topk_exact(x, k)
-        threshold = self.estimate_threshold(x, k)
-        candidates = self.above(x, threshold)
-        if candidates.size < k:
-            self.fallbacks += 1
-            return topk_exact(x, k)
-        if candidates.size > k:
-            mag = np.abs(x[candidates])
-            keep = np.argpartition(mag, candidates.size - k)[candidates.size - k:]
-            candidates = candidates[np.sort(keep)]
-        return candidates
+        self._passes = 0
+        indices, _ = kernels.select(x, k, self._compact)
+        self.fallbacks += self._passes > 1
+        return indices
 
-    def estimate_threshold(self, x: np.ndarray, k: int) -> float:
-        sample = np.abs(x[::SAMPLE_STRIDE])
-        # Expected number of sample entries at or above the k-th largest magnitude, with margin.
-        want = min(sample.size, max(1, int(np.ceil(k * MARGIN * sample.size / x.size)) + 1))
-        return float(np.partition(sample, sample.size - want)[sample.size - want])
-
-    def above(self, x: np.ndarray, threshold: float) -> np.ndarray:
-        """Sorted indices with |x| >= threshold, streaming x once in cache-sized blocks."""
-        parts = []
-        for start in range(0, x.size, BLOCK):
-            block = x[start:start + BLOCK]
-            m = block.size
-            mag, mask = self._abs[:m], self._mask[:m]
-            np.abs(block, out=mag)
-            np.greater_equal(mag, threshold, out=mask)
-            hits = np.flatnonzero(mask)
-            if hits.size:
-                parts.append(hits + start)
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    def _compact(self, x, threshold, capacity):
+        self._passes += 1
+        return kernels.compact_numpy(x, threshold, capacity, BLOCK, self._abs)
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:

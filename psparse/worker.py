@@ -39,8 +39,9 @@ from .memory import Memory, density_schedule
 from .models import build_model
 from .policies import Layout, PolicyError, build_policy
 from .protocol import ProtocolError
-from .sparsify import density_to_k, topk_exact
+from .sparsify import NonFiniteError, density_to_k, topk_exact
 from .transport import Channel, TransportTimeout
+from .xp import cupy_or_none, from_torch, to_host
 
 
 class WorkerError(RuntimeError):
@@ -65,10 +66,9 @@ class FlatModel:
         self.numel = sum(self.layer_sizes)
         self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        # selection runs on the host: on a GPU the gradient crosses once per iteration into a
-        # pinned buffer (the CuPy kernels of the GPU path will keep it on the device)
-        self.host_grad = self.grad if device.type == "cpu" else \
-            torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        # Without CuPy a GPU gradient crosses to the host once per iteration, into pinned memory
+        # (allocated on first use); with CuPy it stays on the device (``grad_array``).
+        self.host_grad = self.grad if device.type == "cpu" else None
         offset = 0
         for p, n in zip(params, self.layer_sizes):
             self.params[offset:offset + n].copy_(p.data.view(-1))
@@ -80,7 +80,13 @@ class FlatModel:
     def checksum(self) -> str:
         return hashlib.blake2b(self.params.cpu().numpy().data, digest_size=8).hexdigest()
 
-    def grad_on_host(self) -> np.ndarray:
+    def grad_array(self, xp=np):
+        """The gradient as an array of ``xp``: a CuPy view of the CUDA tensor (no copy), or a
+        numpy array (the CPU tensor's own memory, or a pinned host copy of a CUDA gradient)."""
+        if xp is not np:
+            return from_torch(self.grad)
+        if self.host_grad is None:
+            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
         if self.host_grad is not self.grad:
             self.host_grad.copy_(self.grad)
         return self.host_grad.numpy()
@@ -153,7 +159,11 @@ class Worker:
         self.device = pick_device(cfg.device, rank)
         self.net = FlatModel(build_model(cfg.model, self.data.in_shape, self.data.num_classes),
                              self.device)
-        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm)
+        # the GPU path: accumulator, selection and policy state on the device (CuPy kernels)
+        self.xp = gpu_array_module(self.device, self.log)
+        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
+                             xp=self.xp)
+        self.outbox = HostBuffers()  # pinned host copies of the k pairs (GPU path)
         # With DGC the momentum is applied locally (in the memory), so SGD must not add more.
         momentum = cfg.momentum if self.memory.optimizer_momentum_applies else 0.0
         self.optimizer = torch.optim.SGD(self.net.parameters, lr=cfg.lr, momentum=momentum,
@@ -162,7 +172,7 @@ class Worker:
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, xp=self.xp)
         self.index_dtype = np.dtype(protocol.index_dtype_for(self.net.numel))
         self.cache = KeyCache()  # index sets this worker and the server both hold
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
@@ -277,8 +287,9 @@ class Worker:
             "iteration": iteration,
             "model": self.net.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "memory": self.memory.state_dict(),
-            "policy": self.policy.state_dict(),
+            "memory": {name: to_host(a) for name, a in self.memory.state_dict().items()},
+            "policy": {name: to_host(v) if hasattr(v, "shape") else v
+                       for name, v in self.policy.state_dict().items()},
             "cache": self.cache.state(),
             "stats": self.stats,
             "last_report": self.last_report,
@@ -296,7 +307,7 @@ class Worker:
             self.net.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for name, array in state["memory"].items():
-            getattr(self.memory, name)[...] = array
+            getattr(self.memory, name)[...] = self.xp.asarray(array)
         self.policy.load_state_dict(state["policy"])
         self.cache.restore(state["cache"])
         self.stats.update(state["stats"])
@@ -326,23 +337,24 @@ class Worker:
         k = self._k_at(it)
         if k != self.policy.k:
             self.policy.set_k(k)
-        grad = self.net.grad_on_host()
-        grad_topk = topk_exact(grad, k) if self.recorder else None  # before grad is reused
+        grad = self.net.grad_array(self.xp)
+        # (before grad is reused)
+        grad_topk = topk_exact(to_host(grad), k) if self.recorder else None
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
         group = None
         if self.policy.two_phase:
             proposal = self.policy.propose(acc, it)
             if proposal is None:
-                proposal = np.empty(0, dtype=self.index_dtype)
+                proposal = self.xp.empty(0, dtype=self.xp.int64)
+            idx, vals = self.outbox.fetch(proposal, acc[proposal])
             self.stats["push_bytes"] += self._send(protocol.encode(
-                "propose", proposal.astype(self.index_dtype, copy=False), acc[proposal],
+                "propose", idx.astype(self.index_dtype, copy=False), vals,
                 model_size=self.net.numel, cache=self.cache, iter=it, rank=self.rank,
                 select=self.policy.group_k))
             msg = self._expect("indices", f"the group's indices of iteration {it}", it)
             self.stats["aggregate_bytes"] += msg.extra["nbytes"]
             group = msg.indices
-        indices = self.policy.select(acc, it, group=group)
-        values = self.memory.take(indices)
+        indices, values = self.outbox.fetch(*self._select(acc, it, group))
         if self.recorder:
             self.recorder.record(grad_topk, indices)
         t2 = time.perf_counter()
@@ -366,15 +378,28 @@ class Worker:
         t3 = time.perf_counter()
 
         if agg.get("dense"):
-            self.policy.observe(self._all_indices(), agg.values, it)
+            self.policy.observe(*self._on_device(self._all_indices(), agg.values), it)
             self.net.set_grad(None, agg.values)
         else:
-            self.policy.observe(agg.indices, agg.values, it)
+            self.policy.observe(*self._on_device(agg.indices, agg.values), it)
             self.net.set_grad(agg.indices, agg.values)
         self.optimizer.step()
         self.stats["compute_s"] += t1 - t + time.perf_counter() - t3
         self.stats["select_s"] += t2 - t1
         self.stats["wait_s"] += t3 - t2
+
+    def _select(self, acc, it: int, group):
+        """The policy's indices and their accumulator values (zeroed there), on acc's device."""
+        indices = self.policy.select(acc, it, group=None if group is None else
+                                     self._on_device(group)[0])
+        try:
+            return indices, self.memory.take(indices)
+        except NonFiniteError as exc:
+            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+
+    def _on_device(self, *arrays):
+        """Host arrays (a received message) moved to where the policy state lives."""
+        return arrays if self.xp is np else tuple(self.xp.asarray(a) for a in arrays)
 
     def _dense_buffer(self) -> np.ndarray:
         # Reused every round: the previous push has left once its aggregate came back.
@@ -417,6 +442,43 @@ class Worker:
 
 
 @torch.no_grad()
+class HostBuffers:
+    """Pinned host buffers the selected (index, value) pairs are copied into on the GPU path.
+
+    Page-locked memory lets the device-to-host copy run at full PCIe speed; the buffers grow to
+    the largest selection seen and are reused. Host arrays pass through untouched.
+    """
+
+    def __init__(self):
+        self.indices = self.values = None
+
+    def fetch(self, indices, values) -> tuple[np.ndarray, np.ndarray]:
+        if not hasattr(indices, "get"):  # numpy: already on the host
+            return indices, values
+        n = int(indices.size)
+        if self.indices is None or self.indices.size < n:
+            size = max(n, 1024)
+            self.indices = torch.empty(size, dtype=torch.int64, pin_memory=True).numpy()
+            self.values = torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
+        # Reuse is safe: a round's messages have reached the server (its reply came back)
+        # before the next round fetches into the same buffers.
+        return (to_host(indices.astype(self.indices.dtype, copy=False), self.indices[:n]),
+                to_host(values, self.values[:n]))
+
+
+def gpu_array_module(device: torch.device, log=print):
+    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy."""
+    if device.type != "cuda":
+        return np
+    cupy = cupy_or_none()
+    if cupy is None:
+        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
+            "pip install cupy-cuda12x for the GPU kernels)")
+        return np
+    cupy.cuda.Device(device.index or 0).use()
+    return cupy
+
+
 def evaluate_model(model: torch.nn.Module, data, device: torch.device) -> tuple[float, float]:
     """(mean test loss, test accuracy) over the whole test set."""
     model.eval()

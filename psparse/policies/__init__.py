@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
+
 from .base import Layout, Param, PolicyError, SelectionPolicy
 from .cltk import CyclicLocalTopK
 from .core import SharedCore
@@ -63,7 +65,8 @@ def parse_policy_args(items: list[str] | dict | None) -> dict[str, str]:
 
 
 def build_policy(spec: str, args, layout: Layout, k: int, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0) -> SelectionPolicy:
+                 world_size: int = 1, seed: int = 0, xp=np) -> SelectionPolicy:
+    """The policy named by ``spec`` with its ``--policy-arg`` values; arrays on ``xp``."""
     cls = policy_class(spec)
-    return cls(layout, k, rank=rank, world_size=world_size, seed=seed,
+    return cls(layout, k, rank=rank, world_size=world_size, seed=seed, xp=xp,
                **parse_policy_args(args))

@@ -23,6 +23,10 @@ iteration, group=those indices)`` decides what to push.
 
 Parameters are declared in ``params`` (name -> Param) and arrive as attributes, converted and
 validated; ``--policy-arg name=value`` sets them. See docs/policies.md for a complete example.
+
+Arrays live where the accumulator lives: ``self.xp`` is numpy, or CuPy when the worker runs with
+``--device cuda``; write array code as ``self.xp.abs(...)`` (not ``np.abs``) and it runs on both.
+``observe`` then gets its indices and values on that device too.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..sparsify import Selector, split_k
+from ..xp import to_host
 
 
 class PolicyError(ValueError):
@@ -97,8 +102,9 @@ class SelectionPolicy:
     two_phase = False
 
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, **params):
+                 seed: int = 0, xp=np, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
+        self.xp = xp  # numpy, or cupy for accumulators on the GPU
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             raise PolicyError(f"policy {self.name!r} has no parameter {unknown[0]!r}; valid: "
@@ -130,7 +136,7 @@ class SelectionPolicy:
                 parts.append(chosen + offset if offset else chosen)
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return self.xp.concatenate(parts) if parts else self.xp.empty(0, dtype=self.xp.int64)
 
     def select_slice(self, acc: np.ndarray, k: int, offset: int) -> np.ndarray:
         """Sorted indices (relative to the slice) of the k entries to send from one slice."""
@@ -158,8 +164,8 @@ class SelectionPolicy:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             current = getattr(self, key)
-            if isinstance(current, np.ndarray):
-                current[...] = value
+            if hasattr(current, "shape"):  # a numpy or CuPy array: fill in place
+                current[...] = self.xp.asarray(value)
             else:
                 setattr(self, key, value)
 
@@ -180,7 +186,7 @@ class SelectionPolicy:
         h = hashlib.blake2b(digest_size=8)
         for key, value in sorted(self.state_dict().items()):
             h.update(key.encode())
-            h.update(np.ascontiguousarray(value).tobytes() if isinstance(value, np.ndarray)
+            h.update(np.ascontiguousarray(to_host(value)).tobytes() if hasattr(value, "shape")
                      else repr(value).encode())
         return h.hexdigest()
 

@@ -6,8 +6,6 @@ leader's indices before the push: a two-phase round (proposals, then pushes), wh
 extra index broadcast per round, counted in the metrics.
 """
 
-import numpy as np
-
 from .base import SelectionPolicy
 
 
@@ -23,4 +21,4 @@ class CyclicLocalTopK(SelectionPolicy):
     def select(self, accumulator, iteration, group=None):
         if group is None:
             raise ValueError("cltk needs the group's indices (a two-phase round)")
-        return np.asarray(group, dtype=np.int64)
+        return self.xp.asarray(group, dtype=self.xp.int64)

@@ -16,8 +16,7 @@ magnitude is concentrated on few indices over short periods), and error feedback
 entry not yet sent, so nothing is dropped.
 """
 
-import numpy as np
-
+from .. import kernels
 from .base import Param, SelectionPolicy
 
 
@@ -34,23 +33,24 @@ class SharedCore(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = np.zeros(layout.numel, dtype=np.float32)
-        self._mag = np.empty(layout.numel, dtype=np.float32)
+        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
+        self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)
 
     def select_slice(self, acc, k, offset):
+        xp = self.xp
         prio = self.priority[offset:offset + acc.size]
         if self.signed:
-            prio = np.abs(prio)
-        core_k = min(k - int(round(self.own * k)), int(np.count_nonzero(prio)))
-        core = self.topk(prio, core_k, offset) if core_k > 0 else np.empty(0, np.int64)
-        mag = np.abs(acc, out=self._mag[offset:offset + acc.size])
+            prio = xp.abs(prio)
+        core_k = min(k - int(round(self.own * k)), int(xp.count_nonzero(prio)))
+        core = self.topk(prio, core_k, offset) if core_k > 0 else xp.empty(0, xp.int64)
+        mag = xp.abs(acc, out=self._mag[offset:offset + acc.size])
         mag[core] = 0.0  # the core is sent anyway: spend the own budget elsewhere
         mine = self.topk(mag, k - core.size, offset)
-        return np.union1d(core, mine)
+        return kernels.sorted_union([core, mine])
 
     def observe(self, indices, values, iteration):
-        self.priority *= self.beta
-        self.priority[indices] += (1.0 - self.beta) * (values if self.signed else np.abs(values))
+        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
+                              magnitude=not self.signed)
 
     def state_dict(self):
         return {"priority": self.priority}

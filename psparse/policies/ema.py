@@ -8,8 +8,7 @@ and the k largest scores are sent. An index the group has recently found large g
 still wins. (This is the blended-score variant; the candidate scheme is ``frequency``.)
 """
 
-import numpy as np
-
+from .. import kernels
 from .base import Param, SelectionPolicy
 
 
@@ -22,23 +21,23 @@ class EMA(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = np.zeros(layout.numel, dtype=np.float32)
-        self._score = np.empty(layout.numel, dtype=np.float32)
+        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
+        self._score = self.xp.empty(layout.numel, dtype=self.xp.float32)
 
     def score(self, acc, offset):
+        xp = self.xp
         prio = self.priority[offset:offset + acc.size]
         out = self._score[offset:offset + acc.size]
         top = float(prio.max()) if prio.size else 0.0
         if top <= 0:
-            return np.abs(acc, out=out)
-        np.multiply(prio, self.lam / top, out=out)
+            return xp.abs(acc, out=out)
+        xp.multiply(prio, self.lam / top, out=out)
         out += 1.0
-        out *= np.abs(acc)
+        out *= xp.abs(acc)
         return out
 
     def observe(self, indices, values, iteration):
-        self.priority *= self.beta
-        self.priority[indices] += (1.0 - self.beta) * np.abs(values)
+        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta)
 
     def state_dict(self):
         return {"priority": self.priority}

@@ -10,6 +10,7 @@ indices often drop out of the candidate pool: a larger c keeps them reachable.
 
 import numpy as np
 
+from .. import kernels
 from .base import Param, SelectionPolicy
 
 
@@ -24,19 +25,19 @@ class Frequency(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = np.zeros(layout.numel, dtype=np.float32)
+        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
 
     def select_slice(self, acc, k, offset):
         pool = min(acc.size, int(np.ceil(self.c * k)))
         candidates = self.topk(acc, pool, offset)
+        xp = self.xp
         prio = self.priority[offset + candidates]
         # highest priority first, then largest magnitude (lexsort: last key is primary)
-        order = np.lexsort((-np.abs(acc[candidates]), -prio))
-        return np.sort(candidates[order[:k]])
+        order = xp.lexsort(xp.stack([-xp.abs(acc[candidates]), -prio]))
+        return xp.sort(candidates[order[:k]])
 
     def observe(self, indices, values, iteration):
-        self.priority *= self.gamma
-        self.priority[indices] += 1.0
+        kernels.decay_and_count(self.priority, indices, self.gamma)
 
     def state_dict(self):
         return {"priority": self.priority}

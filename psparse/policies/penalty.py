@@ -9,6 +9,7 @@ aggregate is identical on every worker, so all workers favour the same indices.
 
 import numpy as np
 
+from ..xp import to_host
 from .base import Param, SelectionPolicy
 
 
@@ -21,23 +22,28 @@ class Penalty(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.previous = np.empty(0, dtype=np.int64)  # sorted indices of the last aggregate
-        self._score = np.empty(layout.numel, dtype=np.float32)
+        xp = self.xp
+        self.previous = xp.empty(0, dtype=xp.int64)  # sorted indices of the last aggregate
+        self._previous_host = np.empty(0, dtype=np.int64)  # the same, for searchsorted
+        self._score = xp.empty(layout.numel, dtype=xp.float32)
 
     def score(self, acc, offset):
+        xp = self.xp
         out = self._score[offset:offset + acc.size]
-        np.abs(acc, out=out)
+        xp.abs(acc, out=out)
         out *= self.pi
-        lo, hi = np.searchsorted(self.previous, [offset, offset + acc.size])
+        lo, hi = (int(i) for i in np.searchsorted(self._previous_host, [offset,
+                                                                          offset + acc.size]))
         shared = self.previous[lo:hi] - offset
-        out[shared] = np.abs(acc[shared])  # undo the penalty where the group just sent
+        out[shared] = xp.abs(acc[shared])  # undo the penalty where the group just sent
         return out
 
     def observe(self, indices, values, iteration):
-        self.previous = np.array(indices, dtype=np.int64)
+        self._previous_host = np.array(to_host(indices), dtype=np.int64)
+        self.previous = self.xp.asarray(self._previous_host)
 
     def state_dict(self):
-        return {"previous": self.previous}
+        return {"previous": self._previous_host}
 
     def load_state_dict(self, state):
-        self.previous = np.array(state["previous"], dtype=np.int64)
+        self.observe(np.asarray(state["previous"]), None, None)

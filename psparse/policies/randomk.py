@@ -18,4 +18,4 @@ class RandomK(SelectionPolicy):
         for (offset, size), k in zip(self.layout.slices, self.slice_k):
             rng = np.random.default_rng([self.seed, iteration, offset])
             parts.append(np.sort(rng.choice(size, size=k, replace=False)) + offset)
-        return np.concatenate(parts).astype(np.int64)
+        return self.xp.asarray(np.concatenate(parts).astype(np.int64))

@@ -5,8 +5,6 @@ top-k for the same accuracy, because the number sent adapts to the gradient: k v
 worker and per round, and ``--density`` is ignored (apart from sizing messages).
 """
 
-import numpy as np
-
 from .base import Param, SelectionPolicy
 
 
@@ -18,4 +16,5 @@ class Threshold(SelectionPolicy):
     }
 
     def select(self, accumulator, iteration, group=None):
-        return np.flatnonzero(np.abs(accumulator) >= self.lam)
+        xp = self.xp
+        return xp.flatnonzero(xp.abs(accumulator) >= self.lam)

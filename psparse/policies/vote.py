@@ -11,8 +11,6 @@ vectors; here the selection happens at the server from the proposals, so the bro
 ``keep * k`` indices plus the aggregate, instead of the union of everyone's top-k.
 """
 
-import numpy as np
-
 from .base import Param, SelectionPolicy
 
 
@@ -37,4 +35,4 @@ class Vote(SelectionPolicy):
     def select(self, accumulator, iteration, group=None):
         if group is None:
             raise ValueError("vote needs the group's indices (a two-phase round)")
-        return np.asarray(group, dtype=np.int64)
+        return self.xp.asarray(group, dtype=self.xp.int64)
