@@ -59,6 +59,7 @@ class RunConfig:
     device: str = "cpu"
     # Server and robustness.
     server_limit: str | None = None
+    server_device: str = "cpu"
     bandwidth: str | None = None
     curve_keys: str | None = None
     elastic: bool = False
@@ -97,6 +98,8 @@ class RunConfig:
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
         need(self.device in ("cpu", "cuda", "auto"),
              f"device must be cpu, cuda or auto, got {self.device!r}")
+        need(self.server_device in ("cpu", "cuda"),
+             f"server-device must be cpu or cuda, got {self.server_device!r}")
         need(self.timeout > 0, "timeout must be > 0")
         need(self.register_timeout > 0, "register-timeout must be > 0")
         if self.bandwidth is not None:
@@ -116,7 +119,7 @@ class RunConfig:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
         d = asdict(self)
         for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit", "bandwidth", "curve_keys", "elastic", "register_timeout",
+                      "server_limit", "server_device", "bandwidth", "curve_keys", "elastic", "register_timeout",
                       "checkpoint_every"):
             d.pop(local)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -179,6 +182,8 @@ HELP = {
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
     "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
                     "the rest is held in a server residual and sent later (default: no limit)",
+    "server_device": "where the server sums the pushes: cpu, or cuda (one scatter-add on the "
+                     "GPU; pays off for large unions)",
     "bandwidth": "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
                  "of a round take bytes*8/rate (default: no pacing)",
     "curve_keys": "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "

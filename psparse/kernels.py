@@ -123,10 +123,12 @@ def compact_cupy(x, threshold: float, capacity: int):
     """GPU compaction: one grid-stride pass; each hit takes a slot from an atomic counter."""
     import cupy
     k = _cupy_kernels()
+    x = cupy.ascontiguousarray(x, dtype=cupy.float32)  # the kernel reads a plain float array
     idx = cupy.empty(capacity, cupy.int64)
     val = cupy.empty(capacity, cupy.float32)
     counters = cupy.zeros(2, cupy.uint64)  # [hits, non-finite]
-    blocks = min(max(1, (x.size + THREADS - 1) // THREADS), 8 * 132)  # enough to fill the SMs
+    # a grid-stride loop: a few blocks per SM keep every SM busy without a block per element
+    blocks = min(max(1, (x.size + THREADS - 1) // THREADS), 8 * k.sm_count)
     k.compact((blocks,), (THREADS,), (x, np.int64(x.size), np.float32(threshold), idx, val,
                                        counters, np.int64(capacity)))
     count, bad = (int(c) for c in counters.get())
@@ -169,9 +171,12 @@ def take(acc, indices, velocity=None):
             velocity[indices] = 0.0
         return values
     values = xp.empty(indices.size, acc.dtype)
-    if indices.size:
-        # without a velocity, zeroing acc twice is harmless and keeps one kernel
-        _cupy_kernels().take(indices, acc, acc if velocity is None else velocity, values)
+    if indices.size == 0:
+        return values
+    if velocity is None:
+        _cupy_kernels().take(indices, acc, values)
+    else:
+        _cupy_kernels().take_dgc(indices, acc, velocity, values)
     return values
 
 
@@ -281,17 +286,24 @@ def _cupy_kernels():
     import cupy
 
     class Kernels:
+        sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
         compact = cupy.RawKernel(_COMPACT_SRC, "psparse_compact")
-        # DGC: u = m*u + g; acc += u, one read of g/u/acc and one write of u/acc
+        # DGC: u = m*u + g; acc += u, one read of g/u/acc and one write of u/acc. The _rn
+        # intrinsics forbid fused multiply-add, so results round exactly as numpy's do.
         dgc = cupy.ElementwiseKernel(
             "float32 g, float32 m", "float32 u, float32 acc",
-            "u = m * u + g; acc = acc + u;", "psparse_dgc_accumulate")
+            "u = __fadd_rn(__fmul_rn(m, u), g); acc = __fadd_rn(acc, u);",
+            "psparse_dgc_accumulate")
         # gather the k sent values and zero them (and the DGC velocity) where they were taken
         take = cupy.ElementwiseKernel(
+            "int64 i", "raw float32 acc, float32 out",
+            "out = acc[i]; acc[i] = 0.0f;", "psparse_take")
+        take_dgc = cupy.ElementwiseKernel(
             "int64 i", "raw float32 acc, raw float32 vel, float32 out",
-            "out = acc[i]; acc[i] = 0.0f; vel[i] = 0.0f;", "psparse_take")
+            "out = acc[i]; acc[i] = 0.0f; vel[i] = 0.0f;", "psparse_take_dgc")
         scatter_add_weighted = cupy.ElementwiseKernel(
             "int64 i, float32 v, float32 w, bool mag", "raw float32 p",
-            "p[i] += w * (mag ? fabsf(v) : v);", "psparse_scatter_add_weighted")
+            "p[i] = __fadd_rn(p[i], __fmul_rn(w, mag ? fabsf(v) : v));",
+            "psparse_scatter_add_weighted")
 
     return Kernels

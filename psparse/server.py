@@ -31,6 +31,7 @@ from .kernels import sorted_union, sparse_mean
 from .protocol import ProtocolError
 from .sparsify import topk_exact
 from .transport import Channel, Pacer, TransportTimeout, is_loopback, parse_rate, warn, wire_bytes
+from .xp import cupy_or_none, to_host
 
 METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
 PORT_FILE = "server.port"
@@ -46,8 +47,13 @@ class Server:
                  max_message_bytes: int = 1 << 30, limit: str | None = None,
                  curve_keys: str | None = None, elastic: bool = False,
                  register_timeout: float = 120.0, checkpoint_every: int = 0,
-                 resume: bool = False, log=None):
+                 resume: bool = False, device: str = "cpu", log=None):
         self.world_size = world_size
+        self.xp = np
+        if device == "cuda":  # sum the pushes on the GPU (kernels.sparse_mean with CuPy)
+            self.xp = cupy_or_none()
+            if self.xp is None:
+                raise ValueError("--server-device cuda: no CUDA device, or CuPy is not installed")
         self.checkpoint_every = checkpoint_every
         self.start = 0  # first iteration to serve (> 0 when resuming)
         self.resume = resume
@@ -242,7 +248,7 @@ class Server:
         self.k = first["k"]  # the configured k (density x numel), the unit of union/k
         # The only model-sized buffer: pushes are summed into it, then the touched entries are
         # read out and zeroed again, so no round allocates or clears numel floats.
-        self.accumulator = np.zeros(self.numel, dtype=np.float32)
+        self.accumulator = self.xp.zeros(self.numel, dtype=self.xp.float32)
         self._dense_out = np.empty(self.numel, dtype=np.float32)  # for dense broadcasts
         self._all_indices = None
         self.index_dtype = protocol.index_dtype_for(self.numel)
@@ -399,8 +405,9 @@ class Server:
         if len(wanted) > 1:
             raise RunAborted(f"workers disagree on how many indices to keep at iteration {it}: "
                              f"{sorted(wanted)}")
-        union, mean_abs = sparse_mean(self.accumulator, [m.indices for m in proposals],
-                                      [np.abs(m.values) for m in proposals])
+        union, mean_abs = (to_host(a) for a in sparse_mean(
+            self.accumulator, [m.indices for m in proposals],
+            [np.abs(m.values) for m in proposals]))
         keep = wanted.pop()
         if keep >= union.size:
             return union, int(union.size)
@@ -411,7 +418,7 @@ class Server:
         union, mean = sparse_mean(self.accumulator,
                                   [self.all_indices if m.get("dense") else m.indices
                                    for m in pushes], [m.values for m in pushes])
-        return union, mean
+        return to_host(union), to_host(mean)
 
     @property
     def all_indices(self) -> np.ndarray:
@@ -642,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
     add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
+                                  "server_device",
                                   "bandwidth", "curve_keys", "elastic", "register_timeout",
                                   "checkpoint_every"))
     p.add_argument("--resume", action="store_true",
@@ -659,7 +667,8 @@ def main(argv=None) -> int:
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
                         limit=cfg.server_limit, curve_keys=cfg.curve_keys,
                         elastic=cfg.elastic, register_timeout=cfg.register_timeout,
-                        checkpoint_every=cfg.checkpoint_every, resume=args.resume)
+                        checkpoint_every=cfg.checkpoint_every, resume=args.resume,
+                        device=cfg.server_device)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:

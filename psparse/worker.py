@@ -441,7 +441,6 @@ class Worker:
         self.channel.close()
 
 
-@torch.no_grad()
 class HostBuffers:
     """Pinned host buffers the selected (index, value) pairs are copied into on the GPU path.
 
@@ -479,6 +478,7 @@ def gpu_array_module(device: torch.device, log=print):
     return cupy
 
 
+@torch.no_grad()
 def evaluate_model(model: torch.nn.Module, data, device: torch.device) -> tuple[float, float]:
     """(mean test loss, test accuracy) over the whole test set."""
     model.eval()

@@ -1,0 +1,210 @@
+"""Kernels against their references: selection, error feedback, policy state, aggregation.
+
+The CPU tests always run. The GPU tests run the CuPy kernels on fresh random inputs and compare
+them with the numpy path; without a CUDA device (and CuPy) they are skipped with the reason
+"no CUDA device".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from psparse import kernels
+from psparse.kernels import NonFiniteError, sparse_mean
+from psparse.memory import Memory
+from psparse.policies import Layout, build_policy
+from psparse.sparsify import Selector, topk_exact
+from psparse.xp import array_module, cupy_or_none, from_torch, to_host, to_torch
+
+cupy = cupy_or_none()
+gpu = pytest.mark.skipif(cupy is None, reason="no CUDA device")
+
+# sizes that are not multiples of the CPU block (65,536) or of the CUDA block (256)
+SIZES = [1, 7, 1000, 65_537, 1_048_583]
+
+
+def _cases():
+    for n in SIZES:
+        for k in sorted({1, max(1, n // 1000), max(1, n // 100), n}):
+            yield n, k
+
+
+def _data(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("n,k", list(_cases()))
+def test_cpu_selection_equals_the_reference(n, k):
+    x = _data(n, n + k)
+    want = kernels.topk_reference(x, k)
+    np.testing.assert_array_equal(Selector(n, exact_below=0).topk(x, k), want)
+    np.testing.assert_array_equal(topk_exact(x, k), want)
+    idx, val = kernels.select_any(x, k)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(val, x[want])
+
+
+@pytest.mark.parametrize("n", [1000, 200_003])
+def test_ties_go_to_the_lower_index_on_every_path(n):
+    x = np.zeros(n, np.float32)
+    x[::3] = 2.0
+    x[1::3] = -2.0  # same magnitude, other sign
+    k = n // 2  # cuts through the tied +-2 block
+    want = np.flatnonzero(np.abs(x) == 2.0)[:k]
+    np.testing.assert_array_equal(kernels.topk_reference(x, k), want)
+    np.testing.assert_array_equal(Selector(n, exact_below=0).topk(x, k), want)
+    np.testing.assert_array_equal(topk_exact(x, k), want)
+    # more zeros than the sample expects: the exact-threshold fallback with many ties
+    z = np.zeros(n, np.float32)
+    z[5] = 1.0
+    np.testing.assert_array_equal(Selector(n, exact_below=0).topk(z, 10),
+                                  [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_accumulators_are_refused(bad):
+    for n in (1000, 300_000):
+        x = _data(n, 1)
+        x[n // 2] = bad
+        with pytest.raises(NonFiniteError, match="NaN or inf"):
+            Selector(n, exact_below=0).topk(x, 10)
+        with pytest.raises(NonFiniteError, match="NaN or inf"):
+            topk_exact(x, 10)
+
+
+def test_dgc_accumulate_and_take_follow_the_formulas():
+    rng = np.random.default_rng(2)
+    mem = Memory(1000, "dgc", momentum=0.9)
+    u = np.zeros(1000, np.float32)
+    acc = np.zeros(1000, np.float32)
+    for _ in range(3):
+        g = rng.standard_normal(1000).astype(np.float32)
+        u = np.float32(0.9) * u + g
+        acc = acc + u
+        mem.add(g)
+    np.testing.assert_allclose(mem.accumulator, acc, rtol=1e-6)
+    idx = np.array([3, 500, 999])
+    np.testing.assert_array_equal(mem.take(idx), acc[idx])
+    assert not mem.accumulator[idx].any() and not mem.velocity[idx].any()
+    assert mem.accumulator[4] == pytest.approx(acc[4])
+
+
+def test_policy_state_updates_follow_the_formulas():
+    p = np.arange(10, dtype=np.float32)
+    kernels.decay_and_add(p, np.array([1, 4]), np.array([-2.0, 3.0], np.float32), 0.5, 0.25)
+    want = np.arange(10, dtype=np.float32) * 0.5
+    want[[1, 4]] += [0.5, 0.75]
+    np.testing.assert_allclose(p, want)
+    kernels.decay_and_add(p, np.array([1]), np.array([-2.0], np.float32), 1.0, 1.0,
+                          magnitude=False)
+    assert p[1] == pytest.approx(want[1] - 2.0)
+    c = np.ones(5, np.float32)
+    kernels.decay_and_count(c, np.array([0, 2]), 0.5)
+    np.testing.assert_allclose(c, [1.5, 0.5, 1.5, 0.5, 0.5])
+
+
+def test_torch_tensors_cross_without_a_copy_on_the_cpu():
+    t = torch.zeros(8)
+    a = from_torch(t)
+    a[3] = 5.0
+    assert t[3] == 5.0 and array_module(a) is np
+    back = to_torch(a)
+    back[4] = 7.0
+    assert t[4] == 7.0 and to_host(a) is a
+
+
+# ---------------------------------------------------------------------------------- GPU
+@gpu
+@pytest.mark.parametrize("n,k", list(_cases()))
+def test_gpu_selection_equals_the_cpu(n, k):
+    x = _data(n, 7 * n + k)
+    idx, val = kernels.select_any(cupy.asarray(x), k)
+    want = kernels.topk_reference(x, k)
+    np.testing.assert_array_equal(idx.get(), want)
+    np.testing.assert_array_equal(val.get(), x[want])
+    np.testing.assert_array_equal(Selector(n).topk(cupy.asarray(x), k).get(), want)
+
+
+@gpu
+def test_gpu_ties_and_non_finite():
+    n = 200_003
+    x = np.zeros(n, np.float32)
+    x[::3], x[1::3] = 2.0, -2.0
+    got = kernels.select_any(cupy.asarray(x), n // 2)[0].get()
+    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(x) == 2.0)[:n // 2])
+    for bad in (np.nan, np.inf):
+        y = _data(n, 3)
+        y[17] = bad
+        with pytest.raises(NonFiniteError):
+            kernels.select_any(cupy.asarray(y), 100)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["residual", "dgc"])
+def test_gpu_memory_matches_the_cpu(kind):
+    cpu, dev = Memory(65_537, kind), Memory(65_537, kind, xp=cupy)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        g = rng.standard_normal(65_537).astype(np.float32)
+        cpu.add(g)
+        dev.add(cupy.asarray(g))
+    np.testing.assert_allclose(dev.accumulator.get(), cpu.accumulator, rtol=1e-6, atol=1e-6)
+    idx = kernels.topk_reference(cpu.accumulator, 500)
+    np.testing.assert_allclose(dev.take(cupy.asarray(idx)).get(), cpu.take(idx), rtol=1e-6)
+    np.testing.assert_allclose(dev.accumulator.get(), cpu.accumulator, rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("policy", ["topk", "threshold", "frequency", "ema", "penalty", "core",
+                                    "randomk"])
+def test_gpu_policies_select_what_the_cpu_selects(policy):
+    """Same accumulators and aggregates, numpy vs CuPy state: identical selections."""
+    layout = Layout([1000, 30_000, 70_001], "model")
+    args = ["lam=1.5"] if policy == "threshold" else []
+    cpu = build_policy(policy, args, layout, 1000, seed=1)
+    dev = build_policy(policy, args, layout, 1000, seed=1, xp=cupy)
+    rng = np.random.default_rng(5)
+    for it in range(6):
+        acc = rng.standard_normal(layout.numel).astype(np.float32)
+        a = cpu.select(acc, it)
+        b = dev.select(cupy.asarray(acc), it).get()
+        np.testing.assert_array_equal(a, b)
+        agg_idx = np.unique(np.concatenate([a, rng.integers(0, layout.numel, 3000)]))
+        agg_val = rng.standard_normal(agg_idx.size).astype(np.float32)
+        cpu.observe(agg_idx, agg_val, it)
+        dev.observe(cupy.asarray(agg_idx), cupy.asarray(agg_val), it)
+    assert cpu.state_digest() == dev.state_digest()
+
+
+@gpu
+def test_gpu_sparse_mean_matches_the_cpu():
+    rng = np.random.default_rng(6)
+    n = 1_000_003
+    idx = [np.sort(rng.choice(n, 5000, replace=False)) for _ in range(8)]
+    val = [rng.standard_normal(5000).astype(np.float32) for _ in range(8)]
+    u_cpu, m_cpu = sparse_mean(np.zeros(n, np.float32), idx, val)
+    scratch = cupy.zeros(n, cupy.float32)
+    u_gpu, m_gpu = sparse_mean(scratch, idx, val)
+    np.testing.assert_array_equal(u_gpu.get(), u_cpu)
+    np.testing.assert_allclose(m_gpu.get(), m_cpu, rtol=1e-5, atol=1e-6)
+    assert not scratch.any()
+
+
+@gpu
+def test_cuda_tensors_cross_to_cupy_without_a_copy():
+    t = torch.zeros(8, device="cuda")
+    a = from_torch(t)
+    a[3] = 5.0
+    assert t[3].item() == 5.0 and array_module(a) is cupy
+    assert to_torch(a).data_ptr() == t.data_ptr()
+
+
+def test_server_device_cuda_without_a_gpu_is_a_clear_error():
+    if cupy is not None:
+        pytest.skip("a CUDA device is present: this checks the message on machines without one")
+    from psparse.server import Server
+    with pytest.raises(ValueError, match="--server-device cuda: no CUDA device"):
+        Server(2, port=0, device="cuda")
