@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import figures
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 
@@ -222,6 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    p.add_argument("--stem", default=None,
+                   help="name of the results files (default: the sweep, plus the --only runs)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the psparse-launch arguments of every run and stop")
     args = p.parse_args(argv)
@@ -240,11 +244,13 @@ def main(argv=None) -> int:
             rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
                                 args.data_dir, sweep.get("target", 0.98)))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}"
+    stem = args.stem or (args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}")
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     text = table(rows)
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(text)
+    for path in figures.build(args.sweep, stem, rows):
+        print(f"wrote {path}")
     return 0
 
 

@@ -23,5 +23,30 @@ def test_sweep_runs_parse_and_validate(sweep):
 
 def test_lenet_sweep_covers_the_issue():
     runs = SWEEPS["lenet-mnist"]["runs"]
-    assert "dense" in runs and len(runs) == 1 + 2 * 2 * 9
+    assert "dense" in runs and "ddp" in runs and len(runs) == 2 + 2 * 2 * 9
     assert "core-d0.001-limit2k" in runs and "topk-d0.01" in runs
+
+
+def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkeypatch, capsys):
+    """experiments.run end to end on a tiny real sweep: table, figure, and a second call that
+    reuses the finished runs instead of running them again."""
+    from experiments import figures, run
+
+    for module in (run, figures):
+        monkeypatch.setattr(module, "ROOT", tmp_path)
+        monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
+    monkeypatch.setitem(run.SWEEPS, "time-to-accuracy", {
+        "base": ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations",
+                 "30", "--eval-every", "10", "--threads", "1"],
+        "runs": {"dense": ["--density", "1"], "topk-d0.05": ["--density", "0.05"]},
+        "target": 0.5,
+    })
+    assert run.main(["time-to-accuracy"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("seed 0 ...") == 2
+    table = (tmp_path / "results" / "time-to-accuracy.md").read_text()
+    assert "| dense | 1 |" in table and "| topk-d0.05 | 1 |" in table and "s to 50%" in table
+    png = tmp_path / "results" / "time-to-accuracy.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run.main(["time-to-accuracy"]) == 0
+    assert "seed 0 ..." not in capsys.readouterr().out  # reused

@@ -1,0 +1,130 @@
+"""Figures of a finished sweep (PNG, small), written next to its table in experiments/results/.
+
+* ``lenet-mnist``: accuracy against bytes broadcast, one point per run, per density (the
+  thesis's question in one picture: does aligning shrink the broadcast without costing
+  accuracy?), and test accuracy against iterations for the main policies at density 1%.
+* ``time-to-accuracy``: test accuracy against wall time on the emulated link.
+* ``resnet20-cifar10``: test accuracy against iterations and wall time.
+
+    python -m experiments.figures lenet-mnist     # from results/lenet-mnist.json and runs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _evals(run_dir: str) -> list[dict]:
+    path = ROOT / run_dir / "eval.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tradeoff(rows: list[dict], path: Path) -> Path:
+    """Final test accuracy against MB broadcast; filled: no limit, hollow: --server-limit 2k."""
+    plt = _plt()
+    ok = [r for r in rows if "failed" not in r]
+    refs = {r["run"]: r for r in ok if r["run"] in ("dense", "ddp")}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, density in zip(axes, ("0.01", "0.001")):
+        runs = [r for r in ok if f"-d{density}" in r["run"]]
+        for i, policy in enumerate(sorted({r["run"].split("-d")[0] for r in runs})):
+            color = f"C{i % 10}"
+            for r in runs:
+                if r["run"].split("-d")[0] != policy:
+                    continue
+                limited = r["run"].endswith("limit2k")
+                ax.scatter(r["broadcast_mb"], 100 * r["test_acc"], s=40, color=color,
+                           facecolors="none" if limited else color,
+                           label=None if limited else policy)
+        if "dense" in refs:
+            ax.axhline(100 * refs["dense"]["test_acc"], color="grey", ls="--", lw=1,
+                       label=f"dense ({refs['dense']['broadcast_mb']:.0f} MB)")
+        ax.set_xscale("log")
+        ax.set_title(f"density {float(density):.1%} (hollow: --server-limit 2k)")
+        ax.set_xlabel("MB broadcast by the server (whole run)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("final test accuracy (%)")
+    lo = min(100 * r["test_acc"] for r in ok)
+    axes[0].set_ylim(max(lo - 0.5, 90), 99.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def curves(runs: list[tuple[str, str]], path: Path, x: str, title: str,
+           target: float | None = None) -> Path:
+    """Test accuracy of (label, run_dir) pairs against iterations (x="iter") or seconds."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, run_dir in runs:
+        evals = _evals(run_dir)
+        xs = [e["iter"] + 1 if x == "iter" else e["time_s"] for e in evals]
+        ax.plot(xs, [100 * e["test_acc"] for e in evals], marker="o", ms=3, lw=1.2,
+                label=label)
+    if target is not None:
+        ax.axhline(100 * target, color="grey", ls=":", lw=1, label=f"target {100 * target:g}%")
+    ax.set_xlabel("iteration" if x == "iter" else "wall time (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
+    """The figures of one sweep's rows (runs that failed are left out)."""
+    ok = {r["run"]: r for r in rows if "failed" not in r}
+    target = next((r["target_acc"] for r in ok.values()), None)
+    written = []
+    if sweep == "lenet-mnist":
+        written.append(tradeoff(rows, RESULTS / f"{stem}-tradeoff.png"))
+        main = [(n, ok[n]["dir"]) for n in ("dense", "ddp", "topk-d0.01", "core-d0.01",
+                                            "vote-d0.01", "cltk-d0.01") if n in ok]
+        written.append(curves(main, RESULTS / f"{stem}-accuracy.png", "iter",
+                              "LeNet-5 / MNIST, 8 workers: test accuracy", target))
+    elif sweep == "time-to-accuracy":
+        written.append(curves([(n, r["dir"]) for n, r in ok.items()],
+                              RESULTS / f"{stem}.png", "time",
+                              "LeNet-5 / MNIST, 8 workers, server link 100 Mbit/s", target))
+    elif sweep.startswith("resnet20-cifar10"):
+        runs = [(n, r["dir"]) for n, r in ok.items()]
+        written.append(curves(runs, RESULTS / f"{stem}-accuracy.png", "iter",
+                              "ResNet-20 / CIFAR-10, 8 workers: test accuracy", target))
+        written.append(curves(runs, RESULTS / f"{stem}-time.png", "time",
+                              "ResNet-20 / CIFAR-10, 8 workers (2-core CPU)", target))
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.figures", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stem", help="results/STEM.json to draw (a sweep name, or sweep-runs)")
+    p.add_argument("--sweep", default=None, help="the sweep (default: the stem)")
+    args = p.parse_args(argv)
+    rows = json.loads((RESULTS / f"{args.stem}.json").read_text())
+    for path in build(args.sweep or args.stem, args.stem, rows):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
