@@ -42,7 +42,7 @@ exp-%: install data
 	$(PY) -m experiments.run $*
 
 lint: install
-	$(VENV)/bin/ruff check psparse tests benchmarks
+	$(VENV)/bin/ruff check psparse tests benchmarks experiments
 
 bench: install
 	$(PY) benchmarks/bench_select.py
