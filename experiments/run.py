@@ -96,11 +96,14 @@ SWEEPS: dict[str, dict] = {
         "runs": _resnet20_runs(),
         "target": 0.5,
     },
-    # the same sweep sized for a GPU cluster (ResNet paper schedule length, DGC's 4 warm-up
-    # epochs): python -m experiments.run resnet20-cifar10-gpu --data-dir DIR
+    # the same sweep sized for a GPU cluster, as in the ResNet paper (He et al. 2016): 128
+    # images per iteration (8 x 16), lr 0.1 divided by 10 at epochs 80 and 120, 160 epochs;
+    # DGC's 4 warm-up epochs. python -m experiments.run resnet20-cifar10-gpu --data-dir DIR
     "resnet20-cifar10-gpu": {
-        "base": RESNET20 + ["--epochs", "160", "--eval-every", "390", "--density-warmup", "4",
-                            "--device", "cuda"],
+        "base": ["--workers", "8", "--model", "resnet20", "--dataset", "cifar10",
+                 "--batch-size", "16", "--lr", "0.1", "--lr-steps", "80,120", "--momentum",
+                 "0.9", "--weight-decay", "1e-4", "--epochs", "160", "--eval-every", "391",
+                 "--density-warmup", "4", "--device", "cuda"],
         "runs": _resnet20_runs(),
         "target": 0.9,
     },

@@ -48,6 +48,7 @@ class RunConfig:
     iterations: int | None = None
     batch_size: int = 32
     lr: float = 0.05
+    lr_steps: str | None = None
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
@@ -90,6 +91,12 @@ class RunConfig:
         need(self.iterations is None or self.iterations >= 1, "iterations must be >= 1")
         need(self.batch_size >= 1, "batch-size must be >= 1")
         need(self.lr > 0, "lr must be > 0")
+        try:
+            steps = self.lr_step_epochs()
+        except ValueError:
+            steps = None
+        need(steps is not None and all(s > 0 for s in steps) and steps == sorted(steps),
+             f"lr-steps must be increasing positive epochs like 80,120, got {self.lr_steps!r}")
         need(0 <= self.momentum < 1, "momentum must be in [0, 1)")
         need(self.weight_decay >= 0, "weight-decay must be >= 0")
         need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
@@ -114,6 +121,14 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         need(self.max_message_mb > 0, "max-message-mb must be > 0")
         return self
+
+    def lr_step_epochs(self) -> list[float]:
+        return [float(s) for s in self.lr_steps.split(",")] if self.lr_steps else []
+
+    def lr_at(self, epoch: float) -> float:
+        """The learning rate at ``epoch``: --lr, times 0.1 for every --lr-steps epoch passed
+        (the step schedule of the ResNet paper)."""
+        return self.lr * 0.1 ** sum(epoch >= s for s in self.lr_step_epochs())
 
     def digest(self) -> str:
         """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
@@ -167,6 +182,8 @@ HELP = {
     "iterations": "training length in synchronous iterations (default: from --epochs)",
     "batch_size": "minibatch size per worker",
     "lr": "SGD learning rate applied to the aggregate",
+    "lr_steps": "epochs at which the learning rate is multiplied by 0.1, comma-separated "
+                "(e.g. 80,120; default: constant)",
     "momentum": "SGD momentum",
     "weight_decay": "SGD weight decay",
     "seed": "seed for initial weights, data shards and shuffling",

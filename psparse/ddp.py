@@ -59,6 +59,9 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path) -> int:
         opt.zero_grad(set_to_none=False)
         loss = F.cross_entropy(ddp(x.to(device)), y.to(device))
         loss.backward()  # DDP averages the gradients with a ring allreduce here
+        if cfg.lr_steps:
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(it / shard.batches_per_epoch)
         opt.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)

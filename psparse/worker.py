@@ -383,6 +383,9 @@ class Worker:
         else:
             self.policy.observe(*self._on_device(agg.indices, agg.values), it)
             self.net.set_grad(agg.indices, agg.values)
+        if self.cfg.lr_steps:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr_at(it / self.shard.batches_per_epoch)
         self.optimizer.step()
         self.stats["compute_s"] += t1 - t + time.perf_counter() - t3
         self.stats["select_s"] += t2 - t1

@@ -198,3 +198,24 @@ def test_lenet_mnist_4_workers_reaches_97_percent_in_2_epochs(tmp_path, data_roo
           f"union/k {summary['union_over_k_mean']}, {summary['iterations_per_s']} it/s")
     assert summary["iterations"] == 2 * (60000 // 4 // 32)
     assert summary["test_acc"] >= 0.97
+
+
+def test_lr_steps_divide_the_learning_rate_by_ten_at_the_given_epochs(tmp_path):
+    from psparse.config import ConfigError, RunConfig
+
+    cfg = RunConfig(lr=0.1, lr_steps="2,3").validate()
+    assert [cfg.lr_at(e) for e in (0, 1.99)] == [0.1, 0.1]
+    assert cfg.lr_at(2) == pytest.approx(0.01) and cfg.lr_at(3.5) == pytest.approx(0.001)
+    for bad in ("3,2", "x", "0,1"):
+        with pytest.raises(ConfigError, match="lr-steps must be increasing"):
+            RunConfig(lr_steps=bad).validate()
+    # in a real run: digits, 2 workers, batch 32 -> 23 iterations per epoch; the step at
+    # epoch 0.5 (iteration 12) changes the trajectory from there on, not before
+    base = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations", "30",
+            "--eval-every", "0", "--density", "1", "--lr", "0.5"]
+    for name, extra in (("const", []), ("step", ["--lr-steps", "0.5"])):
+        r = launch(tmp_path / name, *base, *extra)
+        assert r.returncode == 0, r.stderr
+    const = [m["loss"] for m in read_jsonl(tmp_path / "const" / "metrics.jsonl")]
+    step = [m["loss"] for m in read_jsonl(tmp_path / "step" / "metrics.jsonl")]
+    assert const[:13] == step[:13] and const[14:] != step[14:]
