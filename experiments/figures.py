@@ -5,6 +5,8 @@
   accuracy?), and test accuracy against iterations for the main policies at density 1%.
 * ``time-to-accuracy``: test accuracy against wall time on the emulated link.
 * ``resnet20-cifar10``: test accuracy against iterations and wall time.
+* ``locality``: recurrence of top-k gradient indices and agreement between workers
+  (``psparse-locality``), as PNG and text.
 
     python -m experiments.figures lenet-mnist     # from results/lenet-mnist.json and runs/
 """
@@ -105,6 +107,14 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
         written.append(curves([(n, r["dir"]) for n, r in ok.items()],
                               RESULTS / f"{stem}.png", "time",
                               "LeNet-5 / MNIST, 8 workers, server link 100 Mbit/s", target))
+    elif sweep == "locality":
+        for name, r in ok.items():
+            from psparse import locality
+            result = locality.analyse(ROOT / r["dir"])
+            written.append(RESULTS / f"{stem}-{name}.png")
+            locality.plot(result, written[-1])
+            written.append(RESULTS / f"{stem}-{name}.txt")
+            written[-1].write_text(locality.summary_text(result) + "\n")
     elif sweep.startswith("resnet20-cifar10"):
         runs = [(n, r["dir"]) for n, r in ok.items()]
         written.append(curves(runs, RESULTS / f"{stem}-accuracy.png", "iter",

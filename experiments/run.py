@@ -107,6 +107,13 @@ SWEEPS: dict[str, dict] = {
         "runs": _resnet20_runs(),
         "target": 0.9,
     },
+    # issue 6 / thesis section 6.2: are large gradient entries few, and do they recur on the
+    # same indices over short periods? One epoch of top-k, every worker recording its top-k.
+    "locality": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "1",
+                 "--eval-every", "0", "--record-selections"],
+        "runs": {"topk-d0.01": ["--density", "0.01", "--policy", "topk"]},
+    },
     # time per iteration at emulated link rates, to check psparse-model (experiments/model_check)
     "cost-model": {
         "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--density", "0.01",

@@ -30,10 +30,16 @@ class SelectionRecorder:
         self.layer_sizes, self.layer_names = layer_sizes, layer_names
         self.grad_topk: list[np.ndarray] = []
         self.sent: list[np.ndarray] = []
+        self.topk_energy: list[float] = []
 
-    def record(self, grad_topk: np.ndarray, sent: np.ndarray) -> None:
+    def record(self, grad: np.ndarray, grad_topk: np.ndarray, sent: np.ndarray) -> None:
+        """One iteration: the raw gradient, its top-k indices, and the indices sent."""
         self.grad_topk.append(np.asarray(grad_topk, dtype=np.int64).copy())
         self.sent.append(np.asarray(sent, dtype=np.int64).copy())
+        # "few entries are large": the share of the squared gradient norm in the top-k entries
+        total = float(np.dot(grad, grad))
+        top = grad[grad_topk]
+        self.topk_energy.append(float(np.dot(top, top)) / total if total > 0 else 0.0)
 
     def save(self, path: Path) -> None:
         def packed(sets):
@@ -43,6 +49,7 @@ class SelectionRecorder:
         g, g_off = packed(self.grad_topk)
         s, s_off = packed(self.sent)
         np.savez_compressed(path, grad_topk=g, grad_offsets=g_off, sent=s, sent_offsets=s_off,
+                            topk_energy=np.array(self.topk_energy),
                             layer_sizes=np.array(self.layer_sizes),
                             layer_names=np.array(self.layer_names))
 
@@ -54,6 +61,7 @@ def load(path: Path) -> dict:
 
         return {"grad_topk": unpack(z["grad_topk"], z["grad_offsets"]),
                 "sent": unpack(z["sent"], z["sent_offsets"]),
+                "topk_energy": z["topk_energy"] if "topk_energy" in z else None,
                 "layer_sizes": z["layer_sizes"].tolist(),
                 "layer_names": [str(n) for n in z["layer_names"]]}
 
@@ -120,8 +128,11 @@ def analyse(run_dir: Path, horizon: int = 20) -> dict:
                         ranks[b]["grad_topk"][t][layer_of[ranks[b]["grad_topk"][t]] == layer])
                 for t in range(0, T, max(1, T // 50)) for a, b in pairs]
         per_layer_jaccard.append(float(np.mean(vals)) if vals else None)
+    energy = [r["topk_energy"] for r in ranks if r["topk_energy"] is not None]
     return {
         "workers": len(ranks), "iterations": T, "numel": numel, "k": k, "horizon": horizon,
+        # mean share of a worker's squared gradient norm held by its top-k entries
+        "topk_energy_mean": float(np.mean(np.concatenate(energy))) if energy else None,
         "random_recurrence_1": k / numel,
         "recurrence": rec[0].tolist(),
         "layers": [{"name": n, "size": s, "share_of_numel": s / numel,
@@ -165,6 +176,29 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def summary_text(result: dict) -> str:
+    """The analysis as a short text table (what psparse-locality prints)."""
+    rec = result["recurrence"]
+    lines = [f"{result['workers']} workers, {result['iterations']} iterations, k = "
+             f"{result['k']} of {result['numel']} ({result['random_recurrence_1']:.2%} for a "
+             "random set)"]
+    if result.get("topk_energy_mean") is not None:
+        lines.append(f"share of the squared gradient norm in the top-k entries: "
+                     f"{result['topk_energy_mean']:.1%}")
+    lines += [f"top-k gradient indices seen again within 1 / 5 / {result['horizon']} "
+              f"iterations: {rec[0]:.1%} / {rec[min(4, len(rec) - 1)]:.1%} / {rec[-1]:.1%}",
+              f"mean Jaccard between workers: top-k {result['jaccard_topk_mean']:.3f}, "
+              f"sent {result['jaccard_sent_mean']:.3f}",
+              f"{'layer':<16}{'size':>8}{'share of n':>12}{'share of top-k':>16}"
+              f"{'again in 1':>12}{'Jaccard':>9}"]
+    for layer in result["layers"]:
+        jac = layer["jaccard_between_workers"]
+        lines.append(f"{layer['name']:<16}{layer['size']:>8}{layer['share_of_numel']:>12.1%}"
+                     f"{layer['share_of_topk']:>16.1%}{layer['recurrence'][0]:>12.1%}"
+                     f"{jac if jac is not None else float('nan'):>9.3f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="psparse-locality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,20 +212,7 @@ def main(argv=None) -> int:
         return 1
     (args.run_dir / "locality.json").write_text(json.dumps(result, indent=1))
     plot(result, args.run_dir / "locality.png")
-    rec = result["recurrence"]
-    print(f"{result['workers']} workers, {result['iterations']} iterations, k = {result['k']} "
-          f"of {result['numel']} ({result['random_recurrence_1']:.2%} for a random set)")
-    print(f"top-k gradient indices seen again within 1 / 5 / {result['horizon']} iterations: "
-          f"{rec[0]:.1%} / {rec[min(4, len(rec) - 1)]:.1%} / {rec[-1]:.1%}")
-    print(f"mean Jaccard between workers: top-k {result['jaccard_topk_mean']:.3f}, "
-          f"sent {result['jaccard_sent_mean']:.3f}")
-    print(f"{'layer':<16}{'size':>8}{'share of n':>12}{'share of top-k':>16}{'again in 1':>12}"
-          f"{'Jaccard':>9}")
-    for layer in result["layers"]:
-        jac = layer["jaccard_between_workers"]
-        print(f"{layer['name']:<16}{layer['size']:>8}{layer['share_of_numel']:>12.1%}"
-              f"{layer['share_of_topk']:>16.1%}{layer['recurrence'][0]:>12.1%}"
-              f"{jac if jac is not None else float('nan'):>9.3f}")
+    print(summary_text(result))
     print(f"wrote {args.run_dir / 'locality.json'} and {args.run_dir / 'locality.png'}")
     return 0
 

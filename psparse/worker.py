@@ -339,7 +339,8 @@ class Worker:
             self.policy.set_k(k)
         grad = self.net.grad_array(self.xp)
         # (before grad is reused)
-        grad_topk = topk_exact(to_host(grad), k) if self.recorder else None
+        host_grad = to_host(grad) if self.recorder else None  # read before the next backward
+        grad_topk = topk_exact(host_grad, k) if self.recorder else None
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
         group = None
         if self.policy.two_phase:
@@ -356,7 +357,7 @@ class Worker:
             group = msg.indices
         indices, values = self.outbox.fetch(*self._select(acc, it, group))
         if self.recorder:
-            self.recorder.record(grad_topk, indices)
+            self.recorder.record(host_grad, grad_topk, indices)
         t2 = time.perf_counter()
 
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
