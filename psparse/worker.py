@@ -249,7 +249,10 @@ class Worker:
         if self.last_report is not None and self.last_report[0] == self.start - 1:
             self.report(*self.last_report)  # the server may not have written it before the stop
         for it in range(self.start, self.iterations):
-            self.step(it)
+            try:
+                self.step(it)
+            except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
+                raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
             done = it + 1
             if self.rank == 0 and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
                     and done < self.iterations:
@@ -338,7 +341,6 @@ class Worker:
         if k != self.policy.k:
             self.policy.set_k(k)
         grad = self.net.grad_array(self.xp)
-        # (before grad is reused)
         host_grad = to_host(grad) if self.recorder else None  # read before the next backward
         grad_topk = topk_exact(host_grad, k) if self.recorder else None
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
@@ -396,10 +398,7 @@ class Worker:
         """The policy's indices and their accumulator values (zeroed there), on acc's device."""
         indices = self.policy.select(acc, it, group=None if group is None else
                                      self._on_device(group)[0])
-        try:
-            return indices, self.memory.take(indices)
-        except NonFiniteError as exc:
-            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+        return indices, self.memory.take(indices)
 
     def _on_device(self, *arrays):
         """Host arrays (a received message) moved to where the policy state lives."""
