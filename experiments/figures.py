@@ -69,6 +69,33 @@ def tradeoff(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def pivot(rows: list[dict]) -> str:
+    """lenet-mnist as one line per policy: accuracy, union/k and MB broadcast per setting."""
+    ok = {r["run"]: r for r in rows}
+    settings = [("d0.01", "1%"), ("d0.01-limit2k", "1% + limit 2k"), ("d0.001", "0.1%"),
+                ("d0.001-limit2k", "0.1% + limit 2k")]
+    head = "| policy | " + " | ".join(label for _, label in settings) + " |"
+    lines = [head, "|---" * (len(settings) + 1) + "|",
+             "| | " + " | ".join("acc % · union/k · MB" for _ in settings) + " |"]
+
+    def cell(r):
+        if r is None:
+            return "—"
+        if "failed" in r:
+            return "diverged" if "diverged" in r["failed"] else "failed"
+        return f"{100 * r['test_acc']:.2f} · {r['union_k_mean']:.2f} · {r['broadcast_mb']:.1f}"
+
+    policies = sorted({name.split("-d")[0] for name in ok if "-d0" in name},
+                      key=lambda p: [r["run"] for r in rows].index(f"{p}-d0.01"))
+    for policy in policies:
+        lines.append(f"| {policy} | " + " | ".join(cell(ok.get(f"{policy}-{suffix}"))
+                                                  for suffix, _ in settings) + " |")
+    for ref in ("dense", "ddp"):
+        if ref in ok:
+            lines.append(f"| {ref} (density 1.0) | {cell(ok[ref])} | | | |")
+    return "\n".join(lines)
+
+
 def curves(runs: list[tuple[str, str]], path: Path, x: str, title: str,
            target: float | None = None) -> Path:
     """Test accuracy of (label, run_dir) pairs against iterations (x="iter") or seconds."""
@@ -98,6 +125,8 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
     target = next((r["target_acc"] for r in ok.values()), None)
     written = []
     if sweep == "lenet-mnist":
+        written.append(RESULTS / f"{stem}-summary.md")
+        written[-1].write_text(pivot(rows) + "\n")
         written.append(tradeoff(rows, RESULTS / f"{stem}-tradeoff.png"))
         main = [(n, ok[n]["dir"]) for n in ("dense", "ddp", "topk-d0.01", "core-d0.01",
                                             "vote-d0.01", "cltk-d0.01") if n in ok]
