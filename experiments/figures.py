@@ -35,34 +35,45 @@ def _evals(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def tradeoff(rows: list[dict], path: Path) -> Path:
-    """Final test accuracy against MB broadcast; filled: no limit, hollow: --server-limit 2k."""
+def tradeoff(rows: list[dict], path: Path, floor: float = 90.0) -> Path:
+    """Final test accuracy against MB broadcast; filled: no limit, hollow: --server-limit 2k.
+
+    One colour per policy in both panels; runs below ``floor`` % are listed under the axes."""
     plt = _plt()
     ok = [r for r in rows if "failed" not in r]
     refs = {r["run"]: r for r in ok if r["run"] in ("dense", "ddp")}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    policies = list(dict.fromkeys(r["run"].split("-d0")[0] for r in rows if "-d0" in r["run"]))
+    color = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.3), sharey=True)
     for ax, density in zip(axes, ("0.01", "0.001")):
-        runs = [r for r in ok if f"-d{density}" in r["run"]]
-        for i, policy in enumerate(sorted({r["run"].split("-d")[0] for r in runs})):
-            color = f"C{i % 10}"
-            for r in runs:
-                if r["run"].split("-d")[0] != policy:
-                    continue
-                limited = r["run"].endswith("limit2k")
-                ax.scatter(r["broadcast_mb"], 100 * r["test_acc"], s=40, color=color,
-                           facecolors="none" if limited else color,
-                           label=None if limited else policy)
+        below = []
+        for r in ok:
+            if f"-d{density}" not in r["run"]:
+                continue
+            policy, limited = r["run"].split("-d0")[0], r["run"].endswith("limit2k")
+            acc = 100 * r["test_acc"]
+            if acc < floor:
+                below.append(f"{r['run']} {acc:.1f}%")
+                continue
+            ax.scatter(r["broadcast_mb"], acc, s=40, color=color[policy],
+                       facecolors="none" if limited else color[policy])
         if "dense" in refs:
-            ax.axhline(100 * refs["dense"]["test_acc"], color="grey", ls="--", lw=1,
-                       label=f"dense ({refs['dense']['broadcast_mb']:.0f} MB)")
+            ax.axhline(100 * refs["dense"]["test_acc"], color="grey", ls="--", lw=1)
+        failed = [r["run"] for r in rows if "failed" in r and f"-d{density}" in r["run"]]
+        notes = [f"below {floor:g}%: " + ", ".join(below)] if below else []
+        notes += ["diverged: " + ", ".join(failed)] if failed else []
+        ax.text(0.0, -0.22, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="top")
         ax.set_xscale("log")
         ax.set_title(f"density {float(density):.1%} (hollow: --server-limit 2k)")
         ax.set_xlabel("MB broadcast by the server (whole run)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=color[p], label=p) for p in policies]
+    if "dense" in refs:
+        handles.append(plt.Line2D([], [], ls="--", color="grey",
+                                  label=f"dense ({refs['dense']['broadcast_mb']:.0f} MB)"))
+    axes[1].legend(handles=handles, fontsize=7, loc="lower right")
     axes[0].set_ylabel("final test accuracy (%)")
-    lo = min(100 * r["test_acc"] for r in ok)
-    axes[0].set_ylim(max(lo - 0.5, 90), 99.2)
+    axes[0].set_ylim(floor, 99.2)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
