@@ -7,17 +7,18 @@ by CuPy on first use), each with the numpy code beside it as its reference:
 ====================  ====================================  ===================================
 step                  numpy (reference, CPU)                CuPy (GPU)
 ====================  ====================================  ===================================
-DGC accumulate        v *= m; v += g; acc += v (3 passes)   one fused pass (``_DGC``)
+DGC accumulate        v *= m; v += g; acc += v (3 passes)   one fused pass (``dgc``)
 compaction            blockwise abs/compare/flatnonzero     one pass, atomic slot counter
-                                                            (``_COMPACT``), also counts NaN/inf
+                                                            (``compact``), also counts NaN/inf
 take                  acc[idx] (copy); acc[idx] = 0         one gather-and-zero over k entries
 EMA / count update    p *= beta; p[idx] += w * |v|          scale, then one scatter over k
-sparse mean           np.add.at + sort/dedup                cupyx.scatter_add + sort/dedup
+sparse mean           np.add.at + sort/dedup                cupy.add.at + sort/dedup
 ====================  ====================================  ===================================
 
 Top-k order (both devices, so CPU and GPU workers pick identical sets): larger |x| first, ties
-by lower index. Non-finite accumulators are refused with ``ValueError`` (a NaN can never be
-"large", so selecting around it would hide a diverged run).
+by lower index. Non-finite accumulators are refused with ``NonFiniteError`` (a NaN can never be
+"large", so selecting around it would hide a diverged run). The CUDA kernels avoid fused
+multiply-add where numpy rounds twice, so GPU policy state is bit-identical to the host's.
 """
 
 from __future__ import annotations
@@ -58,14 +59,19 @@ def estimate_threshold(x, k: int) -> float:
 
 def trim(indices, values, k: int):
     """The k of the candidates (index, value) with largest |value|, ties to the lower index;
-    returned as sorted indices and their values."""
+    returned as sorted indices and their values. O(candidates): one partition, two compares."""
     xp = array_module(values)
-    if indices.size > k:
-        order = xp.lexsort(xp.stack([indices.astype(xp.float64),
-                                     -xp.abs(values).astype(xp.float64)]))[:k]
+    if xp is not np:  # the GPU compaction writes in arbitrary order; the host's is ascending
+        order = xp.argsort(indices)
         indices, values = indices[order], values[order]
-    order = xp.argsort(indices)
-    return indices[order], values[order]
+    if indices.size <= k:
+        return indices, values
+    mag = xp.abs(values)
+    kth = xp.partition(mag, mag.size - k)[mag.size - k]  # the k-th largest magnitude
+    keep = mag > kth
+    short = k - int(xp.count_nonzero(keep))
+    keep[xp.flatnonzero(mag == kth)[:short]] = True  # ties: the lowest indices
+    return indices[keep], values[keep]
 
 
 def exact_threshold(x, k: int) -> float:
