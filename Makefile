@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench clean exp-%
+.PHONY: install test test-fast demo data lint bench clean exp-% gpu-wheels
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ demo: install data
 # exp-policies, exp-cost-model (see experiments/README.md)
 exp-%: install data
 	$(PY) -m experiments.run $*
+
+# wheels benchmarks/gpu_check.sh installs on a GPU machine without network (Python 3.12 there)
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .whl pyzmq==26.2.0
 
 lint: install
 	$(VENV)/bin/ruff check psparse tests benchmarks experiments

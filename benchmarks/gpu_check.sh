@@ -5,9 +5,8 @@
 #   3. a 2-worker LeNet/MNIST run with --device cuda and --server-device cuda.
 #
 # The machine needs python3 with torch, CuPy, numpy and msgpack. What it lacks can travel as
-# wheels in .whl/ (installed to /tmp/site, no network needed); for pyzmq, here:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl pyzmq==26.2.0
+# wheels in .whl/ (installed to /tmp/site, no network needed): `make gpu-wheels` fetches pyzmq's
+# (for Python 3.12) into .whl/ on a machine that has network.
 # MNIST must be in data/mnist (make data). Logs and the run's files go to $OUT (default out-gpu).
 #
 #   bash benchmarks/gpu_check.sh
