@@ -143,10 +143,11 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
                                             "vote-d0.01", "cltk-d0.01") if n in ok]
         written.append(curves(main, RESULTS / f"{stem}-accuracy.png", "iter",
                               "LeNet-5 / MNIST, 8 workers: test accuracy", target))
-    elif sweep == "time-to-accuracy":
+    elif sweep.startswith("time-to-accuracy"):
+        rate = "20 Mbit/s" if sweep.endswith("20mbit") else "100 Mbit/s"
         written.append(curves([(n, r["dir"]) for n, r in ok.items()],
                               RESULTS / f"{stem}.png", "time",
-                              "LeNet-5 / MNIST, 8 workers, server link 100 Mbit/s", target))
+                              f"LeNet-5 / MNIST, 8 workers, server link {rate}", target))
     elif sweep == "locality":
         for name, r in ok.items():
             from psparse import locality

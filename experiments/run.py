@@ -89,6 +89,19 @@ SWEEPS: dict[str, dict] = {
             "cltk-d0.01": ["--density", "0.01", *SWEEP_POLICIES["cltk"]],
         },
     },
+    # the same question on a slower link, where communication outweighs compute even with 8
+    # workers sharing 2 cores (dense is left out: ~1.6 s per iteration, see psparse-model)
+    "time-to-accuracy-20mbit": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
+                 "--eval-every", "117", "--bandwidth", "20Mbit"],
+        "runs": {
+            "topk-d0.01": ["--density", "0.01", *SWEEP_POLICIES["topk"]],
+            "topk-d0.01-limit2k": ["--density", "0.01", "--server-limit", "2k",
+                                   *SWEEP_POLICIES["topk"]],
+            "core-d0.01": ["--density", "0.01", *SWEEP_POLICIES["core"]],
+            "vote-d0.01": ["--density", "0.01", *SWEEP_POLICIES["vote"]],
+        },
+    },
     # issue 6, CPU-sized: ResNet-20/CIFAR-10 for 2 epochs (about 12 min per run on 2 cores),
     # DGC warm-up over the first epoch, SGD lr 0.1, momentum 0.9, weight decay 1e-4.
     "resnet20-cifar10": {
