@@ -4,7 +4,7 @@
   thesis's question in one picture: does aligning shrink the broadcast without costing
   accuracy?), and test accuracy against iterations for the main policies at density 1%.
 * ``time-to-accuracy``: test accuracy against wall time on the emulated link.
-* ``resnet20-cifar10``: test accuracy against iterations and wall time.
+* ``resnet20-cifar10``: test accuracy against iterations.
 * ``locality``: recurrence of top-k gradient indices and agreement between workers
   (``psparse-locality``), as PNG and text.
 
@@ -160,8 +160,6 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
         runs = [(n, r["dir"]) for n, r in ok.items()]
         written.append(curves(runs, RESULTS / f"{stem}-accuracy.png", "iter",
                               "ResNet-20 / CIFAR-10, 8 workers: test accuracy", target))
-        written.append(curves(runs, RESULTS / f"{stem}-time.png", "time",
-                              "ResNet-20 / CIFAR-10, 8 workers (2-core CPU)", target))
     return written
 
 
