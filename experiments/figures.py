@@ -149,8 +149,8 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
                               RESULTS / f"{stem}.png", "time",
                               f"LeNet-5 / MNIST, 8 workers, server link {rate}", target))
     elif sweep == "locality":
+        from psparse import locality
         for name, r in ok.items():
-            from psparse import locality
             result = locality.analyse(ROOT / r["dir"])
             written.append(RESULTS / f"{stem}-{name}.png")
             locality.plot(result, written[-1])

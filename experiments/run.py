@@ -140,15 +140,12 @@ SWEEPS: dict[str, dict] = {
     "policies": {
         "base": LENET,
         "runs": {
-            "topk": ["--policy", "topk"],
-            "randomk": ["--policy", "randomk"],
-            "threshold": ["--policy", "threshold", "--policy-arg", "lam=0.02"],
-            "frequency": ["--policy", "frequency"],
-            "ema": ["--policy", "ema"],
+            **{name: SWEEP_POLICIES[name]
+               for name in ("topk", "randomk", "threshold", "frequency", "ema")},
             "penalty-0.25": ["--policy", "penalty", "--policy-arg", "pi=0.25"],
-            "penalty-0.1": ["--policy", "penalty", "--policy-arg", "pi=0.1"],
-            "cltk": ["--policy", "cltk"],
-            "core": ["--policy", "core"],
+            "penalty-0.1": SWEEP_POLICIES["penalty"],
+            "cltk": SWEEP_POLICIES["cltk"],
+            "core": SWEEP_POLICIES["core"],
             "core-own0.0625": ["--policy", "core", "--policy-arg", "own=0.0625"],
             "core-own0.25": ["--policy", "core", "--policy-arg", "own=0.25"],
             "core-signed": ["--policy", "core", "--policy-arg", "signed=true"],

@@ -61,18 +61,12 @@ def to_torch(a):
 def to_host(a, out: np.ndarray | None = None) -> np.ndarray:
     """A numpy array with the values of ``a`` (into ``out``, e.g. a pinned buffer, if given)."""
     if not is_gpu(a):
-        return a if out is None else _copy_into(out, a)
+        if out is None:
+            return a
+        out[...] = a
+        return out
     if out is None:
         return a.get()
     a.get(out=out)
     return out
 
-
-def _copy_into(out: np.ndarray, a: np.ndarray) -> np.ndarray:
-    out[...] = a
-    return out
-
-
-def asarray_like(a, like):
-    """``a`` (host data) moved to where ``like`` lives."""
-    return array_module(like).asarray(a)
