@@ -41,7 +41,7 @@ from .policies import Layout, PolicyError, build_policy
 from .protocol import ProtocolError
 from .sparsify import NonFiniteError, density_to_k, topk_exact
 from .transport import Channel, TransportTimeout
-from .xp import cupy_or_none, from_torch, to_host
+from .xp import CUPY_HINT, cupy_or_none, from_torch, to_device, to_host
 
 
 class WorkerError(RuntimeError):
@@ -401,8 +401,8 @@ class Worker:
         return indices, self.memory.take(indices)
 
     def _on_device(self, *arrays):
-        """Host arrays (a received message) moved to where the policy state lives."""
-        return arrays if self.xp is np else tuple(self.xp.asarray(a) for a in arrays)
+        """Host arrays (a received message) moved to where the policy state lives, int64 indices."""
+        return to_device(self.xp, *arrays)
 
     def _dense_buffer(self) -> np.ndarray:
         # Reused every round: the previous push has left once its aggregate came back.
@@ -475,7 +475,7 @@ def gpu_array_module(device: torch.device, log=print):
     cupy = cupy_or_none()
     if cupy is None:
         log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
-            "pip install cupy-cuda12x for the GPU kernels)")
+            f"{CUPY_HINT} for the GPU kernels)")
         return np
     cupy.cuda.Device(device.index or 0).use()
     return cupy

@@ -15,6 +15,10 @@ import functools
 
 import numpy as np
 
+# The GPU machines run CUDA 13; the matching CuPy wheel (also `pip install -e '.[gpu]'`).
+CUPY_HINT = "pip install cupy-cuda13x"
+INDEX_DTYPE = np.int64  # the one index dtype the kernels take (CUDA C: long long)
+
 
 @functools.lru_cache(maxsize=1)
 def cupy_or_none():
@@ -46,8 +50,24 @@ def from_torch(tensor):
         return tensor.detach().numpy()
     cupy = cupy_or_none()
     if cupy is None:
-        raise RuntimeError("a CUDA tensor needs CuPy for the GPU path (pip install cupy-cuda12x)")
+        raise RuntimeError(f"a CUDA tensor needs CuPy for the GPU path ({CUPY_HINT})")
     return cupy.from_dlpack(tensor.detach())
+
+
+def to_device(xp, *arrays):
+    """Received host arrays (a decoded message) moved to ``xp``'s device, as the kernels want them.
+
+    This is the one boundary where the protocol's data meets the kernels: the protocol decodes
+    indices as int32 or int64 depending on the index format (raw int32 frames stay int32 views),
+    so integer arrays become ``INDEX_DTYPE`` here, once, instead of in every kernel. Float arrays
+    keep their dtype; host arrays already in int64 are not copied.
+    """
+    out = []
+    for a in arrays:
+        if a is not None and a.dtype.kind in "iu":
+            a = a.astype(INDEX_DTYPE, copy=False)
+        out.append(a if xp is np or a is None else xp.asarray(a))
+    return tuple(out)
 
 
 def to_torch(a):
