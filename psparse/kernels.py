@@ -7,9 +7,9 @@ by CuPy on first use), each with the numpy code beside it as its reference:
 ====================  ====================================  ===================================
 step                  numpy (reference, CPU)                CuPy (GPU)
 ====================  ====================================  ===================================
-DGC accumulate        v *= m; v += g; acc += v (3 passes)   one fused pass (``dgc``)
-compaction            blockwise abs/compare/flatnonzero     one pass, atomic slot counter
-                                                            (``compact``), also counts NaN/inf
+DGC accumulate        v *= m; v += g; acc += v (3 passes)   one fused pass
+compaction            blockwise abs/compare/flatnonzero     one pass, atomic slot counter,
+                                                            also counts NaN/inf
 take                  acc[idx] (copy); acc[idx] = 0         one gather-and-zero over k entries
 EMA / count update    p *= beta; p[idx] += w * |v|          scale, then one scatter over k
 sparse mean           np.add.at + sort/dedup                cupy.add.at + sort/dedup
@@ -24,6 +24,7 @@ multiply-add where numpy rounds twice, so GPU policy state is bit-identical to t
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -128,15 +129,12 @@ def compact_numpy(x: np.ndarray, threshold: float, capacity: int, block: int = 1
 def compact_cupy(x, threshold: float, capacity: int):
     """GPU compaction: one grid-stride pass; each hit takes a slot from an atomic counter."""
     import cupy
-    k = _cupy_kernels()
     x = cupy.ascontiguousarray(x, dtype=cupy.float32)  # the kernel reads a plain float array
     idx = cupy.empty(capacity, cupy.int64)
     val = cupy.empty(capacity, cupy.float32)
     counters = cupy.zeros(2, cupy.uint64)  # [hits, non-finite]
-    # a grid-stride loop: a few blocks per SM keep every SM busy without a block per element
-    blocks = min(max(1, (x.size + THREADS - 1) // THREADS), 8 * k.sm_count)
-    k.compact((blocks,), (THREADS,), (x, np.int64(x.size), np.float32(threshold), idx, val,
-                                       counters, np.int64(capacity)))
+    _cupy_kernels()("psparse_compact", x.size, x, np.int64(x.size), np.float32(threshold),
+                    idx, val, counters, np.int64(capacity))
     count, bad = (int(c) for c in counters.get())
     if bad:
         raise NonFiniteError(f"the accumulator holds {bad} NaN or inf entries")
@@ -163,7 +161,8 @@ def accumulate(acc, grad, velocity=None, momentum: float = 0.0):
         velocity += grad
         acc += velocity
     else:
-        _cupy_kernels().dgc(grad, np.float32(momentum), velocity, acc)
+        _cupy_kernels()("psparse_dgc_accumulate", acc.size, grad, np.float32(momentum),
+                        velocity, acc, np.int64(acc.size))
     return acc
 
 
@@ -179,10 +178,9 @@ def take(acc, indices, velocity=None):
     values = xp.empty(indices.size, acc.dtype)
     if indices.size == 0:
         return values
-    if velocity is None:
-        _cupy_kernels().take(indices, acc, values)
-    else:
-        _cupy_kernels().take_dgc(indices, acc, velocity, values)
+    has_velocity = velocity is not None
+    _cupy_kernels()("psparse_take", indices.size, indices, np.int64(indices.size), acc,
+                    velocity if has_velocity else acc, np.int32(has_velocity), values)
     return values
 
 
@@ -200,8 +198,10 @@ def decay_and_add(priority, indices, values, decay: float, weight: float,
     if xp is np:
         priority[indices] += np.float32(weight) * (np.abs(values) if magnitude else values)
     else:
-        _cupy_kernels().scatter_add_weighted(indices, values, np.float32(weight),
-                                             np.bool_(magnitude), priority)
+        values = xp.ascontiguousarray(values, dtype=xp.float32)
+        _cupy_kernels()("psparse_scatter_add_weighted", indices.size, indices, values,
+                        np.int64(indices.size), np.float32(weight), np.int32(magnitude),
+                        priority)
     return priority
 
 
@@ -264,52 +264,139 @@ def sorted_union(indices: list):
 
 
 # ------------------------------------------------------------------------------ CUDA code
-_COMPACT_SRC = r"""
+# All of psparse's GPU kernels, in one CUDA C source that CuPy compiles once per process (and
+# caches on disk). They are plain __global__ functions rather than ElementwiseKernels so that
+# the whole of what the package can launch is this text: `make check-kernels` compiles it with
+# NVRTC on machines without a GPU (psparse/kernel_check.py). Indices are int64 (long long)
+# everywhere: received int32 indices are widened once, at the boundary (xp.to_device).
+# Every kernel is a grid-stride loop over n elements; float maths uses the _rn intrinsics so
+# the compiler cannot fuse a multiply and an add (numpy rounds after each).
+CUDA_SOURCE = r"""
 extern "C" __global__ void psparse_compact(const float* x, long long n, float threshold,
                                            long long* out_idx, float* out_val,
                                            unsigned long long* counters, long long capacity) {
+    // entries with |x| >= threshold, in arbitrary order; counters = [hits, non-finite]
     long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float v = x[i];
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        float v = x[j];
         float m = fabsf(v);
         if (!isfinite(m)) {                       // NaN or inf: counted, never selected
             atomicAdd(&counters[1], 1ULL);
         } else if (m >= threshold) {
             unsigned long long slot = atomicAdd(&counters[0], 1ULL);
             if (slot < (unsigned long long)capacity) {
-                out_idx[slot] = i;
+                out_idx[slot] = j;
                 out_val[slot] = v;
             }
         }
     }
 }
+
+extern "C" __global__ void psparse_dgc_accumulate(const float* grad, float momentum,
+                                                  float* velocity, float* acc, long long n) {
+    // DGC momentum correction: velocity = m * velocity + grad; acc += velocity (one pass)
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        float u = __fadd_rn(__fmul_rn(momentum, velocity[j]), grad[j]);
+        velocity[j] = u;
+        acc[j] = __fadd_rn(acc[j], u);
+    }
+}
+
+extern "C" __global__ void psparse_take(const long long* indices, long long n, float* acc,
+                                        float* velocity, int has_velocity, float* out) {
+    // gather the values sent and zero the accumulator (and DGC velocity, if any) there
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        long long at = indices[j];
+        out[j] = acc[at];
+        acc[at] = 0.0f;
+        if (has_velocity) velocity[at] = 0.0f;
+    }
+}
+
+extern "C" __global__ void psparse_scatter_add_weighted(const long long* indices,
+                                                        const float* values, long long n,
+                                                        float weight, int magnitude,
+                                                        float* priority) {
+    // priority[indices] += weight * (|values| or values); indices are distinct: no atomics
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        float v = magnitude ? fabsf(values[j]) : values[j];
+        long long at = indices[j];
+        priority[at] = __fadd_rn(priority[at], __fmul_rn(weight, v));
+    }
+}
 """
+
+# C parameter type -> (array or scalar, dtype) that a launch must pass for it
+C_TYPES = {
+    "const float*": ("array", np.float32), "float*": ("array", np.float32),
+    "const long long*": ("array", np.int64), "long long*": ("array", np.int64),
+    "unsigned long long*": ("array", np.uint64),
+    "long long": ("scalar", np.int64), "float": ("scalar", np.float32), "int": ("scalar", np.int32),
+}
+_KERNEL_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+
+
+def kernel_signatures(source: str) -> dict[str, list[tuple[str, str]]]:
+    """{kernel name: [(C type, parameter name), ...]} of every kernel in a CUDA C source."""
+    signatures = {}
+    for name, params in _KERNEL_SIGNATURE.findall(source):
+        pairs = []
+        for param in params.split(","):
+            ctype, _, pname = " ".join(param.split()).replace(" *", "* ").rpartition(" ")
+            pairs.append((ctype.strip(), pname))
+        signatures[name] = pairs
+    return signatures
+
+
+CUDA_KERNELS = kernel_signatures(CUDA_SOURCE)
+
+
+def check_launch(name: str, args: tuple, signature: list[tuple[str, str]]) -> None:
+    """Arguments against the kernel's C signature: a launch with a wrong count, dtype or a
+    non-contiguous array would read memory as the wrong type; this makes it a clear error."""
+    if len(args) != len(signature):
+        raise TypeError(f"{name}: {len(args)} arguments for {len(signature)} parameters "
+                        f"({', '.join(p for _, p in signature)})")
+    for arg, (ctype, pname) in zip(args, signature):
+        kind, dtype = C_TYPES[ctype]
+        is_array = hasattr(arg, "shape") and not isinstance(arg, np.generic)
+        if kind == "array" and not (is_array and arg.dtype == dtype and arg.flags.c_contiguous):
+            got = f"{arg.dtype} array" + ("" if arg.flags.c_contiguous else ", not contiguous") \
+                if is_array else type(arg).__name__
+            raise TypeError(f"{name}: {pname} must be a contiguous {np.dtype(dtype)} array "
+                            f"({ctype}), got {got}")
+        if kind == "scalar" and not (isinstance(arg, np.generic) and arg.dtype == dtype):
+            raise TypeError(f"{name}: {pname} must be a numpy {np.dtype(dtype)} scalar ({ctype}), "
+                            f"got {type(arg).__name__}")
+
+
+def build_cupy_kernels(cupy, source: str = CUDA_SOURCE, names=tuple(CUDA_KERNELS)) -> dict:
+    """CuPy kernel objects for ``names`` in ``source``; constructing one compiles nothing (the
+    first launch does, and CuPy caches the binary on disk by source, so all four share it)."""
+    return {name: cupy.RawKernel(source, name) for name in names}
 
 
 @functools.lru_cache(maxsize=1)
 def _cupy_kernels():
-    """Compile (once per process) the fused CUDA kernels; CuPy caches the binaries on disk."""
+    """The kernels of this process, with a launcher that sizes the grid for this device."""
     import cupy
+    return _Launcher(cupy, build_cupy_kernels(cupy))
 
-    class Kernels:
-        sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        compact = cupy.RawKernel(_COMPACT_SRC, "psparse_compact")
-        # DGC: u = m*u + g; acc += u, one read of g/u/acc and one write of u/acc. The _rn
-        # intrinsics forbid fused multiply-add, so results round exactly as numpy's do.
-        dgc = cupy.ElementwiseKernel(
-            "float32 g, float32 m", "float32 u, float32 acc",
-            "u = __fadd_rn(__fmul_rn(m, u), g); acc = __fadd_rn(acc, u);",
-            "psparse_dgc_accumulate")
-        # gather the k sent values and zero them (and the DGC velocity) where they were taken
-        take = cupy.ElementwiseKernel(
-            "int64 i", "raw float32 acc, float32 out",
-            "out = acc[i]; acc[i] = 0.0f;", "psparse_take")
-        take_dgc = cupy.ElementwiseKernel(
-            "int64 i", "raw float32 acc, raw float32 vel, float32 out",
-            "out = acc[i]; acc[i] = 0.0f; vel[i] = 0.0f;", "psparse_take_dgc")
-        scatter_add_weighted = cupy.ElementwiseKernel(
-            "int64 i, float32 v, float32 w, bool mag", "raw float32 p",
-            "p[i] = __fadd_rn(p[i], __fmul_rn(w, mag ? fabsf(v) : v));",
-            "psparse_scatter_add_weighted")
 
-    return Kernels
+class _Launcher:
+    """Launches a kernel over n elements with a grid that keeps every SM busy."""
+
+    def __init__(self, cupy, functions):
+        self.functions = functions
+        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def blocks(self, n: int) -> int:
+        # a grid-stride loop: a few blocks per SM keep every SM busy without a block per element
+        return min(max(1, (n + THREADS - 1) // THREADS), 8 * self.sm_count)
+
+    def __call__(self, name: str, n: int, *args) -> None:
+        check_launch(name, args, CUDA_KERNELS[name])
+        self.functions[name]((self.blocks(n),), (THREADS,), args)

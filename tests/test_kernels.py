@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from psparse import kernels
+from psparse import kernels, protocol
 from psparse.kernels import NonFiniteError, sparse_mean
 from psparse.memory import Memory
 from psparse.policies import Layout, build_policy
 from psparse.sparsify import Selector, topk_exact
-from psparse.xp import array_module, cupy_or_none, from_torch, to_host, to_torch
+from psparse.xp import array_module, cupy_or_none, from_torch, to_device, to_host, to_torch
 
 cupy = cupy_or_none()
 gpu = pytest.mark.skipif(cupy is None, reason="no CUDA device")
@@ -33,6 +33,12 @@ def _cases():
 
 def _data(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def _raw_aggregate(indices, values):
+    """An aggregate as the protocol delivers it in the ``raw`` index format: int32 indices."""
+    frames = protocol.encode("aggregate", indices.astype(np.int32), values, iter=0, workers=1)
+    return protocol.decode([bytes(f) for f in frames])
 
 
 # ---------------------------------------------------------------------------------- CPU
@@ -115,6 +121,36 @@ def test_torch_tensors_cross_without_a_copy_on_the_cpu():
     back[4] = 7.0
     assert t[4] == 7.0 and to_host(a) is a
 
+
+
+def test_received_int32_indices_become_int64_once_at_the_device_boundary():
+    idx = np.array([3, 17, 4000, 65_000], np.int64)
+    msg = _raw_aggregate(idx, np.ones(4, np.float32))
+    assert msg.indices.dtype == np.int32  # raw frames decode as views of what was sent
+    got_idx, got_val = to_device(np, msg.indices, msg.values)
+    assert got_idx.dtype == np.int64 and got_idx.tolist() == idx.tolist()
+    assert got_val is msg.values  # floats pass through untouched
+    assert to_device(np, idx)[0] is idx  # int64 host indices are not copied
+
+
+def test_kernel_launches_are_checked_against_the_c_signatures():
+    """Every CUDA parameter type is known, and a launch with a wrong dtype, count, layout or
+    scalar type is a TypeError naming the kernel and the parameter (not a silent misread)."""
+    import re
+    names = re.findall(r'__global__\s+void\s+(\w+)', kernels.CUDA_SOURCE)
+    assert sorted(names) == sorted(kernels.CUDA_KERNELS)
+    assert all(c in kernels.C_TYPES for sig in kernels.CUDA_KERNELS.values() for c, _ in sig)
+    sig = kernels.CUDA_KERNELS["psparse_take"]
+    f32, i64 = np.zeros(8, np.float32), np.arange(4, dtype=np.int64)
+    good = (i64, np.int64(4), f32, f32, np.int32(0), np.zeros(4, np.float32))
+    kernels.check_launch("psparse_take", good, sig)
+    bad = {"int32 array": (i64.astype(np.int32),) + good[1:],
+           "6 parameters": good[:-1],
+           "not contiguous": good[:2] + (np.zeros(16, np.float32)[::2],) + good[3:],
+           "numpy int64 scalar": (i64, 4) + good[2:]}
+    for expected, args in bad.items():
+        with pytest.raises(TypeError, match=f"psparse_take: .*{expected}"):
+            kernels.check_launch("psparse_take", args, sig)
 
 # ---------------------------------------------------------------------------------- GPU
 @gpu
@@ -200,6 +236,32 @@ def test_cuda_tensors_cross_to_cupy_without_a_copy():
     a[3] = 5.0
     assert t[3].item() == 5.0 and array_module(a) is cupy
     assert to_torch(a).data_ptr() == t.data_ptr()
+
+
+@gpu
+@pytest.mark.parametrize("policy", ["frequency", "ema", "core", "penalty"])
+def test_gpu_policies_take_raw_int32_aggregates(policy):
+    """The review's fault: a raw-format aggregate decodes as int32 and reached int64 kernels."""
+    layout = Layout([50_000], "model")
+    cpu = build_policy(policy, [], layout, 500, seed=1)
+    dev = build_policy(policy, [], layout, 500, seed=1, xp=cupy)
+    rng = np.random.default_rng(9)
+    for it in range(4):
+        acc = rng.standard_normal(layout.numel).astype(np.float32)
+        np.testing.assert_array_equal(cpu.select(acc, it), dev.select(cupy.asarray(acc), it).get())
+        agg_idx = np.unique(rng.integers(0, layout.numel, 1500))
+        msg = _raw_aggregate(agg_idx, rng.standard_normal(agg_idx.size).astype(np.float32))
+        assert msg.indices.dtype == np.int32
+        cpu.observe(*to_device(np, msg.indices, msg.values), it)
+        dev.observe(*to_device(cupy, msg.indices, msg.values), it)
+    assert cpu.state_digest() == dev.state_digest()
+
+
+@gpu
+def test_gpu_kernels_refuse_int32_indices_by_name():
+    acc = cupy.zeros(100, cupy.float32)
+    with pytest.raises(TypeError, match="psparse_take: indices must be a contiguous int64"):
+        kernels.take(acc, cupy.arange(5, dtype=cupy.int32))
 
 
 def test_server_device_cuda_without_a_gpu_is_a_clear_error():
