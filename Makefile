@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench clean exp-% gpu-wheels
+.PHONY: install test test-fast demo data lint bench clean exp-% check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -41,11 +41,29 @@ demo: install data
 exp-%: install data
 	$(PY) -m experiments.run $*
 
-# wheels benchmarks/gpu_check.sh installs on a GPU machine without network (Python 3.12 there)
-gpu-wheels:
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+# The GPU-less kernel gate: CuPy builds every kernel object, NVRTC compiles every CUDA C source
+# to PTX (no GPU or driver needed); then the gate's own tests, planted faults included.
+check-kernels: install
+	$(PY) -m pip install -q -e '.[kernels]'
+	$(PY) -m psparse.kernel_check
+	$(PY) -m pytest -q -ra tests/test_kernel_check.py
+
+# Everything a bare GPU machine without network lacks for benchmarks/gpu_check.sh, in one
+# ignored folder to copy along: the pyzmq wheel for its Python 3.12, MNIST, CIFAR-10's archive.
+GPU_BUNDLE ?= gpu-bundle
+gpu-bundle: data
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/data/mnist
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		-d .whl pyzmq==26.2.0
+		-d $(GPU_BUNDLE)/wheels pyzmq==26.2.0
+	cp -L $(DATA)/mnist/*.gz $(GPU_BUNDLE)/data/mnist/
+	@if [ -e $(DATA)/cifar10-jpeg.tar.gz ]; then cp -L $(DATA)/cifar10-jpeg.tar.gz $(GPU_BUNDLE)/data/; \
+	else echo "no $(DATA)/cifar10-jpeg.tar.gz: the check's ResNet-20/CIFAR-10 step will fail"; fi
+	@du -sh $(GPU_BUNDLE)
+
+# the device check's plumbing on this machine (CUDA parts run with --device cpu)
+gpu-check-cpu: data
+	GPU_CHECK_CPU=1 PYTHON=$(PY) bash benchmarks/gpu_check.sh out-gpu-cpu
 
 lint: install
 	$(VENV)/bin/ruff check psparse tests benchmarks experiments
@@ -56,4 +74,4 @@ bench: install
 	$(PY) benchmarks/bench_server.py
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache *.egg-info
+	rm -rf runs out-gpu out-gpu-cpu .pytest_cache .ruff_cache *.egg-info

@@ -1,50 +1,57 @@
 #!/bin/bash
-# One prepared check of the GPU path on a machine with a CUDA device (< 8 minutes on one H200):
-#   1. the GPU kernel tests (CuPy kernels against the numpy reference, tests/test_kernels.py),
-#   2. benchmarks/gpu_select.py (selection vs torch.topk vs a device copy, CUDA events),
-#   3. a 2-worker LeNet/MNIST run with --device cuda and --server-device cuda.
+# The device check of psparse's GPU path, runnable on a bare GPU machine with no network.
 #
-# The machine needs python3 with torch, CuPy, numpy and msgpack. What it lacks can travel as
-# wheels in .whl/ (installed to /tmp/site, no network needed): `make gpu-wheels` fetches pyzmq's
-# (for Python 3.12) into .whl/ on a machine that has network.
-# MNIST must be in data/mnist (make data). Logs and the run's files go to $OUT (default out-gpu).
+#   bash benchmarks/gpu_check.sh [OUTDIR]          # on the GPU machine (< 9 minutes)
+#   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh   # CPU mode: the same steps with --device cpu
 #
-#   bash benchmarks/gpu_check.sh
+# It uses the machine's own python3 (PYTHON=... to choose another): torch, CuPy, numpy,
+# msgpack and pytest must be there. What a bare GPU machine lacks travels in the folder
+# gpu-bundle/ (make gpu-bundle; GPU_BUNDLE=... for another path): the pyzmq wheel, installed
+# into a temporary target, and MNIST plus the CIFAR-10 archive, used as the data folder.
+# The steps and the figures: benchmarks/gpu_check.py; how to run it: benchmarks/README.md.
+# Writes gpu_check.json and the step logs to OUTDIR (default $OUT, else out-gpu).
 set -u -o pipefail
-OUT=${OUT:-out-gpu}
-mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+BUNDLE=${GPU_BUNDLE:-gpu-bundle}
+OUTDIR=${1:-${OUT:-out-gpu}}
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-status=0
-step() { echo; echo "=== $* ($(date +%T))"; }
+mkdir -p "$OUTDIR"
 
-step "device"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import cupy, torch, zmq; print('cupy', cupy.__version__, 'torch', torch.__version__,
-'zmq', zmq.__version__, 'cuda', torch.cuda.is_available())" || exit 1
-
-step "GPU kernel tests"
-timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
-    2>&1 | tee "$OUT/test_kernels.log" || status=1
-
-step "selection benchmark"
-timeout 180 python3 benchmarks/gpu_select.py 2>&1 | tee "$OUT/gpu_select.log" || status=1
-
-step "2-worker LeNet/MNIST on the GPU (300 iterations, core, density 1%)"
-timeout 150 python3 -m psparse.launch --workers 2 --device cuda --server-device cuda \
-    --policy core --iterations 300 --eval-every 100 --out "$OUT/lenet-cuda" \
-    2>&1 | tail -n 25 | tee "$OUT/lenet-cuda.log" || status=1
-python3 - "$OUT/lenet-cuda" <<'EOF' || status=1
-import json, sys
-s = json.load(open(sys.argv[1] + "/summary.json"))
-print({k: s[k] for k in ("status", "iterations_per_s", "union_over_k_mean", "test_acc")})
-sys.exit(0 if s["status"] == "ok" and s["test_acc"] > 0.9 else 1)
+if [ -d "$BUNDLE/wheels" ]; then
+    site=$(mktemp -d /tmp/psparse-site-XXXXXX)
+    # only what this python lacks: the bundle's wheels never replace an installed package
+    need=$("$PYTHON" - "$BUNDLE/wheels" <<'EOF'
+import importlib.util, pathlib, sys
+names = {"pyzmq": "zmq", "msgpack": "msgpack", "pillow": "PIL"}
+for wheel in pathlib.Path(sys.argv[1]).glob("*.whl"):
+    dist = wheel.name.split("-")[0].lower()
+    if importlib.util.find_spec(names.get(dist, dist)) is None:
+        print(wheel)
 EOF
+)
+    if [ -n "$need" ]; then
+        # shellcheck disable=SC2086
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$site" $need || { echo "gpu_check: installing $need failed"; exit 1; }
+        export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -d "$BUNDLE/data" ]; then
+    export PSPARSE_DATA=$PWD/$BUNDLE/data
+fi
+export PSPARSE_DATA=${PSPARSE_DATA:-$PWD/data}
+# decoded CIFAR-10 goes to a cache folder of its own, never into the read-only bundle
+export PSPARSE_CACHE=${PSPARSE_CACHE:-${HOME:-/tmp}/.cache/psparse}
 
-step "done: status $status"
-exit $status
+if ! "$PYTHON" -c "import torch, numpy, msgpack, zmq" 2>/dev/null; then
+    echo "gpu_check: $PYTHON lacks torch, numpy, msgpack or pyzmq; on a GPU machine without"
+    echo "network copy gpu-bundle/ along (make gpu-bundle) -- see benchmarks/README.md"
+    exit 1
+fi
+if [ ! -e "$PSPARSE_DATA/mnist" ]; then
+    echo "gpu_check: no MNIST in $PSPARSE_DATA (make gpu-bundle, or make data)"
+    exit 1
+fi
+exec "$PYTHON" benchmarks/gpu_check.py --out "$OUTDIR"  # GPU_CHECK_CPU=1: --cpu

@@ -8,20 +8,25 @@ For n in {1M, 11.2M, 25M, 100M} floats and densities {0.1%, 1%} on one CUDA devi
 
 Each is the median of CUDA-event timings. Targets (issue 5): at 25M / 0.1%, >= 3x faster than
 torch.topk and within 3 copy passes. Every selection is checked against torch's set first.
-Without a CUDA device (and CuPy) it says so and exits 0.
+Without a CUDA device (and CuPy) it says so and exits 0. ``--device cpu`` measures the same three
+on the host (numpy, wall-clock medians): the CPU mode of benchmarks/gpu_check.sh.
 
-    python benchmarks/gpu_select.py [--sizes 1e6,11.2e6] [--repeats 15]
+    python benchmarks/gpu_select.py [--sizes 1e6,11.2e6] [--repeats 15] [--device cpu]
+                                    [--json figures.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np  # noqa: E402
 from common import table  # noqa: E402
 
 from psparse import kernels  # noqa: E402
@@ -46,28 +51,53 @@ def cuda_median_ms(cupy, fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(cupy, torch, rng, n: int, repeats: int) -> tuple[list, bool]:
-    """Table rows for one size n (both densities), and whether every selection was right."""
+def host_median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall-clock time of fn() on the host, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
+    """Table rows and figures for one size n (both densities), and whether every selection was
+    right. ``xp`` is cupy (CUDA events) or numpy (host clock)."""
+    if xp is np:
+        rng = np.random.default_rng(0)
+        timer = host_median_ms
+    else:
+        rng = xp.random.default_rng(0)
+        def timer(fn, repeats):  # noqa: E306
+            return cuda_median_ms(xp, fn, repeats)
     # gradient-like: mostly small, a heavy tail of large entries
-    x = rng.standard_normal(n, dtype=cupy.float32) * rng.standard_normal(n, dtype=cupy.float32) ** 3
-    dst = cupy.empty_like(x)
-    xt = to_torch(x)  # the same device memory
-    t_copy = cuda_median_ms(cupy, lambda: cupy.copyto(dst, x), repeats)
-    rows, ok = [], True
+    x = rng.standard_normal(n, dtype=xp.float32) * rng.standard_normal(n, dtype=xp.float32) ** 3
+    dst = xp.empty_like(x)
+    xt = to_torch(x)  # the same memory
+    t_copy = timer(lambda: xp.copyto(dst, x), repeats)
+    rows, figures, ok = [], [], True
     for density in DENSITIES:
         k = max(1, int(round(density * n)))
         ours, _ = kernels.select_any(x, k)
-        theirs = cupy.from_dlpack(torch.topk(xt.abs(), k, sorted=False)[1])
+        theirs = xp.asarray(torch.topk(xt.abs(), k, sorted=False)[1].numpy()) if xp is np \
+            else xp.from_dlpack(torch.topk(xt.abs(), k, sorted=False)[1])
         # the same set, or (ties cut elsewhere) the same magnitudes
-        same = bool(cupy.array_equal(ours, cupy.sort(theirs))) or bool(cupy.array_equal(
-            cupy.sort(cupy.abs(x[ours])), cupy.sort(cupy.abs(x[theirs]))))
+        same = bool(xp.array_equal(ours, xp.sort(theirs))) or bool(xp.array_equal(
+            xp.sort(xp.abs(x[ours])), xp.sort(xp.abs(x[theirs]))))
         ok &= same
-        t_ours = cuda_median_ms(cupy, lambda: kernels.select_any(x, k), repeats)
-        t_torch = cuda_median_ms(cupy, lambda: torch.topk(xt.abs(), k, sorted=False), repeats)
+        t_ours = timer(lambda: kernels.select_any(x, k), repeats)
+        t_torch = timer(lambda: torch.topk(xt.abs(), k, sorted=False), repeats)
         rows.append([f"{n / 1e6:g}M", f"{density:.1%}", k, f"{t_copy:.3f}", f"{t_ours:.3f}",
                      f"{t_torch:.3f}", f"{t_ours / t_copy:.2f}", f"{t_torch / t_ours:.2f}x",
                      "yes" if same else "NO"])
-    return rows, ok
+        figures.append({"n": n, "density": density, "k": k, "copy_ms": round(t_copy, 4),
+                        "ours_ms": round(t_ours, 4), "torch_topk_ms": round(t_torch, 4),
+                        "copy_passes": round(t_ours / t_copy, 3),
+                        "speedup_vs_topk": round(t_torch / t_ours, 3), "same_set": same})
+    return rows, figures, ok
 
 
 def main(argv=None) -> int:
@@ -76,25 +106,35 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default=",".join(str(n) for n in SIZES),
                    help="comma-separated n (floats); 1e6 notation allowed")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda (CuPy kernels, CUDA events) or cpu (numpy path, host clock)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
-    cupy = cupy_or_none()
-    if cupy is None:
-        print("gpu_select: no CUDA device (or CuPy not installed); nothing measured")
-        return 0
     import torch
-
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"device: {name}, CuPy {cupy.__version__}, torch {torch.__version__}")
-    rng = cupy.random.default_rng(0)
-    rows, ok = [], True
+    if args.device == "cuda":
+        xp = cupy_or_none()
+        if xp is None:
+            print("gpu_select: no CUDA device (or CuPy not installed); nothing measured")
+            return 0
+        device = (f"{xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+                  f"CuPy {xp.__version__}")
+    else:
+        xp, device = np, "host (numpy)"
+    print(f"device: {device}, torch {torch.__version__}")
+    rows, figures, ok = [], [], True
     for n in (int(float(s)) for s in args.sizes.split(",")):
-        size_rows, size_ok = measure(cupy, torch, rng, n, args.repeats)
+        size_rows, size_figures, size_ok = measure(xp, torch, n, args.repeats)
         rows += size_rows
+        figures += size_figures
         ok &= size_ok
-        cupy.get_default_memory_pool().free_all_blocks()
+        if xp is not np:
+            xp.get_default_memory_pool().free_all_blocks()
     print(table(rows, ["n", "density", "k", "copy ms", "ours ms", "torch.topk ms",
                        "ours/copy", "speedup vs topk", "same set"]))
     print("targets: at 25M / 0.1%: speedup >= 3x, ours/copy <= 3")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "rows": figures,
+                                               "all_sets_right": ok}, indent=1))
     return 0 if ok else 1
 
 

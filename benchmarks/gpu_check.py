@@ -1,0 +1,271 @@
+"""The device check: one command that exercises psparse's GPU path and writes every figure.
+
+Run through ``bash benchmarks/gpu_check.sh`` (which sets up the bundled wheels and data; see
+benchmarks/README.md). Steps, each with its own time limit, all within ``--budget`` seconds:
+
+1. device and versions (nvidia-smi, torch, CuPy, pyzmq);
+2. the kernel gate (``python -m psparse.kernel_check``: NVRTC compiles every kernel);
+3. the kernel tests (tests/test_kernels.py, tests/test_kernel_check.py); on a GPU no test may
+   be skipped for "no CUDA device";
+4. the selection benchmark (benchmarks/gpu_select.py): ours vs torch.topk vs a device copy;
+5. LeNet/MNIST, 8 workers sharing the GPU, ``--device cuda --server-device cuda``, 2 epochs,
+   against the same run on the host (``--device cpu``, same seed): accuracy and union/k must be
+   within seed noise (1 point; 15%), time per iteration split into compute / select / wait;
+6. ResNet-20/CIFAR-10, 8 workers on the GPU, as many iterations as the remaining budget allows
+   (a 30-iteration probe measures the pace first), with the same time split.
+
+``--cpu`` (``GPU_CHECK_CPU=1`` in the shell script) replaces every CUDA part with ``--device
+cpu`` and shortens the runs, so CI tests the plumbing on every commit: there the two LeNet
+runs have identical settings and must give identical metrics (determinism).
+
+Writes to the output folder ``gpu_check.json`` (every figure), ``gpu_check.log`` (every step's
+whole output), ``test_kernels.log`` and ``gpu_select.log``; exits 1 if any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LENET_TOLERANCE = {"test_acc": 0.01, "union_over_k_mean": 0.15}  # absolute; relative
+
+
+class Check:
+    """Runs the steps, keeps the log and the figures, and the time left."""
+
+    def __init__(self, out: Path, budget_s: float, cpu: bool):
+        self.out, self.cpu = out, cpu
+        self.deadline = time.monotonic() + budget_s
+        self.work = Path(tempfile.mkdtemp(prefix="psparse-gpu-check-"))
+        self.figures: dict = {"mode": "cpu" if cpu else "cuda", "steps": {}}
+        self.failed: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, text: str, echo: bool = True) -> None:
+        """Into gpu_check.log (whole), and to the terminal (unless echo is False)."""
+        with open(self.out / "gpu_check.log", "a") as log:
+            log.write(text + "\n")
+        if echo:
+            print(text, flush=True)
+
+    def run(self, step: str, cmd: list[str], limit: float, log_name: str | None = None) -> tuple:
+        """Run cmd with a time limit (capped by the budget); (exit code, output)."""
+        limit = max(5.0, min(limit, self.left() - 5))
+        self.say(f"\n=== {step} ({time.strftime('%H:%M:%S')}, limit {limit:.0f} s)\n"
+                 f"$ {' '.join(cmd)}")
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+            code, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code = 124
+            output = (exc.stdout or b"").decode(errors="replace") if isinstance(
+                exc.stdout, bytes) else (exc.stdout or "")
+            output += f"\n(stopped after {limit:.0f} s)"
+        self.say(output.rstrip(), echo=False)
+        print(output.rstrip()[-6000:], flush=True)
+        if log_name:
+            (self.out / log_name).write_text(output)
+        self.figures["steps"][step] = {"exit": code, "seconds": round(time.monotonic() - start, 1)}
+        if code != 0:
+            self.fail(f"{step}: exit status {code}")
+        return code, output
+
+    def fail(self, text: str) -> None:
+        self.failed.append(text)
+        self.say(f"FAILED: {text}")
+
+
+def device_info(check: Check) -> None:
+    if not check.cpu and shutil.which("nvidia-smi"):
+        check.run("device", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                             "--format=csv,noheader"], 30)
+    code, out = check.run("versions", [sys.executable, "-c", (
+        "import sys, json, numpy, torch, zmq\n"
+        "try:\n import cupy; cv = cupy.__version__\nexcept Exception as e: cv = f'none ({e})'\n"
+        "print(json.dumps({'python': sys.version.split()[0], 'numpy': numpy.__version__,"
+        " 'torch': torch.__version__, 'cupy': cv, 'pyzmq': zmq.__version__,"
+        " 'cuda_available': torch.cuda.is_available(),"
+        " 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))")], 60)
+    if code == 0:
+        check.figures["versions"] = json.loads(out.strip().splitlines()[-1])
+        if not check.cpu and not check.figures["versions"]["cuda_available"]:
+            check.fail("torch sees no CUDA device (run with GPU_CHECK_CPU=1 on a CPU machine)")
+
+
+def kernel_gate_and_tests(check: Check) -> None:
+    try:
+        import cupy_backends.cuda.libs.nvrtc  # noqa: F401
+        have_nvrtc = True
+    except Exception:
+        have_nvrtc = False
+    if have_nvrtc:
+        check.run("kernel gate", [sys.executable, "-m", "psparse.kernel_check"], 60)
+    else:
+        check.say("\n=== kernel gate: skipped (CuPy/NVRTC not installed here; make check-kernels)")
+    code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",
+                                           "-p", "no:cacheprovider", "tests/test_kernels.py",
+                                           "tests/test_kernel_check.py"], 240, "test_kernels.log")
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", out)}
+    check.figures["kernel_tests"] = counts
+    no_gpu_skips = len(re.findall(r"SKIPPED.*no CUDA device", out))
+    if not check.cpu and no_gpu_skips:
+        check.fail(f"{no_gpu_skips} GPU tests skipped with 'no CUDA device' on a GPU machine")
+
+
+def selection_benchmark(check: Check) -> None:
+    result = check.work / "select.json"
+    sizes = "1e6" if check.cpu else "1e6,11.2e6,25e6,100e6"
+    check.run("selection benchmark", [sys.executable, "benchmarks/gpu_select.py", "--device",
+                                      "cpu" if check.cpu else "cuda", "--sizes", sizes,
+                                      "--repeats", "5" if check.cpu else "15",
+                                      "--json", str(result)], 180, "gpu_select.log")
+    if result.exists():
+        check.figures["selection"] = json.loads(result.read_text())
+        target = [r for r in check.figures["selection"]["rows"]
+                  if r["n"] == 25_000_000 and r["density"] == 0.001]
+        if target:
+            row = target[0]
+            check.figures["selection_targets_met"] = (row["speedup_vs_topk"] >= 3
+                                                      and row["copy_passes"] <= 3)
+
+
+def train(check: Check, name: str, args: list[str], limit: float) -> dict | None:
+    """One psparse-launch run; its summary plus the workers' mean time split per iteration."""
+    out = check.work / name
+    code, _ = check.run(name, [sys.executable, "-m", "psparse.launch", "--out", str(out),
+                               *args], limit)
+    summary_path = out / "summary.json"
+    if not summary_path.exists():
+        return None
+    summary = json.loads(summary_path.read_text())
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    split = {}
+    if ranks and summary.get("iterations"):
+        for part in ("compute_s", "select_s", "wait_s"):
+            per_rank = [r.get(part, 0.0) for r in ranks]
+            split[part.replace("_s", "_ms_per_iteration")] = round(
+                1e3 * sum(per_rank) / len(per_rank) / summary["iterations"], 3)
+    keep = ("status", "error", "iterations", "wall_s", "iterations_per_s", "test_acc",
+            "union_over_k_mean", "broadcast_mb", "upload_mb", "final_loss")
+    result = {key: summary.get(key) for key in keep} | split
+    if code == 0 and summary.get("status") != "ok":
+        check.fail(f"{name}: status {summary.get('status')}: {summary.get('error')}")
+    check.figures[name] = result
+    check.say(f"{name}: {json.dumps(result)}")
+    return result
+
+
+def lenet(check: Check) -> None:
+    common = ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--policy", "core",
+              "--seed", "0", "--quiet"]
+    length = ["--iterations", "40", "--eval-every", "0"] if check.cpu else ["--epochs", "2"]
+    device = ["--device", "cpu"] if check.cpu else ["--device", "cuda", "--server-device", "cuda"]
+    host = train(check, "lenet-mnist-host", [*common, *length, "--device", "cpu"], 150)
+    dev = train(check, "lenet-mnist-device", [*common, *length, *device], 150)
+    if not (host and dev):
+        check.fail("LeNet/MNIST: a run wrote no summary")
+        return
+    if check.cpu:  # identical settings: the same metrics, to the bit (timing aside)
+        a = (check.work / "lenet-mnist-host" / "metrics.jsonl").read_text().splitlines()
+        b = (check.work / "lenet-mnist-device" / "metrics.jsonl").read_text().splitlines()
+        drop = re.compile(r'"(\w*_s|time\w*|round\w*)": [0-9.e-]+,? ?')
+        same = [drop.sub("", x) for x in a] == [drop.sub("", x) for x in b]
+        check.figures["lenet_same_metrics"] = same
+        if not same:
+            check.fail("LeNet/MNIST: two identical CPU runs gave different metrics")
+        return
+    acc_gap = abs(dev["test_acc"] - host["test_acc"]) if None not in (
+        dev["test_acc"], host["test_acc"]) else None
+    union_gap = abs(dev["union_over_k_mean"] / host["union_over_k_mean"] - 1)
+    check.figures["lenet_device_vs_host"] = {"test_acc_gap": acc_gap,
+                                             "union_over_k_relative_gap": round(union_gap, 4)}
+    if acc_gap is None or acc_gap > LENET_TOLERANCE["test_acc"]:
+        check.fail(f"LeNet/MNIST: device accuracy {dev['test_acc']} vs host {host['test_acc']}")
+    if union_gap > LENET_TOLERANCE["union_over_k_mean"]:
+        check.fail(f"LeNet/MNIST: union/k {dev['union_over_k_mean']} on the device vs "
+                   f"{host['union_over_k_mean']} on the host")
+
+
+def resnet(check: Check) -> None:
+    data = Path(os.environ.get("PSPARSE_DATA", ROOT / "data"))
+    if not any((data / name).exists() for name in ("cifar10-jpeg.tar.gz", "cifar10-jpeg",
+                                                   "cifar-10-batches-py")):
+        if check.cpu:
+            check.say(f"\n=== ResNet-20/CIFAR-10: skipped (no CIFAR-10 in {data})")
+        else:
+            check.fail(f"ResNet-20/CIFAR-10: no CIFAR-10 in {data} (make gpu-bundle)")
+        return
+    workers = "2" if check.cpu else "8"
+    common = ["--workers", workers, "--model", "resnet20", "--dataset", "cifar10", "--policy",
+              "core", "--batch-size", "16", "--lr", "0.1", "--momentum", "0.9",
+              "--weight-decay", "1e-4", "--seed", "0", "--quiet",
+              "--device", "cpu" if check.cpu else "cuda"]
+    if not check.cpu:
+        common += ["--server-device", "cuda"]
+    probe = train(check, "resnet20-probe", [*common, "--iterations", "4" if check.cpu else "30",
+                                            "--eval-every", "0"], 240)
+    if not probe or not probe.get("iterations_per_s"):
+        check.fail("ResNet-20: the probe run wrote no pace")
+        return
+    if check.cpu:
+        return
+    # the pace of training itself (the probe's wall time also holds start-up and evaluation)
+    per_iteration = 1.2e-3 * sum(probe.get(f"{part}_ms_per_iteration", 0.0)
+                                 for part in ("compute", "select", "wait")) \
+        or 1 / probe["iterations_per_s"]
+    # the remaining budget, less start-up, the final evaluation and a margin
+    iterations = int((check.left() - 60) / per_iteration)
+    per_epoch = 50_000 // (16 * 8)
+    if iterations < 50:
+        check.say(f"ResNet-20: {check.left():.0f} s left, too little for a run")
+        return
+    check.figures["resnet20_planned_iterations"] = iterations
+    run = train(check, "resnet20-cifar10", [*common, "--iterations", str(iterations),
+                                            "--eval-every", str(per_epoch)], check.left() - 10)
+    if run:
+        run["epochs"] = round(run["iterations"] / per_epoch, 2) if run.get("iterations") else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or "out-gpu",
+                   help="folder for gpu_check.json and the step logs (default: $OUT or out-gpu)")
+    p.add_argument("--budget", type=float, default=510,
+                   help="seconds for all steps together (default 510: under 9 minutes)")
+    p.add_argument("--cpu", action="store_true", default=os.environ.get("GPU_CHECK_CPU") == "1",
+                   help="CUDA parts replaced by --device cpu, shorter runs (GPU_CHECK_CPU=1)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.log").unlink(missing_ok=True)
+    check = Check(out, args.budget, args.cpu)
+    for step in (device_info, kernel_gate_and_tests, selection_benchmark, lenet, resnet):
+        if check.left() < 20:
+            check.fail(f"{step.__name__}: no time left in the {args.budget:.0f} s budget")
+            break
+        step(check)
+    check.figures["failed"] = check.failed
+    check.figures["seconds"] = round(args.budget - check.left(), 1)
+    (out / "gpu_check.json").write_text(json.dumps(check.figures, indent=1) + "\n")
+    shutil.rmtree(check.work, ignore_errors=True)
+    check.say(f"\n=== gpu check ({check.figures['mode']}): "
+              f"{'ok' if not check.failed else 'FAILED: ' + '; '.join(check.failed)} "
+              f"in {check.figures['seconds']:.0f} s; figures in {out / 'gpu_check.json'}")
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
