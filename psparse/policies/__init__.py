@@ -10,7 +10,7 @@ import importlib
 
 import numpy as np
 
-from .base import Layout, Param, PolicyError, SelectionPolicy
+from .base import Layout, Param, PolicyError, SelectionPolicy, check_output
 from .cltk import CyclicLocalTopK
 from .core import SharedCore
 from .ema import EMA
@@ -28,7 +28,7 @@ REGISTRY: dict[str, type[SelectionPolicy]] = {
 }
 
 __all__ = ["REGISTRY", "Layout", "Param", "PolicyError", "SelectionPolicy", "build_policy",
-           "parse_policy_args", "policy_class"]
+           "check_output", "parse_policy_args", "policy_class"]
 
 
 def policy_class(spec: str) -> type[SelectionPolicy]:
@@ -44,6 +44,12 @@ def policy_class(spec: str) -> type[SelectionPolicy]:
     except ImportError as exc:
         raise PolicyError(f"cannot import policy module {module_name!r}: {exc}") from None
     cls = getattr(module, class_name, None)
+    if cls is None:
+        found = sorted(name for name, value in vars(module).items()
+                       if isinstance(value, type) and issubclass(value, SelectionPolicy)
+                       and value.__module__ == module.__name__)
+        raise PolicyError(f"no class {class_name!r} in module {module_name!r}; policy classes "
+                          f"found there: {', '.join(found) or '(none)'}")
     if not (isinstance(cls, type) and issubclass(cls, SelectionPolicy)):
         raise PolicyError(f"{spec!r} is not a SelectionPolicy subclass")
     return cls

@@ -115,6 +115,7 @@ class SelectionPolicy:
                                   "method of that name; rename the parameter")
             setattr(self, name, spec.convert(name, params.get(name, spec.default)))
         self._selectors = [Selector(size) for _, size in layout.slices]
+        self.live = list(range(world_size))  # ranks still in the run (fewer after an elastic loss)
         self.set_k(k)
 
     # ---------------------------------------------------------------------------- the hooks
@@ -155,6 +156,21 @@ class SelectionPolicy:
         """Two-phase policies: how many proposed indices the group keeps."""
         return self.k
 
+    @property
+    def max_push(self) -> int:
+        """The most indices ``select`` may return at the current k (the push cap the server
+        enforces). Policies whose count varies per round (``threshold``) declare their cap here."""
+        return self.group_k if self.two_phase else self.k
+
+    @property
+    def max_propose(self) -> int:
+        """The most indices ``propose`` may return at the current k (0: one-phase policy)."""
+        return self.k if self.two_phase else 0
+
+    def set_live(self, ranks: list[int]) -> None:
+        """The ranks still in the run (an elastic run lost some); identical on every worker."""
+        self.live = list(ranks)
+
     def observe(self, indices: np.ndarray, values: np.ndarray, iteration: int) -> None:
         """The round's aggregate (identical on every worker): update shared state here."""
 
@@ -193,3 +209,33 @@ class SelectionPolicy:
     def describe(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)}" for n in self.params)
         return f"{self.name}({args})" if args else self.name
+
+
+def check_output(policy: SelectionPolicy, indices, iteration: int, limit: int,
+                 method: str = "select") -> None:
+    """Refuse what a policy returned unless it is a valid index set: a 1-D integer array, at
+    most ``limit`` entries, each in [0, numel), strictly increasing. The error names the policy
+    class, the method, the iteration and the broken rule, before anything is sent."""
+    where = f"policy {type(policy).__name__}.{method}() at iteration {iteration}"
+    if not (hasattr(indices, "dtype") and hasattr(indices, "ndim")):
+        raise PolicyError(f"{where} returned {type(indices).__name__}, expected an array of "
+                          "integer indices")
+    if indices.ndim != 1:
+        raise PolicyError(f"{where} returned an array of shape {tuple(indices.shape)}, expected "
+                          "a 1-D array of indices")
+    if indices.dtype.kind not in "iu":
+        raise PolicyError(f"{where} returned {indices.dtype} indices, expected integers")
+    count = int(indices.size)
+    if count > limit:
+        raise PolicyError(f"{where} returned {count} indices, more than its budget of {limit}")
+    if count == 0:
+        return
+    numel = policy.layout.numel
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0:
+        raise PolicyError(f"{where} returned index {low}: indices must be >= 0")
+    if high >= numel:
+        raise PolicyError(f"{where} returned index {high}: out of range [0, {numel})")
+    if count > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise PolicyError(f"{where} returned indices that are not strictly increasing "
+                          "(they must be sorted, without duplicates)")

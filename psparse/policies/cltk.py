@@ -1,6 +1,7 @@
 """cltk: cyclic local top-k (ScaleCom, Chen et al. NeurIPS 2020).
 
-At iteration t the leader, rank t mod N, proposes the top-k of its own accumulator; every worker
+At iteration t the leader, the (t mod L)-th of the L live ranks (rank t mod N while no worker
+was lost from an elastic run), proposes the top-k of its own accumulator; every worker
 pushes its own accumulator values at exactly those indices, so the union is k. This needs the
 leader's indices before the push: a two-phase round (proposals, then pushes), which costs one
 extra index broadcast per round, counted in the metrics.
@@ -14,7 +15,7 @@ class CyclicLocalTopK(SelectionPolicy):
     two_phase = True
 
     def propose(self, accumulator, iteration):
-        if iteration % self.world_size != self.rank:
+        if self.live[iteration % len(self.live)] != self.rank:
             return None
         return self.per_slice(accumulator, self.slice_k, self.topk)
 

@@ -25,8 +25,11 @@ class Vote(SelectionPolicy):
     }
 
     def propose(self, accumulator, iteration):
-        k = min(self.layout.numel, int(round(self.offer * self.k)))
-        return self.per_slice(accumulator, self.layout.split(k), self.topk)
+        return self.per_slice(accumulator, self.layout.split(self.max_propose), self.topk)
+
+    @property
+    def max_propose(self):
+        return min(self.layout.numel, int(round(self.offer * self.k)))
 
     @property
     def group_k(self):
