@@ -9,12 +9,10 @@ that name the key.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
+import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
-import tomllib
 
 from .transport import parse_rate
 
@@ -130,14 +128,16 @@ class RunConfig:
         (the step schedule of the ResNet paper)."""
         return self.lr * 0.1 ** sum(epoch >= s for s in self.lr_step_epochs())
 
-    def digest(self) -> str:
-        """Hash of what must be identical on every worker (all but placement/robustness knobs)."""
-        d = asdict(self)
-        for local in ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                      "server_limit", "server_device", "bandwidth", "curve_keys", "elastic", "register_timeout",
-                      "checkpoint_every"):
-            d.pop(local)
-        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    # Options that only place or guard a process: they may differ between workers.
+    LOCAL_OPTIONS = ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
+                     "server_limit", "server_device", "bandwidth", "curve_keys", "elastic",
+                     "register_timeout", "checkpoint_every")
+
+    def agreed(self) -> dict:
+        """The options every worker must share, as the ``config`` map of the run description
+        (docs/protocol.md): plain values (nil, bool, int, float, str, list of str), compared
+        field by field by the server."""
+        return {k: v for k, v in asdict(self).items() if k not in self.LOCAL_OPTIONS}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

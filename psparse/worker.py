@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ from .data import DataError, Shard, load_dataset, test_batches
 from .locality import SelectionRecorder
 from .memory import Memory, density_schedule
 from .models import build_model
-from .policies import Layout, PolicyError, build_policy
+from .policies import Layout, PolicyError, build_policy, check_output
 from .protocol import ProtocolError
 from .sparsify import NonFiniteError, density_to_k, topk_exact
 from .transport import Channel, TransportTimeout
@@ -143,10 +144,12 @@ class Heartbeat(threading.Thread):
 class Worker:
     def __init__(self, cfg: RunConfig, rank: int, host: str, port: int,
                  out_dir: str | Path | None = None, save_weights: str | Path | None = None,
-                 resume: bool = False):
+                 resume: bool = False, run_token: str | None = None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank = cfg, rank
+        self.run_token = run_token  # proves this worker belongs to the run (register's HMAC)
+        self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
         self.host, self.port = host, port
         self.heartbeat: Heartbeat | None = None
         self._t_created = time.perf_counter()
@@ -202,6 +205,11 @@ class Worker:
         except TransportTimeout as exc:
             raise WorkerError(f"lost the server: {exc}") from None
 
+    @property
+    def evaluator(self) -> int:
+        """The rank that evaluates: rank 0, or the lowest live rank once rank 0 was lost."""
+        return min(self.live)
+
     def _expect(self, msg_type: str, what: str, it: int | None = None) -> protocol.Message:
         """Wait for the server's next ``msg_type``; server errors and shutdowns end the run."""
         deadline = time.monotonic() + self.cfg.timeout
@@ -237,12 +245,29 @@ class Worker:
         self.register()
         try:
             return self._train()
-        except WorkerError as exc:
-            try:  # tell the server why, so the run's summary names the cause
-                self.channel.send(protocol.encode("error", message=str(exc), rank=self.rank))
-            except (TransportTimeout, zmq.ZMQError):
-                pass
+        except Exception as exc:  # any cause: the run's summary.json must name it
+            cause = str(exc) if isinstance(exc, (WorkerError, PolicyError)) \
+                else f"{type(exc).__name__}: {exc}"
+            self._give_up(cause)
             raise
+
+    def _give_up(self, cause: str) -> None:
+        """Tell the server why this worker stops, and wait (briefly) for its acknowledging
+        shutdown, so that the cause is in summary.json before this process exits."""
+        try:
+            self.channel.send(protocol.encode("error", message=cause, rank=self.rank))
+        except (TransportTimeout, zmq.ZMQError):
+            return
+        deadline = time.monotonic() + min(self.cfg.timeout, 10.0)
+        while (remaining := deadline - time.monotonic()) > 0:
+            got = self.channel.recv(remaining)
+            if got is None:
+                return
+            try:
+                if protocol.decode(got[1], numel=self.net.numel).type == "shutdown":
+                    return
+            except ProtocolError:
+                continue  # e.g. an index set cached on a connection we no longer track
 
     def _train(self) -> int:
         t0 = time.perf_counter()
@@ -254,7 +279,8 @@ class Worker:
             except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
                 raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
             done = it + 1
-            if self.rank == 0 and self.cfg.eval_every and done % self.cfg.eval_every == 0 \
+            if self.rank == self.evaluator and self.cfg.eval_every \
+                    and done % self.cfg.eval_every == 0 \
                     and done < self.iterations:
                 self.last_report = (it, self.evaluate(it))
                 self.report(*self.last_report)
@@ -262,25 +288,49 @@ class Worker:
                     and done < self.iterations:
                 self._checkpoint(done)
         self.log(f"{self.iterations} iterations in {time.perf_counter() - t0:.1f} s")
-        values = self.evaluate(self.iterations - 1) if self.rank == 0 else {}
+        values = self.evaluate(self.iterations - 1) if self.rank == self.evaluator else {}
         self.report(self.iterations - 1, {**values, "final": True}, self.net.checksum())
         self._expect("shutdown", "the end-of-run shutdown")
         self.finish(time.perf_counter() - t0)
         return 0
 
     def register(self) -> None:
+        proof = {}
+        if self.run_token:
+            nonce = secrets.token_hex(16)
+            proof = {"nonce": nonce, "proof": protocol.register_proof(
+                self.run_token, self.rank, self.cfg.workers, nonce)}
         self._send(protocol.encode(
-            "register", rank=self.rank, world_size=self.cfg.workers, numel=self.net.numel,
-            checksum=self.net.checksum(), iterations=self.iterations,
-            config_digest=self.cfg.digest(), two_phase=self.policy.two_phase, k=self.k,
-            start=self.start))
+            "register", rank=self.rank, world_size=self.cfg.workers, run=self.describe_run(),
+            checksum=self.net.checksum(), start=self.start, **proof))
         ready = self._expect("ready", "the ready signal (all workers registered)")
-        if ready.get("token") and ready.get("heartbeat_s"):
+        if ready["heartbeat_s"] > 0:
             self.heartbeat = Heartbeat(self.host, self.port, self.cfg, self.rank, ready["token"],
                                        ready["heartbeat_s"])
             self.heartbeat.start()
         self.log(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}")
+
+    def describe_run(self) -> dict:
+        """The run description every rank must agree on (docs/protocol.md, "The run"): model
+        size, length, round kind, the budget steps (the server enforces them) and the shared
+        options."""
+        return {"numel": self.net.numel, "iterations": self.iterations,
+                "two_phase": self.policy.two_phase, "steps": self.budget_steps(),
+                "config": self.cfg.agreed()}
+
+    def budget_steps(self) -> list[list[int]]:
+        """[from_iteration, budget, push_max, propose_max] wherever the budget changes (only
+        during a density warm-up); push_max and propose_max are what the policy declares for
+        that budget."""
+        steps = []
+        for it in range(self.iterations if self.cfg.density_warmup else 1):
+            k = self._k_at(it)
+            if not steps or steps[-1][1] != k:
+                self.policy.set_k(k)
+                steps.append([it, k, self.policy.max_push, self.policy.max_propose])
+        self.policy.set_k(self._k_at(self.start))
+        return steps
 
     # ---------------------------------------------------------------------- checkpoint, resume
     def _checkpoint(self, iteration: int) -> None:
@@ -349,11 +399,11 @@ class Worker:
             proposal = self.policy.propose(acc, it)
             if proposal is None:
                 proposal = self.xp.empty(0, dtype=self.xp.int64)
+            check_output(self.policy, proposal, it, self.policy.max_propose, "propose")
             idx, vals = self.outbox.fetch(proposal, acc[proposal])
             self.stats["push_bytes"] += self._send(protocol.encode(
                 "propose", idx.astype(self.index_dtype, copy=False), vals,
-                model_size=self.net.numel, cache=self.cache, iter=it, rank=self.rank,
-                select=self.policy.group_k))
+                model_size=self.net.numel, cache=self.cache, iter=it, rank=self.rank))
             msg = self._expect("indices", f"the group's indices of iteration {it}", it)
             self.stats["aggregate_bytes"] += msg.extra["nbytes"]
             group = msg.indices
@@ -369,17 +419,20 @@ class Worker:
             dense[:] = 0.0
             dense[indices] = values
             frames = protocol.encode("push", None, dense, iter=it, rank=self.rank, dense=True,
-                                     loss=loss.item(), budget=self.policy.k, **extra)
+                                     loss=loss.item(), **extra)
         else:
             frames = protocol.encode("push", indices.astype(self.index_dtype, copy=False), values,
                                      model_size=self.net.numel, cache=self.cache, iter=it,
-                                     rank=self.rank, loss=loss.item(), budget=self.policy.k,
-                                     **extra)
+                                     rank=self.rank, loss=loss.item(), **extra)
         self.stats["push_bytes"] += self._send(frames)
         agg = self._expect("aggregate", f"the aggregate of iteration {it}", it)
         self.stats["aggregate_bytes"] += agg.extra["nbytes"]
         t3 = time.perf_counter()
 
+        if "live" in agg.header and agg["live"] != self.live:
+            self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
+            self.policy.set_live(self.live)
+            self.log(f"live ranks now {self.live}; rank {self.evaluator} evaluates")
         if agg.get("dense"):
             self.policy.observe(*self._on_device(self._all_indices(), agg.values), it)
             self.net.set_grad(None, agg.values)
@@ -398,6 +451,7 @@ class Worker:
         """The policy's indices and their accumulator values (zeroed there), on acc's device."""
         indices = self.policy.select(acc, it, group=None if group is None else
                                      self._on_device(group)[0])
+        check_output(self.policy, indices, it, self.policy.max_push)  # before anything is sent
         return indices, self.memory.take(indices)
 
     def _on_device(self, *arrays):
@@ -543,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in --out that all processes saved")
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
+    p.add_argument("--run-token", default=None, metavar="SECRET",
+                   help="the run's secret, proven in the register (HMAC) when the server has "
+                        "one (default: $PSPARSE_TOKEN)")
     add_config_arguments(p)
     return p
 
@@ -564,7 +621,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     worker = None
     try:
-        worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights, args.resume)
+        worker = Worker(cfg, args.rank, host, port, args.out, args.save_weights, args.resume,
+                        run_token=args.run_token or os.environ.get("PSPARSE_TOKEN") or None)
         return worker.run()
     except (WorkerError, DataError, PolicyError) as exc:
         print(f"psparse-worker[{args.rank}]: error: {exc}", file=sys.stderr, flush=True)

@@ -60,7 +60,7 @@ def test_chooser_prefers_the_compact_forms_where_they_win():
 
 
 def _push(header_changes, frame, count):
-    h = {"v": 1, "type": "push", "iter": 0, "rank": 0, "count": count,
+    h = {"v": protocol.PROTOCOL_VERSION, "type": "push", "iter": 0, "rank": 0, "count": count,
          "index_dtype": "int32", "value_dtype": "float32", **header_changes}
     import msgpack
 

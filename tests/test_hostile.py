@@ -58,7 +58,7 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
     if kind == 7:
         return [good[0], good[1], np.array([1, 2, 3, 4, math.inf], np.float32).tobytes()]
     if kind == 8:
-        return with_header(v=2)
+        return with_header(v=protocol.PROTOCOL_VERSION + 1)
     if kind == 9:
         return with_header(type="gradient")
     if kind == 10:
@@ -66,9 +66,10 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
     if kind == 11:
         return good  # a replay of an iteration-0 push, from a stranger
     if kind == 12:
-        return [msgpack.packb({"v": 1, "type": "register", "rank": 1, "world_size": 3,
-                               "numel": 2410, "checksum": "x", "iterations": 700,
-                               "config_digest": "y", "two_phase": False, "k": 24})]
+        return [msgpack.packb({"v": protocol.PROTOCOL_VERSION, "type": "register", "rank": 1,
+                               "world_size": 3, "checksum": "x", "run": {
+                                   "numel": 2410, "iterations": 700, "two_phase": False,
+                                   "steps": [[0, 24, 24, 0]], "config": {}}})]
     return [good[0], good[1]]  # missing frame
 
 

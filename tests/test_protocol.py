@@ -46,9 +46,12 @@ def test_int64_indices_and_empty_push_round_trip():
 
 
 @pytest.mark.parametrize("msg_type, fields", [
-    ("register", dict(rank=0, world_size=2, numel=10, checksum="x", iterations=5,
-                      config_digest="d", two_phase=False, k=3)),
-    ("ready", dict(world_size=2, numel=10, iterations=5)),
+    ("register", dict(rank=0, world_size=2, checksum="x", start=0, nonce="n", proof="p",
+                      run=dict(numel=10, iterations=5, two_phase=False, steps=[[0, 3, 3, 0]],
+                               config={"lr": 0.05, "policy_args": ["a=1"], "clip_norm": None}))),
+    ("ready", dict(world_size=2, start=0, token="t", heartbeat_s=1.5,
+                   run=dict(numel=10, iterations=5, two_phase=False, steps=[[0, 3, 3, 0]],
+                            config={}))),
     ("metrics", dict(iter=3, rank=0, report={"test_acc": 0.9}, checksum="c")),
     ("shutdown", dict(ok=True, reason="done")),
     ("error", dict(message="bad")),
@@ -62,10 +65,10 @@ def test_control_messages_round_trip(msg_type, fields):
 
 def test_two_phase_index_messages_round_trip():
     idx = np.array([2, 3, 11], dtype=np.int32)
-    frames = _bytes(encode("propose", idx, np.ones(3, np.float32), iter=4, rank=1, select=2))
+    frames = _bytes(encode("propose", idx, np.ones(3, np.float32), iter=4, rank=1))
     assert len(frames) == 3
     msg = decode(frames, numel=12)
-    assert msg.type == "propose" and msg["select"] == 2
+    assert msg.type == "propose"
     np.testing.assert_array_equal(msg.indices, idx)
     back = decode(_bytes(encode("indices", idx, iter=4)), numel=12)
     assert len(back.indices) == 3 and back.values is None

@@ -39,8 +39,8 @@ def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, s
     strangers = [Channel.client("127.0.0.1", server.port, curve_keys=tmp_path,
                                 key_name="stranger"),
                  Channel.client("127.0.0.1", server.port)]
-    reg = dict(rank=0, world_size=1, numel=1000, checksum="c0", iterations=1,
-               config_digest="d0", two_phase=False, k=10)
+    reg = dict(rank=0, world_size=1, checksum="c0", run=dict(
+        numel=1000, iterations=1, two_phase=False, steps=[[0, 10, 10, 0]], config={}))
     for s in strangers:
         s.send(protocol.encode("register", **reg))
     for s in strangers:

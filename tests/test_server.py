@@ -21,11 +21,13 @@ class Client:
     """Speaks the worker side of the protocol by hand, so tests choose every byte sent."""
 
     def __init__(self, port: int, rank: int, world_size: int, iterations: int,
-                 numel: int = NUMEL, checksum: str = "c0", digest: str = "d0"):
+                 numel: int = NUMEL, checksum: str = "c0", push_max: int = NUMEL):
         self.rank = rank
         self.ch = Channel.client("127.0.0.1", port)
-        self.reg = dict(rank=rank, world_size=world_size, numel=numel, checksum=checksum,
-                        iterations=iterations, config_digest=digest, two_phase=False, k=10)
+        # the run description (docs/protocol.md): budget 10, pushes of up to push_max entries
+        self.run = dict(numel=numel, iterations=iterations, two_phase=False,
+                        steps=[[0, 10, push_max, 0]], config={"seed": 0})
+        self.reg = dict(rank=rank, world_size=world_size, run=self.run, checksum=checksum)
         self.received = {}  # wire bytes received, by message type
         self.cache = KeyCache()  # like a worker: index sets both ends hold
         self.heartbeats = 0
@@ -285,7 +287,7 @@ def test_two_phase_round_keeps_the_proposals_of_largest_mean_magnitude(server_fa
     server = server_factory(n)
     clients = [Client(server.port, r, n, 1) for r in range(n)]
     for c in clients:
-        c.reg["two_phase"] = True
+        c.run.update(two_phase=True, steps=[[0, 10, 2, NUMEL]])  # the group keeps 2
         c.register()
     for c in clients:
         assert c.recv().type == "ready"
@@ -293,7 +295,7 @@ def test_two_phase_round_keeps_the_proposals_of_largest_mean_magnitude(server_fa
     for c in clients:
         idx, val = proposals[c.rank]
         c.send(protocol.encode("propose", np.array(idx, np.int32), np.array(val, np.float32),
-                               iter=0, rank=c.rank, select=2))
+                               iter=0, rank=c.rank))
     # mean |value| over 3 workers: 1 -> 1.0, 5 -> 5/3, 9 -> 0.25: keep {1, 5}
     for c in clients:
         msg = c.recv()
