@@ -157,15 +157,20 @@ class Server:
             if self.heartbeat_s and now - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = now  # tell waiting workers the server is alive
                 beat = protocol.encode("heartbeat")
+                gone = []
                 for r in sorted(self.active & set(self.rank_peer)):
                     try:
                         self.channel.send(beat, self.rank_peer[r])
-                    except zmq.ZMQError:
-                        if not self.training:  # registered, then left: free the rank
+                    except zmq.ZMQError:  # ROUTER_MANDATORY: this peer's connection closed
+                        if self.training:
+                            gone.append(r)
+                        else:  # registered, then left: free the rank
                             self._unbind(r, "its connection closed")
-                        # in training a gone worker shows up as silence, handled above
                     except TransportTimeout:
-                        pass
+                        pass  # connected but not reading: silence decides, above
+                if gone:
+                    self._lose(gone, it, what, "its connection closed (the worker has gone)")
+                    return None
             step = min(deadline - now, self.heartbeat_s or deadline - now, 0.5)
             got = self.channel.recv(max(step, 0.0))
             if got is not None:
