@@ -24,6 +24,9 @@ def test_mnist_loads_with_the_official_shapes(data_root):
     assert ds.test_x.shape == (10000, 1, 28, 28)
     assert np.bincount(ds.train_y).tolist()[:3] == [5923, 6742, 5958]  # known class counts
     assert ds.train_y[:5].tolist() == [5, 0, 4, 1, 9]
+    from psparse.data import IN_SHAPES
+
+    assert IN_SHAPES["mnist"] == ds.in_shape  # what the launcher's policy check assumes
 
 
 def test_fetch_mnist_copies_and_verifies_md5(data_root, tmp_path, capsys):
@@ -161,3 +164,11 @@ def test_a_corrupt_cache_is_decoded_again(tmp_path, monkeypatch):
     cache.write_bytes(cache.read_bytes()[:100])  # e.g. a crash mid-write by an older version
     again = load_dataset("cifar10", tmp_path)
     np.testing.assert_array_equal(again.train_x, ds.train_x)
+
+
+def test_in_shapes_match_the_data():
+    """The launcher sizes the model from IN_SHAPES without loading data."""
+    from psparse.data import DATASETS, IN_SHAPES, load_digits
+
+    assert IN_SHAPES["digits"] == load_digits().in_shape
+    assert set(IN_SHAPES) == set(DATASETS)
