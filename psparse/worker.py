@@ -49,6 +49,10 @@ class WorkerError(RuntimeError):
     """This worker cannot go on; the text says why."""
 
 
+class ServerGone(WorkerError):
+    """The server ended the run or cannot be reached: there is nobody to report a cause to."""
+
+
 class FlatModel:
     """A model whose parameters and gradients are views into two flat float32 buffers.
 
@@ -203,7 +207,7 @@ class Worker:
         try:
             return self.channel.send(frames)
         except TransportTimeout as exc:
-            raise WorkerError(f"lost the server: {exc}") from None
+            raise ServerGone(f"lost the server: {exc}") from None
 
     @property
     def evaluator(self) -> int:
@@ -217,7 +221,7 @@ class Worker:
             remaining = deadline - time.monotonic()
             got = self.channel.recv(remaining) if remaining > 0 else None
             if got is None:
-                raise WorkerError(f"no {what} from the server within {self.cfg.timeout:g} s "
+                raise ServerGone(f"no {what} from the server within {self.cfg.timeout:g} s "
                                   "(server gone or stalled)")
             _, frames, nbytes = got
             try:
@@ -232,7 +236,7 @@ class Worker:
             if msg.type == "shutdown":
                 if msg["ok"] and msg_type == "shutdown":
                     return msg
-                raise WorkerError(f"the server ended the run: {msg['reason']}")
+                raise ServerGone(f"the server ended the run: {msg['reason']}")
             if msg.type != msg_type or (it is not None and msg["iter"] != it):
                 raise WorkerError(f"expected {what}, got {msg.type} "
                                   f"{msg.get('iter', '')}".rstrip())
@@ -245,7 +249,9 @@ class Worker:
         self.register()
         try:
             return self._train()
-        except Exception as exc:  # any cause: the run's summary.json must name it
+        except ServerGone:
+            raise
+        except Exception as exc:  # any other cause: the run's summary.json must name it
             cause = str(exc) if isinstance(exc, (WorkerError, PolicyError)) \
                 else f"{type(exc).__name__}: {exc}"
             self._give_up(cause)
