@@ -233,24 +233,24 @@ class Launch:
 
     def _monitor(self) -> int:
         last_print, shown = 0.0, None
-        waited_for_server = False
+        first_failure = None  # (name, code) of the process that failed first: the root cause
         interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
         while True:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0}
             self._read_progress()
-            if failed and "server" in self.procs and "server" not in failed \
-                    and self.procs["server"].poll() is None and not waited_for_server:
-                # a worker failed: give the server a moment to record its cause in summary.json
-                # and end the run itself before it is stopped
-                waited_for_server = True
-                try:
-                    self.procs["server"].wait(self.grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-                continue
+            if failed and first_failure is None:
+                first_failure = sorted(failed.items())[0]
+                server = self.procs.get("server")
+                if server is not None and "server" not in failed and server.poll() is None:
+                    # a worker failed: give the server a moment to record its cause in
+                    # summary.json and end the run itself before it is stopped
+                    try:
+                        server.wait(self.grace_s)
+                    except subprocess.TimeoutExpired:
+                        pass
             if failed:
-                name, code = sorted(failed.items())[0]
+                name, code = first_failure
                 self._print(f"\npsparse-launch: {name} exited with code {code}; stopping the "
                             f"others\n{self._tail(name)}")
                 self.stop_all()
