@@ -199,6 +199,10 @@ def test_a_replayed_register_and_a_second_claim_on_a_bound_rank_are_refused(serv
     first = Channel.client("127.0.0.1", server.port)
     frames = register(0, TOKEN, run=run)
     first.send(frames)
+    # a refused message behind it on the same connection: its error reply means the register
+    # was handled (two connections' messages have no order between them)
+    first.send(protocol.encode("error", message="probe"))
+    assert "expected register" in recv(first)["message"]
     replay = Channel.client("127.0.0.1", server.port)
     replay.send(frames)  # the same bytes from another peer: the nonce is spent
     assert "nonce already used" in recv(replay)["message"]
