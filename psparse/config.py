@@ -170,7 +170,7 @@ HELP = {
                "numel; 1.0 is dense)",
     "granularity": "select over the whole model, or per layer with k split by layer size",
     "policy": "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, core, "
-              "or package.module:ClassName",
+              "vote, or package.module:ClassName",
     "policy_args": "policy parameter key=value (repeatable; default: the policy's defaults)",
     "memory": "error feedback: residual (acc += g) or dgc (momentum correction + factor "
               "masking; the optimizer then applies plain SGD)",

@@ -118,3 +118,134 @@ def test_python_version_is_the_same_everywhere():
     setup = (Path(__file__).resolve().parent.parent / "setup.cfg").read_text()
     assert set(re.findall(r"python_requires = (.+)", setup)) == {">=3.11"}
     assert "Python 3.11+" in README and "3.10" not in README
+
+
+def test_the_policy_help_and_readme_list_every_registered_policy():
+    """`--policy` help (shared by psparse-launch and psparse-worker) and the README name them all."""
+    from psparse.config import HELP
+    from psparse.policies import REGISTRY
+
+    readme_row = next(line for line in README.splitlines() if line.startswith("| `--policy` |"))
+    for name in REGISTRY:
+        assert f" {name}," in HELP["policy"], name
+        assert f"`{name}`" in readme_row, name
+
+
+def test_the_spec_index_size_dense_switch_and_cache_key_examples():
+    """docs/protocol.md: the dense switch uses the run's natural index size (not the message's
+    index_dtype), -0.0 is not a nonzero value, a cached frame is the 8 raw digest bytes."""
+    import numpy as np
+
+    from psparse import codec, protocol
+
+    doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+                   .split())  # the wording below, whatever the line breaks
+    assert "with `numel` 1000 a dense push is allowed only when `push_max` > 500" in doc
+    natural = protocol.index_dtype_for(1000)
+    assert natural == "int32" and protocol.index_dtype_for(2**31 - 1) == "int32"
+    assert protocol.index_dtype_for(2**31) == "int64"
+    assert not protocol.dense_is_smaller(500, 1000, natural)
+    assert protocol.dense_is_smaller(501, 1000, natural)
+    assert protocol.dense_is_smaller(400, 1000, "int64")  # what the server does NOT use
+    # the server counts nonzero values with numpy: -0.0 is zero
+    assert np.count_nonzero(np.array([-0.0, 0.0, 1.0], np.float32)) == 1
+    # the cached frame example: raw digest bytes of [0, 3, 9]
+    assert "the key of [0, 3, 9] is `E9 D6 C4 0C 7B 3F 93 17`" in doc
+    assert codec.set_key(np.array([0, 3, 9])) == bytes.fromhex("e9d6c40c7b3f9317")
+
+
+def test_the_spec_client_notes_hold_on_a_real_server(tmp_path):
+    """What docs/protocol.md tells client writers, on a real psparse-server with raw msgpack:
+    heartbeat_s is --timeout / 5; the dense switch uses the natural index size (an int64 dense
+    push that only 12-byte pairs would justify is refused); -0.0 is not a nonzero value; the
+    index_dtype of a dense message is not checked; after a refused push the set of the last
+    accepted one may go by key (8 raw digest bytes, not hex); a push without loss is left out of
+    the round's mean loss; metrics are never answered; server errors carry only message."""
+    import hashlib
+
+    import msgpack
+    import numpy as np
+
+    from conftest import ServerProcess
+    from psparse.transport import Channel
+
+    numel = 1000
+    s = ServerProcess(tmp_path, 2, timeout=10)
+    # push_max 400 at iterations 0-1: 400 x 8 <= 4000 < 400 x 12; then 600: dense allowed
+    run = dict(numel=numel, iterations=3, two_phase=False,
+               steps=[[0, 10, 400, 0], [2, 10, 600, 0]], config={})
+    a, b = Channel.client("127.0.0.1", s.port), Channel.client("127.0.0.1", s.port)
+
+    def send(ch, header, *frames):
+        ch.send([msgpack.packb({"v": 2, **header}), *frames])
+
+    def recv(ch, timeout=10.0):
+        while True:
+            got = ch.recv(timeout)
+            if got is None:
+                return None
+            header = msgpack.unpackb(bytes(got[1][0].buffer), raw=False)
+            if header["type"] != "heartbeat":
+                return header
+
+    def push(ch, rank, it, idx, **kw):
+        send(ch, {"type": "push", "iter": it, "rank": rank, "count": len(idx),
+                  "index_dtype": "int32", "value_dtype": "float32", **kw},
+             np.asarray(idx, "<i4").tobytes(), np.ones(len(idx), "<f4").tobytes())
+
+    def dense(ch, rank, it, values, index_dtype):
+        send(ch, {"type": "push", "iter": it, "rank": rank, "count": numel,
+                  "index_dtype": index_dtype, "value_dtype": "float32", "dense": True},
+             b"", np.asarray(values, "<f4").tobytes())
+
+    try:
+        send(a, {"type": "register", "rank": 0, "world_size": 2, "run": run})
+        send(b, {"type": "register", "rank": 1, "world_size": 2})  # adopts
+        ready = recv(a)
+        assert recv(b)["type"] == "ready" and ready["heartbeat_s"] == 10 / 5
+        first = [1, 5, 9]
+        push(a, 0, 0, first, loss=2.0)
+        push(b, 1, 0, [2])  # no loss: left out of the mean, not counted as 0
+        assert recv(a)["type"] == "aggregate" and recv(b)["type"] == "aggregate"
+
+        push(a, 0, 1, list(range(401)))  # over the cap: refused
+        err = recv(a)
+        assert err["type"] == "error" and set(err) == {"v", "type", "message"}
+        key = hashlib.blake2b(np.array(first, "<i8").tobytes(), digest_size=8).digest()
+        cached = {"type": "push", "iter": 1, "rank": 0, "count": 3, "index_dtype": "int32",
+                  "value_dtype": "float32", "index_format": "cached"}
+        send(b, {**cached, "rank": 1}, key.hex().encode(), np.ones(3, "<f4").tobytes())
+        assert recv(b)["type"] == "error"  # a hex key is not a key
+        one = np.zeros(numel)
+        one[0] = 1.0
+        dense(b, 1, 1, one, "int64")  # 400 x 12 > 4000, but the natural size is 4: refused
+        assert "dense push refused" in recv(b)["message"]
+        send(a, cached, key, np.ones(3, "<f4").tobytes())  # the older set, by key: accepted
+        send(b, {"type": "metrics", "iter": 0, "rank": 1, "report": {"train_loss": 1.0}})
+        assert recv(b, 1.0) is None  # metrics are never answered
+        push(b, 1, 1, [3])
+        assert recv(a)["type"] == "aggregate" and recv(b)["type"] == "aggregate"
+
+        signed = np.zeros(numel)
+        signed[:600] = 1.0
+        signed[600:700] = -0.0  # zeros: 600 nonzero values, within push_max 600
+        dense(a, 0, 2, signed, "no such dtype")  # not checked in a dense message
+        dense(b, 1, 2, one, "int32")
+        assert recv(a)["dense"] is True and recv(b)["dense"] is True
+        for ch, rank in ((a, 0), (b, 1)):
+            send(ch, {"type": "metrics", "iter": 2, "rank": rank, "report": {"final": True}})
+        assert recv(a)["ok"] is True and recv(b)["ok"] is True
+        assert s.wait()[0] == 0
+    finally:
+        a.close()
+        b.close()
+        s.kill()
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == [2.0, None, None]
+    assert [m["k"] for m in metrics] == [[3, 1], [3, 1], [numel, numel]]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rejected_messages"] == 3
+    assert summary["test_acc"] is None and (tmp_path / "eval.jsonl").read_text() == ""
+    doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+                   .split())
+    assert "the server's `--timeout` ÷ 5" in doc and "5 × `heartbeat_s`" in doc
