@@ -31,7 +31,7 @@ from pathlib import Path
 from . import cluster
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
-from .server import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
+from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 
 _PR_SET_PDEATHSIG = 1
 

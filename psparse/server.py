@@ -24,19 +24,34 @@ import time
 from pathlib import Path
 
 import numpy as np
-import zmq
 
 from . import checkpoint, protocol
 from .codec import KeyCache
 from .config import add_config_arguments, parse_limit, parse_with_config
 from .kernels import sorted_union, sparse_mean
 from .protocol import ProtocolError
+from .rundir import (
+    EVAL_FILE,
+    EVAL_VALUES,
+    METRICS_FILE,
+    PORT_FILE,
+    SUMMARY_FILE,
+    open_truncated,
+    write_atomic,
+    write_json,
+)
 from .sparsify import topk_exact
-from .transport import Channel, Pacer, TransportTimeout, is_loopback, parse_rate, warn, wire_bytes
+from .transport import (
+    Channel,
+    Pacer,
+    PeerGone,
+    TransportTimeout,
+    is_loopback,
+    parse_rate,
+    warn,
+    wire_bytes,
+)
 from .xp import cupy_or_none, to_host
-
-METRICS_FILE, EVAL_FILE, SUMMARY_FILE = "metrics.jsonl", "eval.jsonl", "summary.json"
-PORT_FILE = "server.port"
 
 
 class RunAborted(RuntimeError):
@@ -107,13 +122,13 @@ class Server:
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             saved = self._resume_point() if self.resume else None
-            self._metrics_fh = _open_truncated(self.out_dir / METRICS_FILE,
+            self._metrics_fh = open_truncated(self.out_dir / METRICS_FILE,
                                                lambda n, rec: saved is not None and n < saved)
             # rank 0 sends the evaluation of the checkpoint's last iteration again on resume
-            self._eval_fh = _open_truncated(self.out_dir / EVAL_FILE,
+            self._eval_fh = open_truncated(self.out_dir / EVAL_FILE,
                                             lambda n, rec: saved is not None
                                             and rec["iter"] < saved - 1)
-            _atomic_write(self.out_dir / PORT_FILE, f"{self.port}\n")
+            write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
         elif self.resume:
             raise ValueError("resuming needs the run directory (--out)")
         self.log(f"listening on port {self.port} for {self.world_size} workers")
@@ -161,7 +176,7 @@ class Server:
                 for r in sorted(self.active & set(self.rank_peer)):
                     try:
                         self.channel.send(beat, self.rank_peer[r])
-                    except zmq.ZMQError:  # ROUTER_MANDATORY: this peer's connection closed
+                    except PeerGone:  # ROUTER_MANDATORY: this peer's connection closed
                         if self.training:
                             gone.append(r)
                         else:  # registered, then left: free the rank
@@ -322,7 +337,7 @@ class Server:
         that has gone); probes with a heartbeat, which workers ignore."""
         try:
             self.channel.send(protocol.encode("heartbeat"), peer)
-        except zmq.ZMQError:
+        except PeerGone:
             return False
         except TransportTimeout:
             pass  # connected, just not reading yet
@@ -589,7 +604,7 @@ class Server:
     def _on_metrics(self, msg: protocol.Message) -> None:
         values = msg["report"]
         record = {"iter": msg["iter"]}
-        for key in ("epoch", "test_loss", "test_acc", "train_loss"):
+        for key in EVAL_VALUES:
             v = values.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v):
                 record[key] = v
@@ -629,7 +644,7 @@ class Server:
     def _try_send(self, peer: bytes, frames) -> None:
         try:
             self.channel.send(frames, peer)
-        except (zmq.ZMQError, TransportTimeout):
+        except (PeerGone, TransportTimeout):
             pass  # that peer is gone already; the others still hear about it
 
     def reject(self, peer: bytes, exc: Exception) -> None:
@@ -640,7 +655,7 @@ class Server:
             self.log(f"rejected message #{self.rejected} from {who}: {exc}")
         try:
             self.channel.send(protocol.encode("error", message=str(exc)), peer)
-        except (zmq.ZMQError, TransportTimeout):
+        except (PeerGone, TransportTimeout):
             pass  # the peer is gone or not reading; nothing else to do for it
 
     def _send(self, peer: bytes, frames, it: int | None = None) -> int:
@@ -649,7 +664,7 @@ class Server:
         rank = self.peers.get(peer)
         try:
             return self.channel.send(frames, peer)
-        except zmq.ZMQError as exc:
+        except PeerGone as exc:
             cause = f"its connection closed (a send to it failed: {exc})"
         except TransportTimeout as exc:
             cause = str(exc)
@@ -688,7 +703,7 @@ class Server:
             {"spec": "".join(str(x) for x in self.limit.spec), "held_back": int(
                 self.limit.support.size)},
         }
-        _atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        write_json(self.out_dir / SUMMARY_FILE, summary)
 
 
 class ServerLimit:
@@ -733,31 +748,11 @@ class ServerLimit:
         return candidates[keep], values[keep]
 
 
-def _open_truncated(path: Path, keep):
-    """Open a JSON-lines file for appending, first keeping only the lines ``keep(n, record)``
-    accepts (on resume: those written before the checkpoint); a fresh file otherwise."""
-    kept = []
-    if path.is_file():
-        for n, line in enumerate(path.read_text().splitlines()):
-            if line.strip() and keep(n, json.loads(line)):
-                kept.append(line + "\n")
-    fh = open(path, "w")
-    fh.writelines(kept)
-    fh.flush()
-    return fh
-
-
 def _lookup(run: dict, field: str):
     """A run map's value at "numel" or "config.lr"."""
     for part in field.split("."):
         run = run.get(part) if isinstance(run, dict) else None
     return run
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def build_parser() -> argparse.ArgumentParser:

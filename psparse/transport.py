@@ -63,6 +63,12 @@ class TransportTimeout(TimeoutError):
     """Nothing arrived within the allowed time."""
 
 
+class PeerGone(ConnectionError):
+    """A send to a peer whose connection has closed (the ROUTER refuses to route it).
+
+    The layers above see this and ``TransportTimeout``, never ZeroMQ's own exceptions."""
+
+
 def frame_wire_bytes(length: int) -> int:
     """Bytes one ZMTP 3 frame of ``length`` body bytes occupies on the TCP stream."""
     return length + (2 if length < 256 else 9)
@@ -159,6 +165,8 @@ class Channel:
             self.sock.send_multipart(parts, copy=False)
         except zmq.Again as exc:
             raise TransportTimeout("send timed out: the peer is not reading") from exc
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: no connection to that peer any more
+            raise PeerGone(f"the peer's connection is closed ({exc})") from exc
         n = wire_bytes(frames)
         self.sent_bytes += n
         return n

@@ -1,0 +1,656 @@
+"""The seam between a training loop and the parameter server: ``psparse.connect`` and ``Session``.
+
+A user keeps their own loop and adds a handful of lines::
+
+    ps = psparse.connect(model, optimizer, iterations=len(loader) * epochs)
+    for x, y in loader:                       # for it in range(ps.start, ps.iterations): ...
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        ps.exchange(loss)                     # error feedback, selection, push, aggregate -> .grad
+        optimizer.step()
+        optimizer.zero_grad()
+    ps.close()                                # final report; the server writes summary.json
+
+``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection
+policy pick this round's entries, sends them to the server (``psparse.client``) and writes the
+aggregate into every parameter's ``.grad``, so any ``torch.optim`` optimizer then applies the
+same update on every replica. The built-in ``psparse-worker`` loop is a user of this class too.
+
+What a round sends has three shapes (``OnePhase``, ``TwoPhase`` for policies with a proposal
+phase, ``Dense`` when the budget is the whole model), one class each; the rest of a round is
+the same for all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint, cluster
+from .client import PSClient, ServerGone, WorkerError
+from .config import ConfigError, RunConfig, load_config_file
+from .locality import SelectionRecorder
+from .memory import Memory, density_schedule
+from .policies import Layout, PolicyError, build_policy, check_output
+from .rundir import EVAL_VALUES, rank_file
+from .sparsify import NonFiniteError, density_to_k, topk_exact
+from .xp import CUPY_HINT, INDEX_DTYPE, cupy_or_none, from_torch, to_device, to_host
+
+__all__ = ["connect", "Session", "WorkerError", "ServerGone"]
+
+
+# ------------------------------------------------------------------------------ flat buffers
+class FlatModel:
+    """A model whose parameters and gradients are views into two flat float32 buffers.
+
+    Backward writes gradients straight into ``grad`` and the optimizer updates ``params`` in
+    place, so a round reads and writes whole-model vectors with no gather/scatter copies. A loop
+    that sets gradients to None (``optimizer.zero_grad()``'s default) gets fresh tensors from
+    backward; ``gather_grad`` copies those in, and ``set_grad`` points ``.grad`` back here.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None):
+        device = device or torch.device("cpu")
+        self.model = model.to(device)
+        self.device = device
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.layer_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self.layer_sizes = [p.numel() for p in params]
+        self.layer_shapes = [tuple(p.shape) for p in params]
+        self.numel = sum(self.layer_sizes)
+        self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # Without CuPy a GPU gradient crosses to the host once per iteration, into pinned memory
+        # (allocated on first use); with CuPy it stays on the device (``grad_array``).
+        self.host_grad = self.grad if device.type == "cpu" else None
+        self.grad_views = []
+        offset = 0
+        for p, n in zip(params, self.layer_sizes):
+            self.params[offset:offset + n].copy_(p.data.view(-1))
+            p.data = self.params[offset:offset + n].view_as(p)
+            view = self.grad[offset:offset + n].view_as(p)
+            p.grad = view
+            self.grad_views.append(view)
+            offset += n
+        self.parameters = params
+
+    def checksum(self) -> str:
+        return hashlib.blake2b(self.params.cpu().numpy().data, digest_size=8).hexdigest()
+
+    def gather_grad(self) -> None:
+        """Bring gradients that are not our views into the flat buffer (None counts as 0)."""
+        for p, view in zip(self.parameters, self.grad_views):
+            if p.grad is view:
+                continue
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def grad_array(self, xp=np):
+        """The gradient as an array of ``xp``: a CuPy view of the CUDA tensor (no copy), or a
+        numpy array (the CPU tensor's own memory, or a pinned host copy of a CUDA gradient)."""
+        if xp is not np:
+            return from_torch(self.grad)
+        if self.host_grad is None:
+            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        if self.host_grad is not self.grad:
+            self.host_grad.copy_(self.grad)
+        return self.host_grad.numpy()
+
+    def set_grad(self, indices: np.ndarray | None, values: np.ndarray) -> None:
+        """The aggregate into .grad: dense values, or values at indices (zeros elsewhere)."""
+        for p, view in zip(self.parameters, self.grad_views):
+            p.grad = view  # a loop may have replaced or dropped them since gather_grad
+        if self.device.type == "cpu":
+            grad = self.grad.numpy()
+            if indices is None:
+                grad[:] = values
+            else:
+                grad[:] = 0.0
+                grad[indices] = values
+            return
+        vals = torch.from_numpy(np.asarray(values)).to(self.device)
+        if indices is None:
+            self.grad.copy_(vals)
+        else:
+            self.grad.zero_()
+            self.grad[torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)] = vals
+
+
+class HostBuffers:
+    """Pinned host buffers the selected (index, value) pairs are copied into on the GPU path.
+
+    Page-locked memory lets the device-to-host copy run at full PCIe speed; the buffers grow to
+    the largest selection seen and are reused. Host arrays pass through untouched.
+    """
+
+    def __init__(self):
+        self.indices = self.values = None
+
+    def fetch(self, indices, values) -> tuple[np.ndarray, np.ndarray]:
+        if not hasattr(indices, "get"):  # numpy: already on the host
+            return indices, values
+        n = int(indices.size)
+        if self.indices is None or self.indices.size < n:
+            size = max(n, 1024)
+            self.indices = torch.empty(size, dtype=torch.int64, pin_memory=True).numpy()
+            self.values = torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
+        # Reuse is safe: a round's messages have reached the server (its reply came back)
+        # before the next round fetches into the same buffers.
+        return (to_host(indices.astype(self.indices.dtype, copy=False), self.indices[:n]),
+                to_host(values, self.values[:n]))
+
+
+def gpu_array_module(device: torch.device, log=print):
+    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy."""
+    if device.type != "cuda":
+        return np
+    cupy = cupy_or_none()
+    if cupy is None:
+        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
+            f"{CUPY_HINT} for the GPU kernels)")
+        return np
+    cupy.cuda.Device(device.index or 0).use()
+    return cupy
+
+
+def local_rank(rank: int) -> int:
+    """This process's index on its node: torchrun's LOCAL_RANK, SLURM_LOCALID, else the rank."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return rank
+
+
+def pick_device(name: str, rank: int) -> torch.device:
+    """cpu, or one GPU per worker: local rank modulo the visible devices (CUDA_VISIBLE_DEVICES
+    is respected by CUDA itself); "auto" is cuda when a GPU is visible."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise WorkerError("--device cuda, but no CUDA device is visible")
+    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
+
+
+# ------------------------------------------------------------------------------ round shapes
+class OnePhase:
+    """The policy selects from the accumulator; those entries are pushed."""
+
+    def choose(self, s: Session, it: int, acc):
+        return s.select(acc, it, None)
+
+
+class TwoPhase:
+    """The policy proposes indices, the server keeps the group's choice, the policy selects
+    with that choice in hand (``cltk``, ``vote``)."""
+
+    def choose(self, s: Session, it: int, acc):
+        proposal = s.policy.propose(acc, it)
+        if proposal is None:
+            proposal = s.xp.empty(0, dtype=s.xp.int64)
+        check_output(s.policy, proposal, it, s.policy.max_propose, "propose")
+        proposal = proposal.astype(INDEX_DTYPE, copy=False)
+        group = s.client.propose(it, *s.outbox.fetch(proposal, acc[proposal]))
+        return s.select(acc, it, s.on_device(group)[0])
+
+
+class Dense:
+    """The budget is the whole model (density 1): every entry is sent, no selection."""
+
+    def choose(self, s: Session, it: int, acc):
+        everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
+        return everything, s.memory.take(everything)
+
+
+# ---------------------------------------------------------------------------------- session
+class Session:
+    """One worker's side of a psparse run, for any training loop (see the module's docstring).
+
+    Attributes a loop reads: ``rank``, ``world_size``, ``start`` (first iteration: > 0 after a
+    resume), ``iterations``, ``iteration`` (the next exchange's), ``evaluator`` (the rank whose
+    ``log`` values are recorded), ``k`` and ``stats`` (bytes and seconds so far).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 cfg: RunConfig, *, rank: int, server: tuple[str, int], iterations: int,
+                 batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
+                 run_token: str | None = None, resume: bool = False, device=None, log=None):
+        if not 0 <= rank < cfg.workers:
+            raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
+        self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
+        self.iterations = iterations
+        self.batches_per_epoch = batches_per_epoch
+        self.out_dir = Path(out_dir) if out_dir else None
+        self._t_created = time.perf_counter()
+        self._log = log
+        check_model(model)
+        if device is None:
+            device = next(model.parameters()).device
+        self.net = FlatModel(model, torch.device(device))
+        self.device = self.net.device
+        self.optimizer = optimizer
+        # the GPU path: accumulator, selection and policy state on the device (CuPy kernels)
+        self.xp = gpu_array_module(self.device, self.say)
+        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm, xp=self.xp)
+        if optimizer is not None and not self.memory.optimizer_momentum_applies and any(
+                g.get("momentum", 0) for g in optimizer.param_groups):
+            raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
+                              "must have none (momentum=0)")
+        self.outbox = HostBuffers()  # pinned host copies of the k pairs (GPU path)
+        self.k = density_to_k(cfg.density, self.net.numel)
+        self.policy = build_policy(cfg.policy, cfg.policy_args,
+                                   Layout(self.net.layer_sizes, cfg.granularity),
+                                   self._k_at(0), rank=rank, world_size=cfg.workers,
+                                   seed=cfg.seed, xp=self.xp)
+        self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
+            if cfg.record_selections else None
+        self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
+        self.client = PSClient(server[0], server[1], rank, cfg.workers, numel=self.net.numel,
+                               timeout=cfg.timeout,
+                               max_message_bytes=int(cfg.max_message_mb * 1e6),
+                               curve_keys=cfg.curve_keys, run_token=run_token)
+        self._times = {"compute_s": 0.0, "select_s": 0.0, "wait_s": 0.0}
+        self.start = self.iteration = 0
+        self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
+        self._dense = self._arange = None
+        self.closed = False
+        if resume:
+            self._restore()
+        self.steps = self.budget_steps()
+        dense = all(step[1] == self.net.numel for step in self.steps)
+        self.round = Dense() if dense else TwoPhase() if self.policy.two_phase else OnePhase()
+
+    # ----------------------------------------------------------------------------- basics
+    def log(self, **values) -> None:
+        """Evaluation results of the iteration just exchanged (``test_acc=``, ``test_loss=``,
+        ``train_loss=``, ``epoch=``) into the run's eval.jsonl. Only the evaluator's are
+        recorded (on other ranks this returns at once), so every rank may call it."""
+        self.report(values)
+
+    def say(self, text: str) -> None:
+        """A progress line on stderr, prefixed with the rank and the time since connect."""
+        if self._log is not None:
+            self._log(text)
+        else:
+            print(f"[rank {self.rank} +{time.perf_counter() - self._t_created:.1f}s] {text}",
+                  file=sys.stderr, flush=True)
+
+    @property
+    def evaluator(self) -> int:
+        """The rank that evaluates: rank 0, or the lowest live rank once rank 0 was lost."""
+        return min(self.live)
+
+    @property
+    def is_evaluator(self) -> bool:
+        return self.rank == self.evaluator
+
+    @property
+    def stats(self) -> dict:
+        return {"push_bytes": self.client.sent_bytes, "aggregate_bytes":
+                self.client.received_bytes, **self._times}
+
+    def on_device(self, *arrays):
+        """Host arrays (a received message) moved to where the policy state lives, int64 indices."""
+        return to_device(self.xp, *arrays)
+
+    def _k_at(self, it: int) -> int:
+        """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
+        if not self.cfg.density_warmup:
+            return self.k
+        epoch = it / self.batches_per_epoch
+        density = density_schedule(self.cfg.density, self.cfg.density_warmup, epoch)
+        return density_to_k(density, self.net.numel)
+
+    # ------------------------------------------------------------------------- registration
+    def register(self) -> None:
+        """Join the run: every worker registered and agreed (the server checks) or an error."""
+        self.client.register(self.describe_run(), self.net.checksum(), self.start)
+        self.say(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
+                 f"policy={self.policy.describe()} memory={self.cfg.memory}")
+        if self.last_report is not None and self.last_report[0] == self.start - 1:
+            self.client.report(*self.last_report)  # the server may not have written it
+        self._t_last = time.perf_counter()
+
+    def describe_run(self) -> dict:
+        """The run description every rank must agree on (docs/protocol.md, "The run"): model
+        size, length, round kind, the budget steps (the server enforces them) and the shared
+        options, with the model's parameter shapes."""
+        config = {**self.cfg.agreed(), "layers": [
+            f"{name}:{'x'.join(map(str, shape))}"
+            for name, shape in zip(self.net.layer_names, self.net.layer_shapes)]}
+        return {"numel": self.net.numel, "iterations": self.iterations,
+                "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
+
+    def budget_steps(self) -> list[list[int]]:
+        """[from_iteration, budget, push_max, propose_max] wherever the budget changes (only
+        during a density warm-up); push_max and propose_max are what the policy declares for
+        that budget."""
+        if self.cfg.density_warmup and not self.batches_per_epoch:
+            raise ConfigError("density_warmup needs the epoch length: connect(..., "
+                              "batches_per_epoch=len(loader))")
+        steps = []
+        for it in range(self.iterations if self.cfg.density_warmup else 1):
+            k = self._k_at(it)
+            if not steps or steps[-1][1] != k:
+                self.policy.set_k(k)
+                steps.append([it, k, self.policy.max_push, self.policy.max_propose])
+        self.policy.set_k(self._k_at(self.start))
+        return steps
+
+    # --------------------------------------------------------------------------------- round
+    def exchange(self, loss=None) -> None:
+        """One synchronous round: this worker's gradient in, everyone's aggregate out.
+
+        Reads the parameters' ``.grad`` (after ``loss.backward()``), adds it to the
+        error-feedback accumulator, sends the policy's selection, and writes the aggregate
+        (the mean over workers) into every parameter's ``.grad``, ready for
+        ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
+        """
+        it = self.iteration
+        if it >= self.iterations:
+            raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
+                              "iterations agreed at connect)")
+        t1 = time.perf_counter()
+        self._times["compute_s"] += t1 - self._t_last
+        if loss is not None:
+            loss = float(loss.item() if hasattr(loss, "item") else loss)
+            if not math.isfinite(loss):
+                raise WorkerError(f"training diverged at iteration {it}: loss is {loss} "
+                                  "(lower the learning rate, or use clip_norm)")
+        if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
+            self._checkpoint(it)  # the state after iteration it - 1's update
+        k = self._k_at(it)
+        if k != self.policy.k:
+            self.policy.set_k(k)
+        self.net.gather_grad()
+        grad = self.net.grad_array(self.xp)
+        host_grad = to_host(grad) if self.recorder else None  # read before the next backward
+        grad_topk = topk_exact(host_grad, k) if self.recorder else None
+        acc = self.memory.add(grad)  # error feedback: carry what was not sent
+        try:
+            indices, values = self.outbox.fetch(*self.round.choose(self, it, acc))
+        except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
+            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+        if self.recorder:
+            self.recorder.record(host_grad, grad_topk, indices)
+        t2 = time.perf_counter()
+
+        checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
+        agg = self.client.push(it, indices, values, loss, checksum, self._dense_buffer())
+        t3 = time.perf_counter()
+
+        if "live" in agg.header and agg["live"] != self.live:
+            self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
+            self.policy.set_live(self.live)
+            self.say(f"live ranks now {self.live}; rank {self.evaluator} evaluates")
+        if agg.get("dense"):
+            self.policy.observe(*self.on_device(self._all_indices(), agg.values), it)
+            self.net.set_grad(None, agg.values)
+        else:
+            self.policy.observe(*self.on_device(agg.indices, agg.values), it)
+            self.net.set_grad(agg.indices, agg.values)
+        self.iteration = it + 1
+        self._t_last = time.perf_counter()
+        self._times["compute_s"] += self._t_last - t3
+        self._times["select_s"] += t2 - t1
+        self._times["wait_s"] += t3 - t2
+
+    def select(self, acc, it: int, group):
+        """The policy's indices and their accumulator values (zeroed there), on acc's device."""
+        indices = self.policy.select(acc, it, group=group)
+        check_output(self.policy, indices, it, self.policy.max_push)  # before anything is sent
+        indices = indices.astype(INDEX_DTYPE, copy=False)  # the kernels take int64 (xp.py)
+        return indices, self.memory.take(indices)
+
+    def _dense_buffer(self) -> np.ndarray:
+        # Reused every round: the previous push has left once its aggregate came back.
+        if self._dense is None:
+            self._dense = np.empty(self.net.numel, dtype=np.float32)
+        return self._dense
+
+    def _all_indices(self) -> np.ndarray:
+        if self._arange is None:
+            self._arange = np.arange(self.net.numel, dtype=np.int64)
+        return self._arange
+
+    # ------------------------------------------------------------------------------ reports
+    def report(self, values: dict) -> None:
+        """Evaluation results after the last exchange, into eval.jsonl (evaluator only)."""
+        _check_eval_values(values)
+        if not self.is_evaluator:
+            return  # only the evaluator's results are the run's (README, "Evaluation")
+        values = {k: float(v) for k, v in values.items()}
+        if "epoch" not in values and self.batches_per_epoch:
+            values = {"epoch": round(self.iteration / self.batches_per_epoch, 4), **values}
+        self.last_report = (self.iteration - 1, values)
+        self.client.report(*self.last_report)
+
+    def close(self, **final) -> None:
+        """End of training: the final report (with the evaluator's ``final`` values, e.g.
+        ``close(test_acc=...)``, and the weight checksum), the server's shutdown, then this
+        rank's rank-R.json. The server writes summary.json."""
+        if self.iteration < self.iterations:
+            raise WorkerError(f"close() after {self.iteration} of {self.iterations} iterations "
+                              "(the run's length was agreed at connect)")
+        _check_eval_values(final)
+        wall = time.perf_counter() - self._t_created
+        values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
+        self.client.finish(self.iterations - 1, values, self.net.checksum())
+        info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
+                "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
+                "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / rank_file(self.rank)).write_text(json.dumps(info, indent=2))
+            if self.recorder:
+                self.recorder.save(self.out_dir / f"selections-rank-{self.rank}.npz")
+        self.say(f"done in {wall:.1f} s (checksum {info['checksum']})")
+        self.disconnect()
+
+    def fail(self, exc: BaseException) -> None:
+        """Report why this worker stops (summary.json names the cause), then disconnect."""
+        if not isinstance(exc, ServerGone):
+            cause = str(exc) if isinstance(exc, (WorkerError, PolicyError, ConfigError)) \
+                else f"{type(exc).__name__}: {exc}"
+            self.client.give_up(cause)
+        self.disconnect()
+
+    def disconnect(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.client.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``with psparse.connect(...) as ps:`` -- an exception is reported to the server (its
+        cause reaches summary.json); a complete run not closed yet is closed."""
+        if self.closed:
+            return
+        if exc is not None:
+            self.fail(exc)
+        elif self.iteration < self.iterations:
+            early = WorkerError(f"left the run after {self.iteration} of {self.iterations} "
+                                "iterations")
+            self.fail(early)
+            raise early
+        else:
+            self.close()
+
+    # ---------------------------------------------------------------------- checkpoint, resume
+    def state_dict(self) -> dict:
+        """Everything of this worker's exchange state a resume needs: model, optimizer,
+        accumulator, policy state, key cache, byte and time totals, the last evaluation."""
+        return {
+            "iteration": self.iteration,
+            "model": self.net.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "memory": {name: to_host(a) for name, a in self.memory.state_dict().items()},
+            "policy": {name: to_host(v) if hasattr(v, "shape") else v
+                       for name, v in self.policy.state_dict().items()},
+            "cache": self.client.cache.state(),
+            "stats": self.stats,
+            "last_report": self.last_report,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():  # copies into the flat buffers the parameters view
+            self.net.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for name, array in state["memory"].items():
+            getattr(self.memory, name)[...] = self.xp.asarray(array)
+        self.policy.load_state_dict(state["policy"])
+        self.client.cache.restore(state["cache"])
+        stats = state["stats"]
+        self.client.sent_bytes = stats["push_bytes"]
+        self.client.received_bytes = stats["aggregate_bytes"]
+        self._times.update({k: stats[k] for k in self._times})
+        self.last_report = state["last_report"]
+        self.start = self.iteration = state["iteration"]
+
+    def _checkpoint(self, iteration: int) -> None:
+        if not self.out_dir:
+            raise WorkerError("checkpoint_every needs the run directory (--out)")
+        if self.optimizer is None:
+            raise WorkerError("checkpoint_every needs the optimizer: connect(model, optimizer)")
+        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration,
+                        {**self.state_dict(), "iteration": iteration})
+
+    def _restore(self) -> None:
+        if not self.out_dir:
+            raise WorkerError("resume needs the run directory (--out)")
+        start = checkpoint.latest_common(self.out_dir, self.cfg.workers)
+        if start is None:
+            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
+                              f"{self.cfg.workers} workers saved")
+        self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}", start))
+        self.say(f"resuming at iteration {start}")
+
+
+def _check_eval_values(values: dict) -> None:
+    unknown = sorted(set(values) - set(EVAL_VALUES))
+    if unknown:
+        raise ValueError(f"unknown evaluation value {', '.join(unknown)}; eval.jsonl records "
+                         f"{', '.join(EVAL_VALUES)}")
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Trainable parameters must be float32 and on one device (clear errors otherwise)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters")
+    bad = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
+    if bad:
+        raise ConfigError("psparse exchanges float32 parameters; convert the model with "
+                          f".float() (not float32: {', '.join(bad[:5])}"
+                          f"{', ...' if len(bad) > 5 else ''})")
+    devices = {p.device for _, p in params}
+    if len(devices) > 1:
+        raise ConfigError(f"the model's parameters are on several devices ({devices}); "
+                          "psparse needs them on one")
+
+
+# ------------------------------------------------------------------------------- connect()
+def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+            iterations: int | None = None, batches_per_epoch: int | None = None,
+            server: str | None = None, rank: int | None = None, world_size: int | None = None,
+            out: str | Path | None = None, run_token: str | None = None,
+            resume: bool | None = None, **options) -> Session:
+    """Join a psparse run with ``model``: register with the server and return the Session.
+
+    Where things come from (first found wins):
+
+    - ``rank`` / ``world_size``: the arguments, else ``RANK`` / ``WORLD_SIZE`` (psparse-launch,
+      torchrun, SLURM, PMI and Open MPI variables);
+    - ``server`` ("host:port"): the argument, else ``PSPARSE_SERVER``, else
+      ``MASTER_ADDR``:``PSPARSE_PORT``;
+    - options (``policy``, ``density``, ``granularity``, ``memory``, ``policy_args``,
+      ``clip_norm``, ``density_warmup``, ``check_every``, ``checkpoint_every``, ``timeout``,
+      ``curve_keys``, ...; the fields of README's run configuration): keyword arguments, else
+      the launcher's run configuration (``PSPARSE_CONFIG``, its config.json), else defaults;
+    - ``iterations``: the argument, else the configuration's ``iterations``, else its
+      ``epochs`` × ``batches_per_epoch``;
+    - ``out`` (the run directory, for rank-R.json and checkpoints): the argument, else
+      ``PSPARSE_OUT``; ``run_token``: the argument, else ``PSPARSE_TOKEN``; ``resume``: the
+      argument, else ``PSPARSE_RESUME=1`` (psparse-launch --resume).
+
+    Every rank must call it with the same model architecture and options (the server compares
+    them and names the first difference). The initial weights must match too: seed torch the
+    same on every rank before building the model, or load the same weights.
+    """
+    cfg = _resolve_options(options, world_size)
+    if rank is None:
+        rank = cluster.rank_from_env()
+        if rank is None:
+            raise ConfigError("psparse.connect: no rank (pass rank=..., or run under "
+                              "psparse-launch / torchrun, which set RANK)")
+    if iterations is None:
+        if cfg.iterations is not None:
+            iterations = cfg.iterations
+        elif batches_per_epoch:
+            iterations = math.ceil(cfg.epochs * batches_per_epoch)
+        else:
+            raise ConfigError("psparse.connect: the run's length is needed: iterations=N "
+                              "(or batches_per_epoch=len(loader) with the epochs option, or "
+                              "psparse-launch --iterations/--epochs)")
+    address = server or cluster.server_from_env() or "127.0.0.1:5555"
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"server must be HOST:PORT, got {address!r}")
+    if out is None and os.environ.get("PSPARSE_OUT"):
+        out = os.environ["PSPARSE_OUT"]
+    if resume is None:
+        resume = os.environ.get("PSPARSE_RESUME") == "1"
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    session = Session(model, optimizer, cfg, rank=rank, server=(host.strip("[]"), int(port)),
+                      iterations=iterations, batches_per_epoch=batches_per_epoch, out_dir=out,
+                      run_token=run_token or os.environ.get("PSPARSE_TOKEN") or None,
+                      resume=resume)
+    try:
+        session.register()
+    except BaseException as exc:
+        session.fail(exc)
+        raise
+    return session
+
+
+def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
+    """Defaults, then the launcher's config.json (PSPARSE_CONFIG), then keyword options."""
+    values = {}
+    if os.environ.get("PSPARSE_CONFIG"):
+        values.update(load_config_file(Path(os.environ["PSPARSE_CONFIG"])))
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"psparse.connect: unknown option {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(known))}")
+    if isinstance(options.get("policy_args"), dict):
+        options["policy_args"] = [f"{k}={v}" for k, v in options["policy_args"].items()]
+    values.update(options)
+    if world_size is not None:
+        values["workers"] = world_size
+    elif "workers" not in options and not os.environ.get("PSPARSE_CONFIG"):
+        env_world = cluster.world_size_from_env()
+        if env_world is None:
+            raise ConfigError("psparse.connect: no world size (pass world_size=..., or run "
+                              "under psparse-launch / torchrun, which set WORLD_SIZE)")
+        values["workers"] = env_world
+    return replace(RunConfig(), **values).validate()
