@@ -1,11 +1,30 @@
 """psparse: gradient-sparsification parameter server for PyTorch over ZeroMQ.
 
+In your own training loop (README, "Use psparse in your own training script")::
+
+    import psparse
+    ps = psparse.connect(model, optimizer, iterations=...)   # server, rank, world from env
+    ...  loss.backward(); ps.exchange(loss); optimizer.step()  ...
+    ps.close()
+
 Layers, bottom to top (each imports only those below it):
   transport (sockets, pacing, CurveZMQ) -> codec, protocol (messages, index encodings)
-  -> server (aggregation, limits, liveness, accounting)
-  sparsify (top-k), memory (error feedback), policies (selection) , models, data, checkpoint
-  -> worker (training loop) -> cluster, launch (processes, hosts)
-Tools on top: report, costmodel, locality, keys.
+  -> rundir (run directory files); aggregation (round arithmetic, pure arrays);
+     membership (admission, liveness) -> server
+  kernels, sparsify (top-k), memory (error feedback), policies (selection), models, data,
+  checkpoint -> client (the worker's protocol side) -> session (connect, exchange)
+  -> worker (the built-in loop), ddp -> cluster, launch (processes, hosts)
+Tools on top: report, costmodel, locality, keys, kernel_check.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+__all__ = ["connect", "Session", "WorkerError", "__version__"]
+
+
+def __getattr__(name):
+    # torch and pyzmq are imported only when the API is used, so the command-line tools that
+    # never train (psparse-report, psparse-keys, ...) start quickly.
+    if name in ("connect", "Session", "WorkerError"):
+        from . import session
+        return getattr(session, name)
+    raise AttributeError(f"module 'psparse' has no attribute {name!r}")

@@ -122,10 +122,14 @@ def slurm_workers(environ=os.environ) -> int:
     raise ValueError("--slurm: SLURM_NTASKS is not set (give --ntasks to sbatch/salloc)")
 
 
+def srun_prefix(cfg: RunConfig) -> list[str]:
+    """srun starting one task per worker; if one fails, srun kills the others."""
+    return ["srun", "--ntasks", str(cfg.workers), "--kill-on-bad-exit=1", "--label"]
+
+
 def srun_command(cfg: RunConfig, server: str, out: str) -> list[str]:
     """One srun for all workers; each takes its rank from SLURM_PROCID."""
-    return ["srun", "--ntasks", str(cfg.workers), "--kill-on-bad-exit=1", "--label",
-            *worker_argv(cfg, server, out)]
+    return [*srun_prefix(cfg), *worker_argv(cfg, server, out)]
 
 
 def rank_from_env(environ=os.environ) -> int | None:

@@ -65,15 +65,21 @@ class RunConfig:
     timeout: float = 30.0
     register_timeout: float = 120.0
     max_message_mb: float = 1024.0
+    # psparse-launch's positional TRAIN.PY: the user's own loop (psparse.connect) replaces the
+    # built-in one, so model and dataset are the script's. Not a flag; kept in config.json.
+    script: str | None = None
 
     def validate(self) -> RunConfig:
         def need(cond, msg):
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.model in MODELS, f"model {self.model!r} unknown; choose one of {sorted(MODELS)}")
-        need(self.dataset in DATASETS,
-             f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)}")
+        need(self.model in MODELS or ":" in self.model,
+             f"model {self.model!r} unknown; choose one of {sorted(MODELS)} or give "
+             "package.module:factory")
+        need(self.dataset in DATASETS or ":" in self.dataset,
+             f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)} or give "
+             "package.module:factory")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
         need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
         need(self.memory in ("residual", "dgc"),
@@ -162,8 +168,10 @@ def parse_limit(text: str) -> tuple[float, str]:
 
 
 HELP = {
-    "model": "network to train: " + ", ".join(sorted(MODELS)),
-    "dataset": "training data: " + ", ".join(DATASETS),
+    "model": "network to train: " + ", ".join(sorted(MODELS)) + ", or package.module:factory "
+             "(factory(in_shape, num_classes) -> torch.nn.Module)",
+    "dataset": "training data: " + ", ".join(DATASETS) + ", or package.module:factory "
+               "(factory(data_dir) -> psparse.data.Dataset)",
     "data_dir": "folder holding the data sets (default: $PSPARSE_DATA or ./data)",
     "workers": "number of workers N (world size)",
     "density": "fraction of the model's entries each worker pushes per iteration (k = density x "
@@ -213,7 +221,11 @@ HELP = {
     "register_timeout": "seconds the server waits for every worker to register (processes "
                         "starting on a busy cluster can take a while)",
     "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
+    "script": "the user's training script (psparse-launch's positional argument)",
 }
+
+
+NOT_FLAGS = ("script",)  # set by psparse-launch's positional argument, not by a flag
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None):
@@ -222,7 +234,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
                         help="JSON or TOML file of options (keys as the flags below)")
     group = parser.add_argument_group("run configuration (also settable in --config)")
     for f in fields(RunConfig):
-        if only is not None and f.name not in only:
+        if (only is not None and f.name not in only) or f.name in NOT_FLAGS:
             continue
         if f.name == "policy_args":
             group.add_argument("--policy-arg", action="append", default=None, dest=f.name,
@@ -288,8 +300,22 @@ def load_config_file(path: Path) -> dict:
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid "
                           f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+    return config_from_map(raw, f"config file {path}")
+
+
+def config_from_json(text: str, source: str) -> dict:
+    """Options from a JSON text (psparse-launch's PSPARSE_CONFIG_JSON)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc}") from None
+    return config_from_map(raw, source)
+
+
+def config_from_map(raw, source: str) -> dict:
+    """Checked RunConfig values from a map of options (keys as flags or field names)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a map of options")
+        raise ConfigError(f"{source} must hold a map of options")
     known = {f.name: f for f in fields(RunConfig)}
     out = {}
     for key, value in raw.items():
@@ -299,14 +325,14 @@ def load_config_file(path: Path) -> dict:
         if name == "policy_args" and isinstance(value, dict):  # a [policy-args] table
             value = [f"{k}={v}" for k, v in value.items()]
         if name not in known:
-            raise ConfigError(f"config file {path}: unknown option {key!r}; valid options: "
+            raise ConfigError(f"{source}: unknown option {key!r}; valid options: "
                               f"{', '.join(n.replace('_', '-') for n in known)}")
         kind = _field_type(known[name])
         if value is not None:
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise ConfigError(f"config file {path}: option {key!r} must be "
+                raise ConfigError(f"{source}: option {key!r} must be "
                                   f"{kind.__name__}, got {value!r}")
         out[name] = value
     return out

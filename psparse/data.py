@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import plugin
+
 MNIST_FILES = {  # the original files; md5 as in torchvision's list
     "train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
@@ -61,7 +63,8 @@ class Dataset:
     def normalise(self, x_uint8: torch.Tensor) -> torch.Tensor:
         mean = torch.tensor(self.mean).view(1, -1, 1, 1)
         std = torch.tensor(self.std).view(1, -1, 1, 1)
-        return (x_uint8.float() / 255.0 - mean) / std
+        x = x_uint8.float() / 255.0 if x_uint8.dtype == torch.uint8 else x_uint8
+        return (x - mean) / std
 
 
 class DataError(RuntimeError):
@@ -73,7 +76,12 @@ def default_data_dir() -> Path:
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
+    """A built-in data set by name, or ``package.module:factory`` called as
+    ``factory(data_dir)``; it must return a ``Dataset`` (images uint8 or float32 in [0, 1],
+    shaped (N, C, H, W); integer labels in [0, num_classes))."""
     data_dir = Path(data_dir) if data_dir else default_data_dir()
+    if plugin.is_spec(name):
+        return check_dataset(plugin.load(name, "dataset factory")(data_dir), name)
     if name == "mnist":
         return load_mnist(data_dir)
     if name == "cifar10":
@@ -81,6 +89,31 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
     if name == "digits":
         return load_digits()
     raise ValueError(f"unknown dataset {name!r}; choose one of {list(DATASETS)}")
+
+
+def check_dataset(ds, spec: str) -> Dataset:
+    """A user factory's result, checked the way the training loop will use it."""
+    if not isinstance(ds, Dataset):
+        raise DataError(f"dataset factory {spec!r} returned {type(ds).__name__}, expected "
+                        "psparse.data.Dataset")
+    for part in ("train", "test"):
+        x, y = getattr(ds, f"{part}_x"), getattr(ds, f"{part}_y")
+        if not (isinstance(x, np.ndarray) and x.ndim == 4 and x.dtype in (np.uint8, np.float32)):
+            raise DataError(f"dataset factory {spec!r}: {part}_x must be a uint8 or float32 "
+                            f"array shaped (N, C, H, W), got {getattr(x, 'dtype', type(x))} "
+                            f"{getattr(x, 'shape', '')}")
+        if not (isinstance(y, np.ndarray) and y.shape == (len(x),) and y.dtype.kind in "iu"):
+            raise DataError(f"dataset factory {spec!r}: {part}_y must be one integer label per "
+                            f"image ({len(x)}), got {getattr(y, 'dtype', type(y))} "
+                            f"{getattr(y, 'shape', '')}")
+        if len(y) and not (0 <= y.min() and y.max() < ds.num_classes):
+            raise DataError(f"dataset factory {spec!r}: {part}_y holds labels outside "
+                            f"[0, {ds.num_classes})")
+    if len(ds.mean) != ds.train_x.shape[1] or len(ds.std) != ds.train_x.shape[1]:
+        raise DataError(f"dataset factory {spec!r}: mean and std need one value per channel "
+                        f"({ds.train_x.shape[1]})")
+    ds.train_y, ds.test_y = ds.train_y.astype(np.int64), ds.test_y.astype(np.int64)
+    return ds
 
 
 # ---------------------------------------------------------------------------------------- MNIST

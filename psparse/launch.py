@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import cluster
+from . import cluster, plugin
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
@@ -51,14 +51,14 @@ def _free_port() -> int:
 
 
 class ForkedProcess:
-    """A child running ``module.main(argv)`` in a fork of this process; Popen-like interface."""
+    """A child running ``target()`` (its exit code) in a fork of this process; Popen-like."""
 
-    def __init__(self, module: str, argv: list[str], log_path: Path):
+    def __init__(self, target, log_path: Path):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # child: never returns
-            _run_child(module, argv, log_path)
+            _run_child(target, log_path)
         self.pid, self.returncode = pid, None
 
     def poll(self) -> int | None:
@@ -84,7 +84,7 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_child(module: str, argv: list[str], log_path: Path) -> None:
+def _run_child(target, log_path: Path) -> None:
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -99,7 +99,7 @@ def _run_child(module: str, argv: list[str], log_path: Path) -> None:
         os.close(null)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
-        code = importlib.import_module(module).main(argv)
+        code = target()
     except SystemExit as exc:  # argparse errors and explicit exits
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - report anything, then exit non-zero
@@ -122,6 +122,7 @@ class Launch:
         self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
         self.baseline = baseline
         self.resume = resume
+        self.script: list[str] | None = None  # [TRAIN.PY, ARGS...]: the user's loop
         # None: all on this host. Else {"mode": "hostfile"|"slurm", "hosts", "server_host",
         # "port", "bind", "rsh", "gpus_per_node"}
         self.cluster = cluster
@@ -131,8 +132,18 @@ class Launch:
         self._bytes = [0, 0]
         self._unions: list[int] = []
 
-    def _spawn(self, name: str, args: list[str]) -> ForkedProcess:
-        proc = ForkedProcess(args[0], args[1:], self.out / "logs" / f"{name}.log")
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None
+               ) -> ForkedProcess:
+        """A forked child running ``args[0]``'s main(args[1:]), or with ``self.script`` set
+        and ``env`` given, the user's script (its environment extended by ``env``)."""
+        if env is not None:
+            def target():
+                os.environ.update(env)
+                return run_script(self.script)
+        else:
+            def target():
+                return importlib.import_module(args[0]).main(args[1:])
+        proc = ForkedProcess(target, self.out / "logs" / f"{name}.log")
         self.procs[name] = proc
         return proc
 
@@ -150,8 +161,9 @@ class Launch:
         # Import once here so that every forked worker starts with torch loaded (see above).
         importlib.import_module("psparse.worker")
         importlib.import_module("torch._dynamo")
-        self._print(f"psparse: {cfg.workers} workers, {cfg.model}/{cfg.dataset}, density "
-                    f"{cfg.density:g}, run dir {self.out}")
+        what = f"script {shlex.join(self.script)}" if self.script else f"{cfg.model}/{cfg.dataset}"
+        self._print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
+                    f"{self.out}")
         try:
             if self.baseline == "ddp":
                 port = _free_port()
@@ -167,6 +179,10 @@ class Launch:
                                    "--out", str(self.out), *again])
             port = self._wait_for_port()
             for r in range(cfg.workers):
+                if self.script:
+                    self._spawn(f"rank-{r}", [], self.script_env(
+                        r, r, f"127.0.0.1:{port}", {"PSPARSE_CONFIG": str(config_path.resolve())}))
+                    continue
                 self._spawn(f"rank-{r}", ["psparse.worker", "--config", str(config_path),
                                           "--rank", str(r), "--connect", f"127.0.0.1:{port}",
                                           "--out", str(self.out), *again])
@@ -189,17 +205,35 @@ class Launch:
         self._wait_for_port()
         server = f"{c['server_host']}:{c['port']}"
         out = str(self.out.resolve())
+        # a script's workers get the configuration inline: no shared filesystem is assumed
+        inline = {"PSPARSE_CONFIG_JSON": config_path.read_text()}
         if c["mode"] == "slurm":
-            argv = cluster.srun_command(cfg, server, out) + again
+            if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
+                os.environ.update({k: v for k, v in self.script_env(0, 0, server, inline).items()
+                                   if k not in ("RANK", "LOCAL_RANK")})
+                argv = cluster.srun_prefix(cfg) + [sys.executable, *self.script]
+            else:
+                argv = cluster.srun_command(cfg, server, out) + again
             self._spawn_piped("workers", argv, prefix="rank ")
             return
         for rank, host, local in cluster.place(c["hosts"], cfg.workers):
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
             if c["gpus_per_node"] and "CUDA_VISIBLE_DEVICES" not in env:
                 env["CUDA_VISIBLE_DEVICES"] = str(local % c["gpus_per_node"])
-            argv = cluster.worker_argv(cfg, server, out, rank) + again
+            if self.script:
+                env.update(self.script_env(rank, local, server, inline))
+                argv = [sys.executable, *self.script]
+            else:
+                argv = cluster.worker_argv(cfg, server, out, rank) + again
             self._spawn_piped(f"rank-{rank}", cluster.remote_command(
                 c["rsh"], host, argv, os.getcwd(), env), prefix=f"rank {rank}| ")
+
+    def script_env(self, rank: int, local: int, server: str, config: dict) -> dict[str, str]:
+        """What a user script's psparse.connect() reads (torchrun's names where they exist)."""
+        return {"RANK": str(rank), "WORLD_SIZE": str(self.cfg.workers), "LOCAL_RANK": str(local),
+                "PSPARSE_SERVER": server, "PSPARSE_OUT": str(self.out.resolve()),
+                "PSPARSE_TOKEN": os.environ["PSPARSE_TOKEN"],
+                "PSPARSE_RESUME": "1" if self.resume else "0", **config}
 
     def _spawn_piped(self, name: str, argv: list[str], prefix: str) -> subprocess.Popen:
         """A local client process (ssh, srun) whose output goes to the log and, prefixed, here."""
@@ -362,13 +396,19 @@ class Launch:
 
 
 def check_policy(cfg: RunConfig) -> None:
-    """Build the policy as rank 0 will: on the real model's layout and k (no data loaded)."""
+    """Build the policy as rank 0 will: on the real model's layout and k (no data loaded).
+    A script's or a factory's model is not known here: then a 100,000-entry stand-in checks the
+    policy's name and parameters."""
     from .data import IN_SHAPES
     from .models import build_model
     from .sparsify import density_to_k
 
-    model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10)
-    layout = Layout([p.numel() for p in model.parameters() if p.requires_grad], cfg.granularity)
+    if cfg.script or ":" in cfg.model or ":" in cfg.dataset:
+        layout = Layout([100_000], cfg.granularity)
+    else:
+        model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10)
+        layout = Layout([p.numel() for p in model.parameters() if p.requires_grad],
+                        cfg.granularity)
     build_policy(cfg.policy, cfg.policy_args, layout, density_to_k(cfg.density, layout.numel),
                  world_size=cfg.workers, seed=cfg.seed)
 
@@ -410,7 +450,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
                         "server and all workers saved (see --checkpoint-every)")
     add_config_arguments(p)
+    p.add_argument("script", nargs="?", default=None, metavar="TRAIN.PY",
+                   help="your own training script (it calls psparse.connect), started once per "
+                        "worker with RANK, WORLD_SIZE, LOCAL_RANK, PSPARSE_SERVER, PSPARSE_OUT, "
+                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention); without "
+                        "it the built-in loop trains --model on --dataset")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments passed on to TRAIN.PY")
     return p
+
+
+def run_script(argv: list[str]) -> int:
+    """Run a user script as ``python TRAIN.PY ARGS`` would, in this (forked) process: its
+    folder first on sys.path, ``__name__ == "__main__"``; its exit code."""
+    import runpy
+
+    script = Path(argv[0])
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -420,13 +482,23 @@ def main(argv=None) -> int:
         if not (args.resume / "config.json").is_file():
             p.error(f"--resume {args.resume}: no config.json there (not a psparse run)")
         args.config, args.out = args.resume / "config.json", args.resume
+    if args.script is not None:  # (--resume takes the script from config.json)
+        if not Path(args.script).is_file():
+            p.error(f"training script {args.script} not found")
+        if args.baseline:
+            p.error("--baseline trains the built-in loop; it does not take a script")
     try:
         cfg = resolve_config(args)
     except ConfigError as exc:
         p.error(str(exc))
-    try:  # fail here, before any process starts, on an unknown policy or parameter
+    if args.script is not None:
+        cfg.script = shlex.join([args.script, *args.script_args])
+    try:  # fail here, before any process starts, on an unknown policy, parameter or factory
+        for spec, what in ((cfg.model, "model factory"), (cfg.dataset, "dataset factory")):
+            if plugin.is_spec(spec) and not cfg.script:
+                plugin.load(spec, what)
         check_policy(cfg)
-    except PolicyError as exc:
+    except (PolicyError, ValueError) as exc:
         p.error(str(exc))
     # The run's admission secret: only processes that hold it can register (docs/protocol.md).
     # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
@@ -434,7 +506,8 @@ def main(argv=None) -> int:
         or secrets.token_hex(32)
     if cfg.threads is None:
         cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
-    out = args.out or Path("runs") / f"{cfg.model}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = Path(args.script).stem if args.script else f"{cfg.model}-{cfg.dataset}"
+    out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster_mode = None
     if args.hostfile or args.slurm:
         if args.hostfile and args.slurm:
@@ -457,6 +530,8 @@ def main(argv=None) -> int:
         p.error("--baseline runs on this host only, without --resume")
     launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,
                     cluster=cluster_mode, baseline=args.baseline)
+    if cfg.script:
+        launch.script = shlex.split(cfg.script)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import plugin
+
 
 class LeNet5(nn.Module):
     """LeNet-5 for 28x28 grey images (conv1 padded to keep the classic 32x32 geometry).
@@ -90,6 +92,14 @@ MODELS = {"lenet": LeNet5, "resnet20": ResNet20, "mlp": MLP}
 
 
 def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A built-in network by name, or ``package.module:factory`` called as
+    ``factory(in_shape, num_classes)`` (in_shape = (C, H, W)); it must return an nn.Module."""
+    if plugin.is_spec(name):
+        model = plugin.load(name, "model factory")(tuple(in_shape), num_classes)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model factory {name!r} returned {type(model).__name__}, "
+                             "expected a torch.nn.Module")
+        return model
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
     if name == "mlp":

@@ -363,9 +363,14 @@ class Server:
         for r, run in described.items():
             field = protocol.run_difference(reference, run)
             if field is not None:
-                raise RunAborted(f"workers disagree on {field}: rank {first}="
-                                 f"{_lookup(reference, field)!r}, rank {r}="
-                                 f"{_lookup(run, field)!r}")
+                mine, theirs = _lookup(reference, field), _lookup(run, field)
+                if isinstance(mine, list) and isinstance(theirs, list):  # e.g. config.layers
+                    at = next((i for i, (x, y) in enumerate(zip(mine, theirs))
+                               if not protocol.same_value(x, y)), min(len(mine), len(theirs)))
+                    mine, theirs = _item(mine, at), _item(theirs, at)
+                    field = f"{field}[{at}]"
+                raise RunAborted(f"workers disagree on {field}: rank {first}={mine!r}, "
+                                 f"rank {r}={theirs!r}")
         # workers that omit the checksum opt out of replica comparison (docs/protocol.md)
         checksums = {r: m["checksum"] for r, m in sorted(regs.items()) if "checksum" in m.header}
         if len(set(checksums.values())) > 1:
@@ -746,6 +751,10 @@ class ServerLimit:
         self.support = candidates[held]
         self.residual[self.support] = values[held]
         return candidates[keep], values[keep]
+
+
+def _item(values: list, at: int):
+    return values[at] if at < len(values) else "(none: the list ends)"
 
 
 def _lookup(run: dict, field: str):

@@ -37,7 +37,7 @@ import torch
 
 from . import checkpoint, cluster
 from .client import PSClient, ServerGone, WorkerError
-from .config import ConfigError, RunConfig, load_config_file
+from .config import ConfigError, RunConfig, config_from_json, load_config_file
 from .locality import SelectionRecorder
 from .memory import Memory, density_schedule
 from .policies import Layout, PolicyError, build_policy, check_output
@@ -635,8 +635,11 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     """Defaults, then the launcher's config.json (PSPARSE_CONFIG), then keyword options."""
     values = {}
-    if os.environ.get("PSPARSE_CONFIG"):
+    launched = os.environ.get("PSPARSE_CONFIG") or os.environ.get("PSPARSE_CONFIG_JSON")
+    if os.environ.get("PSPARSE_CONFIG"):  # the launcher's config.json (same host)
         values.update(load_config_file(Path(os.environ["PSPARSE_CONFIG"])))
+    elif os.environ.get("PSPARSE_CONFIG_JSON"):  # the same, inline (cluster modes)
+        values.update(config_from_json(os.environ["PSPARSE_CONFIG_JSON"], "PSPARSE_CONFIG_JSON"))
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -647,7 +650,7 @@ def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     values.update(options)
     if world_size is not None:
         values["workers"] = world_size
-    elif "workers" not in options and not os.environ.get("PSPARSE_CONFIG"):
+    elif "workers" not in options and not launched:
         env_world = cluster.world_size_from_env()
         if env_world is None:
             raise ConfigError("psparse.connect: no world size (pass world_size=..., or run "
