@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
 from .transport import parse_rate
 
 HEADER_BYTES = 110  # a push/aggregate header with its ZMTP framing, measured
@@ -62,9 +63,8 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0) -> dict[st
 
 def setting_from_run(run_dir: Path) -> tuple[Setting, dict]:
     """Figures of a finished run; compute time net of its own (paced) communication."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary, config = read_json(run_dir, SUMMARY_FILE), read_json(run_dir, CONFIG_FILE)
+    metrics = read_jsonl(run_dir / METRICS_FILE)
     if not metrics:
         raise ValueError(f"{run_dir}: no iterations recorded")
     iters = len(metrics)

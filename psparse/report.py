@@ -18,24 +18,23 @@ from pathlib import Path
 
 import numpy as np
 
+from .rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
+
 
 def load_run(run_dir: Path) -> dict:
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished psparse run)")
-    summary = json.loads(summary_path.read_text())
-    config = json.loads((run_dir / "config.json").read_text()) \
-        if (run_dir / "config.json").is_file() else {}
-    read = lambda name: [json.loads(line) for line in  # noqa: E731
-                         (run_dir / name).read_text().splitlines() if line.strip()] \
-        if (run_dir / name).is_file() else []
-    metrics, evals = read("metrics.jsonl"), read("eval.jsonl")
+    if not (run_dir / SUMMARY_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir} has no {SUMMARY_FILE} (not a finished psparse run)")
+    summary = read_json(run_dir, SUMMARY_FILE)
+    config = read_json(run_dir, CONFIG_FILE) if (run_dir / CONFIG_FILE).is_file() else {}
+    metrics, evals = read_jsonl(run_dir / METRICS_FILE), read_jsonl(run_dir / EVAL_FILE)
     sparse = [m for m in metrics if "union" in m]  # a DDP baseline run has no union
     budget = np.array([m.get("budget", max(m["k"]) or 1) for m in sparse], dtype=float)
     union_k = np.array([m["union"] for m in sparse], dtype=float) / np.maximum(budget, 1)
     label = run_dir.name
     if summary.get("baseline"):
         label += f" ({summary['baseline']})"
+    elif config.get("script"):
+        label += f" ({config['script'].split()[0]}, {config.get('policy')})"
     elif config.get("policy"):
         label += f" ({config['policy']})"
     return {"dir": run_dir, "label": label, "summary": summary, "config": config,
