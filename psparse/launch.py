@@ -206,7 +206,8 @@ class Launch:
         server = f"{c['server_host']}:{c['port']}"
         out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
-        inline = {"PSPARSE_CONFIG_JSON": config_path.read_text()}
+        inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(config_path.read_text()),
+                                                    separators=(",", ":"))}
         if c["mode"] == "slurm":
             if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
                 os.environ.update({k: v for k, v in self.script_env(0, 0, server, inline).items()

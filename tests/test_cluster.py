@@ -93,6 +93,24 @@ def test_hostfile_launch_through_the_remote_shell(tmp_path):
     assert len({r["checksum"] for r in ranks}) == 1
 
 
+def test_hostfile_launch_of_a_user_script(tmp_path):
+    """TRAIN.PY through the remote shell: torchrun's variables and the configuration inline
+    (PSPARSE_CONFIG_JSON: no shared filesystem assumed)."""
+    script = str(Path(__file__).resolve().parent / "user_train.py")
+    proc = _hostfile_run(tmp_path, "localhost slots=2\n127.0.0.1 slots=1\n", "--policy", "core",
+                         "--density", "0.05", script, "--iterations", "20")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    calls = [line.split("\t") for line in (tmp_path / "rsh.log").read_text().splitlines()]
+    assert [host for host, _ in calls] == ["localhost", "localhost", "127.0.0.1"]
+    for rank, (_, cmd) in enumerate(calls):
+        assert f"RANK={rank} " in cmd and "WORLD_SIZE=3" in cmd and "PSPARSE_CONFIG_JSON=" in cmd
+        assert f"{script} --iterations 20" in cmd
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
+    ranks = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert len({r["checksum"] for r in ranks}) == 1 and ranks[0]["policy"].startswith("core")
+
+
 def test_a_failing_remote_host_ends_the_run_everywhere(tmp_path):
     proc = _hostfile_run(tmp_path, "localhost slots=2\ndeadhost slots=1\n",
                          "--iterations", "100000", "--timeout", "10")
