@@ -234,8 +234,11 @@ class Session:
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
         self.iterations = iterations
         self.batches_per_epoch = batches_per_epoch
+        if cfg.density_warmup and not batches_per_epoch:
+            raise ConfigError("density_warmup needs the epoch length: connect(..., "
+                              "batches_per_epoch=len(loader))")
         self.out_dir = Path(out_dir) if out_dir else None
-        self._t_created = time.perf_counter()
+        self._t_created = self._t_last = time.perf_counter()
         self._log = log
         check_model(model)
         if device is None:
@@ -339,9 +342,6 @@ class Session:
         """[from_iteration, budget, push_max, propose_max] wherever the budget changes (only
         during a density warm-up); push_max and propose_max are what the policy declares for
         that budget."""
-        if self.cfg.density_warmup and not self.batches_per_epoch:
-            raise ConfigError("density_warmup needs the epoch length: connect(..., "
-                              "batches_per_epoch=len(loader))")
         steps = []
         for it in range(self.iterations if self.cfg.density_warmup else 1):
             k = self._k_at(it)
