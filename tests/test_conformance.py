@@ -237,8 +237,8 @@ class SpecWorker:
         """propose/push in index format ``fmt``; a push goes dense when its sparse form is
         larger ("A sender SHOULD go dense exactly when ...", Budgets) or when ``dense``.
         "index size" there is the run's natural one (int32 up to 2^31-1 entries), not the
-        message's ``index_dtype``: the server refuses a dense int64 push that only the wider
-        size would justify (found by trial, the spec does not say)."""
+        message's ``index_dtype`` (Budgets: the dense switch uses the natural index size): the
+        server refuses a dense int64 push that only the wider size would justify."""
         isize = 4 if self.numel <= 2**31 - 1 else 8
         if dense is None:
             dense = mtype == "push" and len(idx) * (isize + 4) > self.numel * 4
