@@ -9,8 +9,8 @@ In your own training loop (README, "Use psparse in your own training script")::
 
 Layers, bottom to top (each imports only those below it):
   transport (sockets, pacing, CurveZMQ) -> codec, protocol (messages, index encodings)
-  -> rundir (run directory files); aggregation (round arithmetic, pure arrays);
-     membership (admission, liveness) -> server
+  -> rundir (run directory files); aggregation (round arithmetic on plain arrays, over
+     kernels and sparsify); membership (admission, agreement, liveness; sends nothing) -> server
   kernels, sparsify (top-k), memory (error feedback), policies (selection), models, data,
   checkpoint -> client (the worker's protocol side) -> session (connect, exchange)
   -> worker (the built-in loop), ddp -> cluster, launch (processes, hosts)
