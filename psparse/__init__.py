@@ -12,7 +12,8 @@ Layers, bottom to top (each imports only those below it):
   -> rundir (run directory files); aggregation (round arithmetic on plain arrays, over
      kernels and sparsify); membership (admission, agreement, liveness; sends nothing) -> server
   kernels, sparsify (top-k), memory (error feedback), policies (selection), models, data,
-  checkpoint -> client (the worker's protocol side) -> session (connect, exchange)
+  checkpoint -> client (the worker's protocol side) -> device (flat buffers, device choice)
+  -> session (connect, exchange; records selections with locality's recorder)
   -> worker (the built-in loop), ddp -> cluster, launch (processes, hosts)
 Tools on top: report, costmodel, locality, keys, kernel_check.
 """

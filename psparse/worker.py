@@ -29,9 +29,10 @@ from . import cluster
 from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .data import DataError, Shard, load_dataset, test_batches
+from .device import pick_device
 from .models import build_model
 from .policies import PolicyError
-from .session import Session, pick_device
+from .session import Session
 
 __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 

@@ -1,0 +1,157 @@
+"""Where a worker's arrays live: the model's flat buffers, pinned host buffers, the device.
+
+``FlatModel`` makes a model's parameters and gradients views of two flat float32 buffers (what
+``psparse.session`` exchanges); ``HostBuffers`` are the pinned buffers the selected pairs cross
+to the host in on the GPU path; ``pick_device`` / ``gpu_array_module`` choose the device and the
+array module (numpy, or CuPy for the CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+from .client import WorkerError
+from .xp import CUPY_HINT, cupy_or_none, from_torch, to_host
+
+
+class FlatModel:
+    """A model whose parameters and gradients are views into two flat float32 buffers.
+
+    Backward writes gradients straight into ``grad`` and the optimizer updates ``params`` in
+    place, so a round reads and writes whole-model vectors with no gather/scatter copies. A loop
+    that sets gradients to None (``optimizer.zero_grad()``'s default) gets fresh tensors from
+    backward; ``gather_grad`` copies those in, and ``set_grad`` points ``.grad`` back here.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None):
+        device = device or torch.device("cpu")
+        self.model = model.to(device)
+        self.device = device
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.layer_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self.layer_sizes = [p.numel() for p in params]
+        self.layer_shapes = [tuple(p.shape) for p in params]
+        self.numel = sum(self.layer_sizes)
+        self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # Without CuPy a GPU gradient crosses to the host once per iteration, into pinned memory
+        # (allocated on first use); with CuPy it stays on the device (``grad_array``).
+        self.host_grad = self.grad if device.type == "cpu" else None
+        self.grad_views = []
+        offset = 0
+        for p, n in zip(params, self.layer_sizes):
+            self.params[offset:offset + n].copy_(p.data.view(-1))
+            p.data = self.params[offset:offset + n].view_as(p)
+            view = self.grad[offset:offset + n].view_as(p)
+            p.grad = view
+            self.grad_views.append(view)
+            offset += n
+        self.parameters = params
+
+    def checksum(self) -> str:
+        return hashlib.blake2b(self.params.cpu().numpy().data, digest_size=8).hexdigest()
+
+    def gather_grad(self) -> None:
+        """Bring gradients that are not our views into the flat buffer (None counts as 0)."""
+        for p, view in zip(self.parameters, self.grad_views):
+            if p.grad is view:
+                continue
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def grad_array(self, xp=np):
+        """The gradient as an array of ``xp``: a CuPy view of the CUDA tensor (no copy), or a
+        numpy array (the CPU tensor's own memory, or a pinned host copy of a CUDA gradient)."""
+        if xp is not np:
+            return from_torch(self.grad)
+        if self.host_grad is None:
+            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        if self.host_grad is not self.grad:
+            self.host_grad.copy_(self.grad)
+        return self.host_grad.numpy()
+
+    def set_grad(self, indices: np.ndarray | None, values: np.ndarray) -> None:
+        """The aggregate into .grad: dense values, or values at indices (zeros elsewhere)."""
+        for p, view in zip(self.parameters, self.grad_views):
+            p.grad = view  # a loop may have replaced or dropped them since gather_grad
+        if self.device.type == "cpu":
+            grad = self.grad.numpy()
+            if indices is None:
+                grad[:] = values
+            else:
+                grad[:] = 0.0
+                grad[indices] = values
+            return
+        vals = torch.from_numpy(np.asarray(values)).to(self.device)
+        if indices is None:
+            self.grad.copy_(vals)
+        else:
+            self.grad.zero_()
+            self.grad[torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)] = vals
+
+
+class HostBuffers:
+    """Pinned host buffers the selected (index, value) pairs are copied into on the GPU path.
+
+    Page-locked memory lets the device-to-host copy run at full PCIe speed; the buffers grow to
+    the largest selection seen and are reused. Host arrays pass through untouched.
+    """
+
+    def __init__(self):
+        self.indices = self.values = None
+
+    def fetch(self, indices, values) -> tuple[np.ndarray, np.ndarray]:
+        if not hasattr(indices, "get"):  # numpy: already on the host
+            return indices, values
+        n = int(indices.size)
+        if self.indices is None or self.indices.size < n:
+            size = max(n, 1024)
+            self.indices = torch.empty(size, dtype=torch.int64, pin_memory=True).numpy()
+            self.values = torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
+        # Reuse is safe: a round's messages have reached the server (its reply came back)
+        # before the next round fetches into the same buffers.
+        return (to_host(indices.astype(self.indices.dtype, copy=False), self.indices[:n]),
+                to_host(values, self.values[:n]))
+
+
+def gpu_array_module(device: torch.device, log=print):
+    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy."""
+    if device.type != "cuda":
+        return np
+    cupy = cupy_or_none()
+    if cupy is None:
+        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
+            f"{CUPY_HINT} for the GPU kernels)")
+        return np
+    cupy.cuda.Device(device.index or 0).use()
+    return cupy
+
+
+def local_rank(rank: int) -> int:
+    """This process's index on its node: torchrun's LOCAL_RANK, SLURM_LOCALID, else the rank."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return rank
+
+
+def pick_device(name: str, rank: int) -> torch.device:
+    """cpu, or one GPU per worker: local rank modulo the visible devices (CUDA_VISIBLE_DEVICES
+    is respected by CUDA itself); "auto" is cuda when a GPU is visible."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise WorkerError("--device cuda, but no CUDA device is visible")
+    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
+
+
