@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import zmq.auth
 from conftest import python_module
@@ -69,6 +70,20 @@ def test_training_run_with_curve_keys(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
+
+
+def test_user_script_run_with_curve_keys(tmp_path):
+    """psparse.connect picks up the launcher's --curve-keys: encrypted, authorised workers."""
+    keys = make_keys(tmp_path / "keys", 2)
+    script = str(Path(__file__).resolve().parent / "user_train.py")
+    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), "--quiet",
+                                     "--workers", "2", "--curve-keys", str(keys), script,
+                                     "--iterations", "10"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
+    # a CurveZMQ server admits no plain client: the workers registered, so they used the keys
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["curve_keys"] == str(keys)
 
 
 def test_non_loopback_bind_without_keys_warns(tmp_path):
