@@ -22,6 +22,11 @@ MODELS = ("lenet", "mlp", "resnet20")
 DATASETS = ("mnist", "cifar10", "digits")
 
 
+# Keys psparse-launch adds to config.json beside the options (which code made the run, which
+# baseline it trained); reading a config.json back skips them.
+RECORD_ONLY = ("provenance", "baseline", "powersgd_rank")
+
+
 class ConfigError(ValueError):
     """A configuration value or file is invalid; the text names it."""
 
@@ -320,6 +325,8 @@ def config_from_map(raw, source: str) -> dict:
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in RECORD_ONLY:  # written by psparse-launch beside the options; not options
+            continue
         if name == "policy_arg":
             name = "policy_args"
         if name == "policy_args" and isinstance(value, dict):  # a [policy-args] table

@@ -11,6 +11,14 @@ SGD), each (index, value) pair taking e = index size + 4 bytes plus a header h p
                       (ring allgather: each worker receives every other worker's k pairs)
   dense PS            C + 2 N (4 n + h) / B + 2 L
   dense ring allreduce C + 2 (N - 1)/N (4 n) / B + 2 (N - 1) L
+  PowerSGD (rank r)   C + 2 (N - 1)/N 4 (u + p + q) / B + 3 . 2 (N - 1) L
+                      (DDP's comm hook: u uncompressed entries (1-D tensors and matrices too
+                      small to gain 2x) allreduced with the P factors (p = sum of rows x r),
+                      then the Q factors (q = sum of columns x r): powersgd_sizes)
+
+Bytes on a real link are more than the payload: every TCP segment of at most 1448 payload
+bytes (MSS at MTU 1500 with timestamps) carries 66 bytes of TCP/IP/Ethernet headers, which a
+shaper such as tc tbf counts (WIRE_OVERHEAD; 1.0 for pacing by sleep, which counts payload).
 
 The thesis compares the first two (centralized vs decentralized models of equal cost when the
 union is k). Given a run directory, U, k, n, N and the measured bytes per iteration are read
@@ -32,6 +40,26 @@ from .rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jso
 from .transport import parse_rate
 
 HEADER_BYTES = 110  # a push/aggregate header with its ZMTP framing, measured
+WIRE_OVERHEAD = 1514 / 1448  # Ethernet+IPv4+TCP (timestamps) headers per full segment
+
+
+def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2.0
+                   ) -> tuple[int, int, int]:
+    """(uncompressed, P, Q) entries that torch's powerSGD_hook allreduces per iteration for
+    parameters of these shapes (its own rule: each tensor viewed as shape[0] x rest is
+    compressed when (rows + cols) r x min_compression_rate < rows x cols)."""
+    u = p = q = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p, q = p + n * r, q + m * r
+        else:
+            u += n * m
+    return u, p, q
 
 
 @dataclass
@@ -44,20 +72,28 @@ class Setting:
     index_bytes: int = 4
     up_bytes: float | None = None  # measured bytes per iteration, all workers' pushes
     down_bytes: float | None = None  # measured bytes per iteration, all broadcasts
+    powersgd_entries: int | None = None  # u + p + q of powersgd_sizes, when known
 
 
-def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0) -> dict[str, float]:
-    """Seconds per iteration for each scheme."""
-    B = bandwidth_bps / 8.0
+def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
+            wire_overhead: float = 1.0) -> dict[str, float]:
+    """Seconds per iteration for each scheme. ``wire_overhead``: link bytes per payload byte
+    (WIRE_OVERHEAD on a real link; 1.0 for --bandwidth pacing, which counts payload)."""
+    B = bandwidth_bps / 8.0 / wire_overhead
     e, h, N = s.index_bytes + 4, HEADER_BYTES, s.workers
     up = s.up_bytes if s.up_bytes is not None else N * (s.k * e + h)
     down = s.down_bytes if s.down_bytes is not None else N * (s.union * e + h)
+    extra = {}
+    if s.powersgd_entries is not None:
+        extra["PowerSGD"] = s.compute_s + 2 * (N - 1) / N * 4 * s.powersgd_entries / B \
+            + 3 * 2 * (N - 1) * latency_s
     return {
         "sparse PS": s.compute_s + (up + down) / B + 2 * latency_s,
         "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + (N - 1) * latency_s,
         "dense PS": s.compute_s + 2 * N * (4 * s.numel + h) / B + 2 * latency_s,
         "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B
         + 2 * (N - 1) * latency_s,
+        **extra,
     }
 
 

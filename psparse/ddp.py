@@ -5,6 +5,16 @@ the two are comparable line by line: ``psparse-launch --baseline ddp ...`` (gloo
 on GPU). Rank 0 writes the same run directory files; ``metrics.jsonl`` has ``allreduce_bytes``,
 what a ring allreduce of the gradient moves per iteration summed over workers
 (2 (N - 1) / N x 4 numel per worker), instead of the psparse server's counts.
+
+``--baseline powersgd`` registers torch's PowerSGD comm hook (Vogels et al. 2019; rank
+``--powersgd-rank``, error feedback and warm start on, compression from the second iteration):
+each bucket is allreduced as two low-rank factors P and Q (1-D tensors uncompressed).
+Per iteration, each rank times its split like a psparse worker (metrics.jsonl on rank 0,
+totals in rank-R.json): ``compute_s`` (forward and backward until the gradient bucket is ready,
+the optimizer step), ``select_s`` (the comm hook's synchronous part: PowerSGD's first
+compression step; ~0 for plain allreduce) and ``wait_s`` (from then until the averaged gradient
+is back, including PowerSGD's later steps and the loss average). In cluster modes the ranks meet
+at ``--master-addr`` (rank 0's host, which hosts torch's TCPStore).
 """
 
 from __future__ import annotations
@@ -23,9 +33,28 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import RunConfig, add_config_arguments, parse_with_config
-from .rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, write_json
+from .costmodel import powersgd_sizes
+from .rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, rank_file, write_json
 from .worker import setup
 from .worker import train as train_loop
+
+
+class TimedHook:
+    """A DDP comm hook that records when DDP handed it the last bucket (the backward compute
+    is done then) and how long its synchronous part took."""
+
+    def __init__(self, hook, state):
+        self.hook, self.state = hook, state
+        self.__name__ = self.__qualname__ = f"timed_{hook.__name__}"  # DDP logs hook names
+        self.last_call = self.last_return = None
+        self.sync_s = 0.0
+
+    def __call__(self, state, bucket):
+        self.last_call = time.perf_counter()
+        fut = self.hook(self.state, bucket)
+        self.last_return = time.perf_counter()
+        self.sync_s += self.last_return - self.last_call
+        return fut
 
 
 class AllreduceExchange:
@@ -41,23 +70,37 @@ class AllreduceExchange:
         self.is_evaluator = rank == 0
         self.numel = numel
         self.ring_bytes = int(2 * (self.world - 1) / self.world * 4 * numel * self.world)
+        self.timer: TimedHook | None = None  # set by train(): the split of each iteration
+        self.baseline = "ddp"
+        self.times = {"compute_s": 0.0, "select_s": 0.0, "wait_s": 0.0}
         self.metrics = open(out / METRICS_FILE, "w") if rank == 0 else None
         self.evals = open(out / EVAL_FILE, "w") if rank == 0 else None
         self.last_eval = None
         self.t0 = self.t_round = time.perf_counter()
 
     def exchange(self, loss) -> None:
+        t_back = time.perf_counter()  # backward returned: DDP's averaged gradient is in .grad
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
+        now = time.perf_counter()
+        split = {}
+        if self.timer is not None and self.timer.last_call is not None:
+            t = self.timer
+            select = t.last_return - t.last_call
+            wait = (t_back - t.last_return) + (now - t_back)
+            split = {"compute_s": max(0.0, now - self.t_round - select - wait),
+                     "select_s": select, "wait_s": wait}
+            for key, value in split.items():
+                self.times[key] += value
         if self.metrics:
-            now = time.perf_counter()
             self.metrics.write(json.dumps({
                 "iter": self.iteration, "workers": self.world,
                 "allreduce_bytes": self.ring_bytes, "loss": mean_loss.item() / self.world,
+                **{k: round(v, 6) for k, v in split.items()},
                 "round_s": round(now - self.t_round, 6), "time_s": round(now - self.t0, 6)})
                 + "\n")
             self.metrics.flush()
-            self.t_round = now
+        self.t_round = now
         self.iteration += 1
 
     def log(self, **values) -> None:
@@ -70,12 +113,16 @@ class AllreduceExchange:
     def close(self, **final) -> None:
         self.log(**final)
         dist.barrier()
+        wall = time.perf_counter() - self.t0
+        (self.out / rank_file(self.rank)).write_text(json.dumps({
+            "rank": self.rank, "iterations": self.iterations, "numel": self.numel,
+            "baseline": self.baseline, "wall_s": round(wall, 3),
+            **{k: round(v, 4) for k, v in self.times.items()}}, indent=2))
         if self.rank != 0:
             return
-        wall = time.perf_counter() - self.t0
         iterations, world, ring = self.iterations, self.world, self.ring_bytes
         write_json(self.out / SUMMARY_FILE, {
-            "status": "ok", "error": None, "baseline": f"ddp ({self.backend})",
+            "status": "ok", "error": None, "baseline": f"{self.baseline} ({self.backend})",
             "world_size": world, "numel": self.numel, "k": self.numel,
             "iterations": iterations, "wall_s": round(wall, 3),
             "iterations_per_s": round(iterations / wall, 3),
@@ -89,21 +136,45 @@ class AllreduceExchange:
         self.evals.close()
 
 
-def train(cfg: RunConfig, rank: int, port: int, out: Path) -> int:
+def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp",
+          powersgd_rank: int = 4, master_addr: str | None = None) -> int:
     world = cfg.workers
     data, shard, model, _, device = setup(cfg, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if master_addr:
+        os.environ["MASTER_ADDR"] = master_addr
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.timeout * 10))
     ddp = DistributedDataParallel(model)
+    if baseline == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        # compression from iteration 2 (torch's minimum with error feedback), not its default
+        # 1000: the comparison is PowerSGD's own training, not DDP's for its first 1000 steps
+        state = powersgd.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=powersgd_rank,
+                                       start_powerSGD_iter=2, use_error_feedback=True,
+                                       warm_start=True, random_seed=cfg.seed)
+        timer = TimedHook(powersgd.powerSGD_hook, state)
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        timer = TimedHook(default_hooks.allreduce_hook, None)  # what DDP does by default
+    ddp.register_comm_hook(None, timer)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,
                                  backend)
+    exchange.timer = timer
+    exchange.baseline = baseline if baseline == "ddp" else f"powersgd-r{powersgd_rank}"
+    if baseline == "powersgd":  # the ring moves PowerSGD's factors, not the gradient
+        entries = sum(powersgd_sizes([tuple(p.shape) for p in model.parameters()
+                                      if p.requires_grad], powersgd_rank))
+        exchange.ring_bytes = int(2 * (world - 1) / world * 4 * entries * world)
     train_loop(cfg, exchange, model, opt, shard, data, device, forward=ddp)
     # No destroy_process_group(): with gloo it can hang when the other ranks are already
     # leaving (seen once in CI); the process ends right after, which releases everything.
@@ -117,13 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="the process group's TCP port")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--baseline", choices=["ddp", "powersgd"], default="ddp")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--master-addr", default=None,
+                   help="rank 0's host, where the ranks meet (default $MASTER_ADDR, else "
+                        "127.0.0.1)")
     add_config_arguments(p)
     return p
 
 
 def main(argv=None) -> int:
     args, cfg = parse_with_config(build_parser(), argv)
-    return train(cfg, args.rank, args.port, args.out)
+    return train(cfg, args.rank, args.port, args.out, args.baseline, args.powersgd_rank,
+                 args.master_addr)
 
 
 if __name__ == "__main__":

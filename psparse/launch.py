@@ -31,6 +31,7 @@ from pathlib import Path
 from . import cluster, plugin
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
+from .provenance import provenance
 from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 
 _PR_SET_PDEATHSIG = 1
@@ -118,9 +119,13 @@ def _run_child(target, log_path: Path) -> None:
 class Launch:
     def __init__(self, cfg: RunConfig, out: Path, quiet: bool = False, grace_s: float = 5.0,
                  resume: bool = False, cluster: dict | None = None,
-                 baseline: str | None = None):
+                 baseline: str | None = None, powersgd_rank: int = 4,
+                 master_addr: str | None = None):
         self.cfg, self.out, self.quiet, self.grace_s = cfg, out, quiet, grace_s
-        self.baseline = baseline
+        # "ddp" or "powersgd": torch DDP instead of psparse (psparse.ddp); the rendezvous is
+        # rank 0's host (master_addr) in cluster modes
+        self.baseline, self.powersgd_rank, self.master_addr = baseline, powersgd_rank, \
+            master_addr
         self.resume = resume
         self.script: list[str] | None = None  # [TRAIN.PY, ARGS...]: the user's loop
         # None: all on this host. Else {"mode": "hostfile"|"slurm", "hosts", "server_host",
@@ -155,22 +160,32 @@ class Launch:
         for name in stale:
             (self.out / name).unlink(missing_ok=True)
         config_path = self.out / "config.json"
-        if not self.resume:
-            config_path.write_text(cfg.to_json() + "\n")
+        if not self.resume:  # the options, and which code (and baseline) made the run
+            record = {**json.loads(cfg.to_json()), "provenance": provenance()}
+            if self.baseline:
+                record["baseline"] = self.baseline
+                if self.baseline == "powersgd":
+                    record["powersgd_rank"] = self.powersgd_rank
+            config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         again = ["--resume"] if self.resume else []
-        # Import once here so that every forked worker starts with torch loaded (see above).
-        importlib.import_module("psparse.worker")
-        importlib.import_module("torch._dynamo")
+        if not self.cluster:
+            # Import once here so that every forked worker starts with torch loaded (see
+            # above); in cluster modes nothing is forked that needs it.
+            importlib.import_module("psparse.worker")
+            importlib.import_module("torch._dynamo")
         what = f"script {shlex.join(self.script)}" if self.script else f"{cfg.model}/{cfg.dataset}"
         self._print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
                     f"{self.out}")
         try:
-            if self.baseline == "ddp":
+            if self.baseline and self.cluster:
+                self._start_baseline_cluster()
+                return self._monitor()
+            if self.baseline:
                 port = _free_port()
                 for r in range(cfg.workers):
                     self._spawn(f"rank-{r}", ["psparse.ddp", "--config", str(config_path),
                                               "--rank", str(r), "--port", str(port),
-                                              "--out", str(self.out)])
+                                              "--out", str(self.out), *self._baseline_flags()])
                 return self._monitor()
             if self.cluster:
                 self._start_cluster(config_path, again)
@@ -226,6 +241,26 @@ class Launch:
                 argv = [sys.executable, *self.script]
             else:
                 argv = cluster.worker_argv(cfg, server, out, rank) + again
+            self._spawn_piped(f"rank-{rank}", cluster.remote_command(
+                c["rsh"], host, argv, os.getcwd(), env), prefix=f"rank {rank}| ")
+
+    def _baseline_flags(self) -> list[str]:
+        return ["--baseline", self.baseline, "--powersgd-rank", str(self.powersgd_rank)]
+
+    def _start_baseline_cluster(self) -> None:
+        """DDP ranks through --rsh on the hostfile's hosts; rank 0 hosts the rendezvous
+        (torch's TCPStore) at --master-addr (default: its host's name), port --port."""
+        c, cfg = self.cluster, self.cfg
+        if c["mode"] != "hostfile":
+            raise RuntimeError("--baseline with --slurm is not supported; use --hostfile")
+        placed = cluster.place(c["hosts"], cfg.workers)
+        master = self.master_addr or placed[0][1]
+        out = str(self.out.resolve())
+        for rank, host, local in placed:
+            env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
+            argv = [sys.executable, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
+                    str(rank), "--port", str(c["port"]), "--master-addr", master, "--out", out,
+                    *self._baseline_flags()]
             self._spawn_piped(f"rank-{rank}", cluster.remote_command(
                 c["rsh"], host, argv, os.getcwd(), env), prefix=f"rank {rank}| ")
 
@@ -440,9 +475,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
                         "already set")
-    p.add_argument("--baseline", choices=["ddp"], default=None,
+    p.add_argument("--baseline", choices=["ddp", "powersgd"], default=None,
                    help="train the same run with torch DistributedDataParallel (dense ring "
-                        "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for comparison")
+                        "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for "
+                        "comparison; powersgd: DDP with the PowerSGD comm hook (error feedback, "
+                        "warm start)")
+    p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
+                   help="with --baseline powersgd: the rank of PowerSGD's low-rank "
+                        "approximation (default 4)")
+    g.add_argument("--master-addr", default=None,
+                   help="with --baseline and --hostfile: the address of rank 0's host, where "
+                        "the DDP ranks meet (port --port; default: that host's name)")
     p.add_argument("--run-token", default=None, metavar="SECRET",
                    help="the run's admission secret, given to the server and every worker in "
                         "PSPARSE_TOKEN (default: $PSPARSE_TOKEN, else a fresh random one per "
@@ -527,10 +570,13 @@ def main(argv=None) -> int:
                         "server_host": args.server_host or socket.gethostname(),
                         "port": args.port, "bind": args.bind, "rsh": shlex.split(args.rsh),
                         "gpus_per_node": args.gpus_per_node}
-    if args.baseline and (cluster_mode or args.resume):
-        p.error("--baseline runs on this host only, without --resume")
+    if args.baseline and (args.slurm or args.resume):
+        p.error("--baseline runs on this host or with --hostfile, without --resume")
+    if args.powersgd_rank < 1:
+        p.error("--powersgd-rank must be at least 1")
     launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,
-                    cluster=cluster_mode, baseline=args.baseline)
+                    cluster=cluster_mode, baseline=args.baseline,
+                    powersgd_rank=args.powersgd_rank, master_addr=args.master_addr)
     if cfg.script:
         launch.script = shlex.split(cfg.script)
 

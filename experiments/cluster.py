@@ -1,0 +1,356 @@
+"""psparse against DDP and DDP + PowerSGD on an emulated cluster with one shaped link per host.
+
+    python -m experiments.cluster                 # make exp-cluster: every model and rate
+    python -m experiments.cluster --only lenet --rates 25mbit --runs topk,ddp
+
+For each model and link rate, ``launch/netns.sh cluster`` builds 9 hosts (h0: the server's
+host, h1..h8: one worker each), each a network namespace with one veth link to a bridge, shaped
+in both directions with tc tbf at the rate, and a CPU share of 2/9 of this machine's 2 cores
+(cgroup cpu quota: the hosts compute side by side, as separate machines would, not one after
+another). Every run is ``psparse-launch --hostfile`` started inside h0 with
+``--rsh launch/nsrsh.sh`` entering the workers' hosts: the real cluster path. The link byte
+counters of every host (``ip -s link``) are read before and after each run.
+
+Results: experiments/results/cluster-<model>.{md,json}, cluster-<model>-<rate>.png (test
+accuracy against wall time), and the cost model's predictions (``psparse-model``'s formulas with
+the run's own compute time and the link rate) against the measured time per iteration. A finished
+run is reused only when it was made by the same code (config.json's provenance code_id) with
+the same arguments, unless ``--reuse-any``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from psparse.costmodel import WIRE_OVERHEAD, Setting, powersgd_sizes, predict
+from psparse.provenance import provenance
+from psparse.transport import parse_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "experiments" / "results"
+NETNS = ROOT / "launch" / "netns.sh"
+NSRSH = ROOT / "launch" / "nsrsh.sh"
+CLUSTER = "psx"  # namespaces psx-h0 .. psx-h8, psx-sw
+WORKERS = 8
+
+PSPARSE_RUNS = {
+    "topk": ["--density", "0.01", "--policy", "topk"],
+    "core": ["--density", "0.01", "--policy", "core"],
+    "vote": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=1.5"],
+    "topk-limit2k": ["--density", "0.01", "--policy", "topk", "--server-limit", "2k"],
+}
+PEER_RUNS = {
+    "ddp": ["--baseline", "ddp", "--density", "1"],
+    "powersgd-r1": ["--baseline", "powersgd", "--powersgd-rank", "1", "--density", "1"],
+    "powersgd-r4": ["--baseline", "powersgd", "--powersgd-rank", "4", "--density", "1"],
+}
+RUNS = {**PSPARSE_RUNS, **PEER_RUNS}
+
+# Sized for ~40 minutes of this 2-core machine (see experiments/README.md, section 6): LeNet for
+# 150 iterations (0.64 epochs of 8 x 32 images) to 90%; ResNet-20 for 40 iterations to 20% (the
+# first minutes of training only). Start-up (~1 min per run: 8 torch imports) is extra. Rates: dense DDP's communication is 30-70% of an
+# iteration at both (compute per iteration on a 2/9-core host: ~80 ms LeNet, ~2 s ResNet-20).
+MODELS = {
+    "lenet": {"base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist",
+                       "--iterations", "150", "--eval-every", "30", "--threads", "1"],
+              "rates": ["80mbit", "25mbit"], "target": 0.9},
+    "resnet20": {"base": ["--workers", "8", "--model", "resnet20", "--dataset", "cifar10",
+                          "--batch-size", "32", "--lr", "0.1", "--weight-decay", "1e-4",
+                          "--iterations", "40", "--eval-every", "20", "--threads", "1"],
+                 "rates": ["16mbit", "6mbit"], "target": 0.2},
+}
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=check).stdout
+
+
+def cluster_up(rate: str, hosts: int) -> list[str]:
+    sh("bash", str(NETNS), "down", CLUSTER, check=False)
+    return sh("bash", str(NETNS), "cluster", CLUSTER, str(hosts), rate).split()
+
+
+def cluster_down() -> None:
+    sh("bash", str(NETNS), "down", CLUSTER, check=False)
+
+
+def cpu_quota(hosts: int, quota_us: int | None) -> None:
+    """Set every host's CPU share (cgroup cpu quota per 10 ms period); None: unlimited."""
+    for i in range(hosts):
+        path = Path(f"/sys/fs/cgroup/cpu/psparse-{CLUSTER}-h{i}/cpu.cfs_quota_us")
+        if path.parent.is_dir():
+            path.write_text(str(quota_us if quota_us is not None else -1))
+
+
+def quota_when_training(out: Path, hosts: int, quota_us: int, done: threading.Event) -> None:
+    """Start-up (8 torch imports, data loading) runs unthrottled: at 2/9 of a core each it
+    takes minutes and is not part of any measured time. The CPU shares apply from the moment
+    training starts: the psparse server has every worker registered, or DDP's rank 0 wrote its
+    first iteration."""
+    log = out / "logs" / "server.log"
+    while not done.is_set():
+        if (log.is_file() and "workers registered" in log.read_text(errors="replace")) or \
+                ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size):
+            cpu_quota(hosts, quota_us)
+            return
+        time.sleep(0.05)
+
+
+def link_counters(hosts: int) -> dict[str, list[int]]:
+    """host -> [rx bytes, tx bytes] of its eth0 (what its link carried, headers included)."""
+    out = {}
+    for i in range(hosts):
+        info = json.loads(sh("ip", "-n", f"{CLUSTER}-h{i}", "-s", "-j", "link", "show",
+                             "eth0"))[0]["stats64"]
+        out[f"h{i}"] = [info["rx"]["bytes"], info["tx"]["bytes"]]
+    return out
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.is_file() else []
+
+
+def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
+            reuse_any: bool, data_dir: str | None) -> Path:
+    out = ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s0"
+    args = MODELS[model]["base"] + RUNS[name] + ["--seed", "0"]
+    if data_dir:
+        args += ["--data-dir", data_dir]
+    identity = {"args": args, "rate": rate}
+    if (out / "summary.json").is_file() and (out / "command.json").is_file() \
+            and json.loads((out / "command.json").read_text()) == identity:
+        made_by = json.loads((out / "config.json").read_text()).get("provenance", {})
+        if reuse_any or made_by.get("code_id") == code_id:
+            return out
+        print(f"[cluster] {model} {rate} {name}: the finished run was made by other code "
+              f"({made_by.get('code_id')}); running it again (--reuse-any keeps it)", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    hostfile = out / "hostfile"
+    hostfile.write_text("".join(f"{CLUSTER}-h{i} slots=1\n" for i in range(1, WORKERS + 1)))
+    launch = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet",
+              "--hostfile", str(hostfile), "--rsh", f"bash {NSRSH}", "--server-host", addrs[0],
+              "--bind", addrs[0], "--port", "5555", "--master-addr", addrs[1], *args]
+    before = link_counters(WORKERS + 1)
+    t = time.perf_counter()
+    print(f"[cluster] {model} {rate} {name} ...", flush=True)
+    for stale in ("metrics.jsonl", "logs/server.log"):
+        (out / stale).unlink(missing_ok=True)
+    quota = int(Path(f"/sys/fs/cgroup/cpu/psparse-{CLUSTER}-h0/cpu.cfs_quota_us").read_text())
+    cpu_quota(WORKERS + 1, None)
+    done = threading.Event()
+    watcher = threading.Thread(target=quota_when_training,
+                               args=(out, WORKERS + 1, quota, done), daemon=True)
+    watcher.start()
+    # the launcher (and the psparse server it forks) runs on h0, in h0's namespace and CPU share
+    try:
+        r = subprocess.run(["bash", str(NSRSH), f"{CLUSTER}-h0",
+                            f"cd {shlex.quote(str(ROOT))} && exec {shlex.join(launch)}"],
+                           cwd=ROOT)
+    finally:
+        done.set()
+        cpu_quota(WORKERS + 1, quota)
+    after = link_counters(WORKERS + 1)
+    (out / "links.json").write_text(json.dumps(
+        {h: {"rx_bytes": after[h][0] - before[h][0], "tx_bytes": after[h][1] - before[h][1]}
+         for h in after}, indent=1))
+    (out / "command.json").write_text(json.dumps(identity))
+    print(f"[cluster] {model} {rate} {name} exit {r.returncode} in "
+          f"{time.perf_counter() - t:.0f} s", flush=True)
+    return out
+
+
+def numel_and_shapes(model: str) -> tuple[int, list[tuple[int, ...]]]:
+    from psparse.data import IN_SHAPES
+    from psparse.models import build_model
+
+    dataset = "mnist" if model == "lenet" else "cifar10"
+    net = build_model(model, IN_SHAPES[dataset], 10)
+    shapes = [tuple(p.shape) for p in net.parameters() if p.requires_grad]
+    return sum(p.numel() for p in net.parameters() if p.requires_grad), shapes
+
+
+def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
+    """One table row: time split, link bytes, time to target, accuracy, model prediction."""
+    summary = json.loads((out / "summary.json").read_text()) \
+        if (out / "summary.json").is_file() else {"status": "no summary"}
+    row = {"run": name, "rate": rate, "dir": str(out.relative_to(ROOT))}
+    if summary.get("status") != "ok":
+        row["failed"] = summary.get("error") or summary["status"]
+        return row
+    config = json.loads((out / "config.json").read_text())
+    metrics, evals = _jsonl(out / "metrics.jsonl"), _jsonl(out / "eval.jsonl")
+    iters = len(metrics)
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORKERS)]
+    # rank 0 also evaluates (in its compute time): the others show the training iteration
+    others = ranks[1:]
+    split = {k: 1e3 * statistics.mean(r[k] for r in others) / iters
+             for k in ("compute_s", "select_s", "wait_s")}
+    steps = [b["time_s"] - a["time_s"] for a, b in zip(metrics, metrics[1:])]
+    median_ms = 1e3 * statistics.median(steps)
+    links = json.loads((out / "links.json").read_text())
+    worker_links = [links[f"h{i}"] for i in range(1, WORKERS + 1)]
+    row.update(
+        code_id=config.get("provenance", {}).get("code_id"), iterations=iters,
+        ms_per_iteration=1e3 * summary["wall_s"] / iters, median_ms=median_ms,
+        compute_ms=split["compute_s"], select_ms=split["select_s"], wait_ms=split["wait_s"],
+        server_link_mb={k: links["h0"][k] / 1e6 for k in ("rx_bytes", "tx_bytes")},
+        worker_link_mb={k: statistics.mean(w[k] for w in worker_links) / 1e6
+                        for k in ("rx_bytes", "tx_bytes")},
+        test_acc=summary["test_acc"], best_acc=max(e["test_acc"] for e in evals),
+        target_acc=target,
+        time_to_target_s=next((e["time_s"] for e in evals if e["test_acc"] >= target), None),
+        evals=[[e["time_s"], e["test_acc"]] for e in evals])
+    # psparse-model: the run's own compute (and selection) time, the scheme's bytes at the rate
+    s = Setting(numel=summary["numel"], k=summary["k"], workers=WORKERS, union=1.0,
+                compute_s=(split["compute_s"] + split["select_s"]) / 1e3)
+    baseline = config.get("baseline")
+    if baseline == "powersgd":
+        s.powersgd_entries = sum(powersgd_sizes(shapes, config["powersgd_rank"]))
+        scheme = "PowerSGD"
+    elif baseline == "ddp":
+        scheme = "dense ring allreduce"
+    else:
+        s.up_bytes = statistics.mean(m["upload_bytes"] for m in metrics)
+        s.down_bytes = statistics.mean(m["broadcast_bytes"] for m in metrics)
+        s.k = statistics.mean(m["budget"] for m in metrics)
+        s.union = statistics.mean(m["broadcast_entries"] for m in metrics)
+        scheme = "sparse PS"
+    pred = predict(s, parse_rate(rate), wire_overhead=WIRE_OVERHEAD)
+    row.update(scheme=scheme, predicted_ms=1e3 * pred[scheme],
+               model_error=pred[scheme] / (median_ms / 1e3) - 1)
+    return row
+
+
+def table(model: str, rows: list[dict], commit: str) -> str:
+    target = MODELS[model]["target"]
+    lines = [f"Commit `{commit}`. Wall times from the first iteration (start-up excluded); ms per "
+             "iteration: mean over the run (evaluations included) and median iteration; the "
+             "split is the mean per iteration over ranks 1-7 (rank 0 also evaluates). Link MB: "
+             "what the host's eth0 received / sent over the run, headers included.", "",
+             f"| rate | run | ms/it mean | ms/it median | compute | select | wait | server link "
+             f"MB in/out | worker link MB in/out | s to {100 * target:g}% | final acc % | model "
+             "ms/it | model error |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['rate']} | {r['run']} | failed: {str(r['failed'])[:80]} |"
+                         + " |" * 10)
+            continue
+        tt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else \
+            "not reached"
+        lines.append(
+            f"| {r['rate']} | {r['run']} | {r['ms_per_iteration']:.1f} | {r['median_ms']:.1f} | "
+            f"{r['compute_ms']:.1f} | {r['select_ms']:.1f} | {r['wait_ms']:.1f} | "
+            f"{r['server_link_mb']['rx_bytes']:.1f} / {r['server_link_mb']['tx_bytes']:.1f} | "
+            f"{r['worker_link_mb']['rx_bytes']:.1f} / {r['worker_link_mb']['tx_bytes']:.1f} | "
+            f"{tt} | {100 * r['test_acc']:.2f} | {r['predicted_ms']:.1f} | "
+            f"{r['model_error']:+.1%} |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """Per rate: time to target of psparse's best policy over DDP's and PowerSGD's best."""
+    notes = []
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        ok = [r for r in rows if r["rate"] == rate and "failed" not in r
+              and r["time_to_target_s"] is not None]
+        best = lambda names: min((r for r in ok if r["run"] in names),  # noqa: E731
+                                 key=lambda r: r["time_to_target_s"], default=None)
+        ps, ddp = best(PSPARSE_RUNS), best(["ddp"])
+        psgd = best([n for n in PEER_RUNS if n.startswith("powersgd")])
+        if ps is None:
+            notes.append(f"{rate}: no psparse run reached the target")
+            continue
+        parts = [f"{rate}: best psparse `{ps['run']}` {ps['time_to_target_s']:.1f} s"]
+        for label, ref in (("DDP", ddp), ("PowerSGD", psgd)):
+            parts.append(f"/ {label} ({ref['run']}, {ref['time_to_target_s']:.1f} s) = "
+                         f"{ps['time_to_target_s'] / ref['time_to_target_s']:.2f}" if ref
+                         else f"{label}: target not reached")
+        notes.append(" ".join(parts))
+    return notes
+
+
+def figure(model: str, rate: str, rows: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, r in enumerate(x for x in rows if x["rate"] == rate and "failed" not in x):
+        t, acc = zip(*r["evals"])
+        ax.plot(t, [100 * a for a in acc], marker="o", ms=3, color=f"C{i}",
+                ls="--" if r["run"] in PEER_RUNS else "-", label=r["run"])
+    ax.axhline(100 * MODELS[model]["target"], color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("wall time since the first iteration (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{model}, 8 workers, every host link {rate} (tbf)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = RESULTS / f"cluster-{model}-{rate}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(MODELS), help="models: lenet,resnet20")
+    p.add_argument("--rates", default=None, help="rates (default: each model's two)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"runs (default all: {','.join(RUNS)})")
+    p.add_argument("--reuse-any", action="store_true",
+                   help="reuse finished runs made by other code (default: only by this code)")
+    p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    p.add_argument("--table-only", action="store_true", help="no runs: tables from runs/")
+    args = p.parse_args(argv)
+    prov = provenance()
+    code_id = prov["code_id"]
+    names = args.runs.split(",")
+    for model in args.only.split(","):
+        _, shapes = numel_and_shapes(model)
+        rates = args.rates.split(",") if args.rates else MODELS[model]["rates"]
+        for rate in rates:
+            if args.table_only:
+                continue
+            addrs = cluster_up(rate, WORKERS + 1)
+            try:
+                for name in names:
+                    run_one(model, rate, name, addrs, code_id, args.reuse_any, args.data_dir)
+            finally:
+                cluster_down()
+        rows = []
+        for rate in MODELS[model]["rates"]:
+            for name in RUNS:
+                out = ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s0"
+                if (out / "links.json").is_file():
+                    rows.append(measure(out, name, rate, MODELS[model]["target"], shapes))
+        if not rows:
+            continue
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        commits = sorted({r.get("code_id") or "?" for r in rows if "failed" not in r})
+        text = table(model, rows, ", ".join(commits))
+        notes = ratios(rows)
+        errors = [abs(r["model_error"]) for r in rows if "model_error" in r]
+        if errors:
+            notes.append(f"largest model error: {max(errors):.1%}")
+        text += "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+        (RESULTS / f"cluster-{model}.md").write_text(text)
+        (RESULTS / f"cluster-{model}.json").write_text(json.dumps(rows, indent=1))
+        print(text)
+        for rate in dict.fromkeys(r["rate"] for r in rows):
+            print(f"wrote {figure(model, rate, rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
