@@ -38,6 +38,11 @@ demo: install data
 
 # experiment sweeps: make exp-lenet-mnist, exp-time-to-accuracy, exp-resnet20-cifar10,
 # exp-policies, exp-cost-model (see experiments/README.md)
+# issue 15: psparse against DDP and DDP + PowerSGD on an emulated cluster (root: network
+# namespaces, tc, cgroups; see experiments/README.md section 6)
+exp-cluster: install data
+	$(PY) -m experiments.cluster
+
 exp-%: install data
 	$(PY) -m experiments.run $*
 

@@ -119,6 +119,20 @@ def _jsonl(path: Path) -> list[dict]:
         if path.is_file() else []
 
 
+def reusable(out: Path, identity: dict, code_id: str | None, reuse_any: bool) -> bool:
+    """A finished run with these arguments, made by this code (or any code with reuse_any)."""
+    if not ((out / "summary.json").is_file() and (out / "command.json").is_file()
+            and json.loads((out / "command.json").read_text()) == identity):
+        return False
+    made_by = json.loads((out / "config.json").read_text()).get("provenance", {})
+    if reuse_any or (code_id is not None and made_by.get("code_id") == code_id):
+        return True
+    print(f"[cluster] {out}: the finished run was made by other code "
+          f"({made_by.get('code_id')}, now {code_id}); running it again (--reuse-any keeps it)",
+          flush=True)
+    return False
+
+
 def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
             reuse_any: bool, data_dir: str | None) -> Path:
     out = ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s0"
@@ -126,13 +140,8 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
     if data_dir:
         args += ["--data-dir", data_dir]
     identity = {"args": args, "rate": rate}
-    if (out / "summary.json").is_file() and (out / "command.json").is_file() \
-            and json.loads((out / "command.json").read_text()) == identity:
-        made_by = json.loads((out / "config.json").read_text()).get("provenance", {})
-        if reuse_any or made_by.get("code_id") == code_id:
-            return out
-        print(f"[cluster] {model} {rate} {name}: the finished run was made by other code "
-              f"({made_by.get('code_id')}); running it again (--reuse-any keeps it)", flush=True)
+    if reusable(out, identity, code_id, reuse_any):
+        return out
     out.mkdir(parents=True, exist_ok=True)
     hostfile = out / "hostfile"
     hostfile.write_text("".join(f"{CLUSTER}-h{i} slots=1\n" for i in range(1, WORKERS + 1)))

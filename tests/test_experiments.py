@@ -50,3 +50,45 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert run.main(["time-to-accuracy"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out  # reused
+
+
+def test_cluster_sweep_runs_parse_and_name_the_peers():
+    from experiments import cluster
+
+    assert {"topk", "core", "vote", "topk-limit2k", "ddp", "powersgd-r1",
+            "powersgd-r4"} <= set(cluster.RUNS)
+    for model, spec in cluster.MODELS.items():
+        assert len(spec["rates"]) == 2, model
+        for name, args in cluster.RUNS.items():
+            parsed = build_parser().parse_args(["--out", "x", *spec["base"], *args])
+            cfg = resolve_config(parsed)
+            assert cfg.workers == cluster.WORKERS, name
+            if name.startswith("powersgd"):
+                assert parsed.baseline == "powersgd" and parsed.powersgd_rank == int(name[-1])
+
+
+def test_a_finished_run_by_other_code_is_not_reused_unless_told(tmp_path):
+    import json
+
+    from experiments.cluster import reusable
+
+    identity = {"args": ["--workers", "8"], "rate": "25mbit"}
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "command.json").write_text(json.dumps(identity))
+    (tmp_path / "config.json").write_text(json.dumps({"provenance": {"code_id": "abc"}}))
+    assert reusable(tmp_path, identity, "abc", reuse_any=False)
+    assert not reusable(tmp_path, identity, "def", reuse_any=False)
+    assert reusable(tmp_path, identity, "def", reuse_any=True)
+    assert not reusable(tmp_path, {**identity, "rate": "80mbit"}, "abc", reuse_any=True)
+
+
+def test_config_json_records_the_code_and_reads_back(tmp_path):
+    from psparse.config import load_config_file
+    from psparse.provenance import provenance
+
+    p = provenance()
+    assert set(p) == {"git_commit", "git_dirty", "code_id", "psparse_version"}
+    (tmp_path / "config.json").write_text(
+        '{"workers": 3, "provenance": {"git_commit": "x"}, "baseline": "powersgd", '
+        '"powersgd_rank": 1}')
+    assert load_config_file(tmp_path / "config.json") == {"workers": 3}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,101 @@ def test_training_across_two_namespaces_over_a_shaped_link(namespaces, tmp_path)
     assert summary["status"] == "ok" and summary["iterations"] == 30
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
+BULK = """
+import socket, sys, time
+mode, addr, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "recv":
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, 7777))
+    s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept()
+    n, t0 = 0, None
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        if t0 is None:
+            t0 = time.perf_counter()
+        n += len(b)
+    print(n, time.perf_counter() - t0, flush=True)
+else:
+    c = socket.create_connection((addr, 7777))
+    c.sendall(b"x" * size)
+    c.close()
+"""
+
+
+def bulk_mbit(rsh: list[str], src: str, dst: str, dst_addr: str, tmp_path) -> float:
+    """Payload Mbit/s of one TCP bulk transfer from host src to host dst."""
+    script = tmp_path / "bulk.py"
+    script.write_text(BULK)
+    recv = subprocess.Popen([*rsh, dst, f"{sys.executable} {script} recv {dst_addr} 0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert recv.stdout.readline().strip() == "listening"
+        size = 3_000_000
+        subprocess.run([*rsh, src, f"{sys.executable} {script} send {dst_addr} {size}"],
+                       check=True, timeout=60)
+        n, seconds = recv.communicate(timeout=60)[0].split()
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+    assert int(n) == size
+    return int(n) * 8 / float(seconds) / 1e6
+
+
+def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_link(tmp_path):
+    """launch/netns.sh cluster: 3 hosts (server + 2 workers), each with its own 20 Mbit/s link
+    and CPU share; psparse-launch --hostfile runs inside the server's host with the workers
+    started through launch/nsrsh.sh; a bulk transfer in each direction of a link runs at the
+    shaped rate (payload within 10%); `down` leaves nothing behind."""
+    reason = _netns_unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+    name = f"pt{os.getpid() % 10000}"
+    netns = ["bash", str(SCRIPT)]
+    rsh = ["bash", str(SCRIPT.parent / "nsrsh.sh")]
+    up = subprocess.run([*netns, "cluster", name, "3", "20mbit"], capture_output=True, text=True)
+    try:
+        assert up.returncode == 0, up.stderr
+        addrs = up.stdout.split()
+        assert len(addrs) == 3
+        quota = Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h1/cpu.cfs_quota_us")
+        if quota.parent.is_dir():  # 2/3 of this machine's cores per host, per 10 ms
+            assert int(quota.read_text()) == (os.cpu_count() or 1) * 10000 // 3
+        hostfile = tmp_path / "hosts"
+        hostfile.write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
+        out = tmp_path / "run"
+        launch = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet",
+                  "--hostfile", str(hostfile), "--rsh", shlex.join(rsh), "--server-host",
+                  addrs[0], "--bind", addrs[0], "--port", "5555", "--workers", "2", "--model",
+                  "mlp", "--dataset", "digits", "--iterations", "20", "--threads", "1"]
+        r = subprocess.run([*rsh, f"{name}-h0", f"cd {shlex.quote(os.getcwd())} && "
+                            f"exec {shlex.join(launch)}"], capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["iterations"] == 20
+        config = json.loads((out / "config.json").read_text())
+        assert set(config["provenance"]) >= {"git_commit", "git_dirty", "psparse_version"}
+        # the workers really ran on the other hosts: their links carried the exchange
+        for host in (f"{name}-h1", f"{name}-h2"):
+            stats = json.loads(subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show",
+                                               "eth0"], capture_output=True, text=True,
+                                              check=True).stdout)[0]["stats64"]
+            assert stats["tx"]["bytes"] > 4000 and stats["rx"]["bytes"] > 4000
+        # shaping: upload of h1 into the server host, and the server host's download to h2
+        for src, dst, addr in ((f"{name}-h1", f"{name}-h0", addrs[0]),
+                               (f"{name}-h0", f"{name}-h2", addrs[2])):
+            mbit = bulk_mbit(rsh, src, dst, addr, tmp_path)
+            assert abs(mbit - 20) / 20 < 0.10, f"{src} -> {dst}: {mbit:.2f} Mbit/s"
+    finally:
+        subprocess.run([*netns, "down", name], check=False)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{name}-" not in left
+    assert not Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h0").exists()
