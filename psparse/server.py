@@ -464,7 +464,8 @@ class Server:
                 record[key] = v
         if values.get("final"):
             self._finals[msg["rank"]] = {"checksum": msg.get("checksum"), **record}
-        if "test_acc" in record:
+        # only the evaluator's results are the run's: another rank's cannot overwrite them
+        if "test_acc" in record and msg["rank"] == self.members.evaluators[-1]["rank"]:
             record["time_s"] = round(time.perf_counter() - self._t0, 6)
             self._last_eval = record
             if self._eval_fh:

@@ -310,3 +310,23 @@ def test_two_phase_round_keeps_the_proposals_of_largest_mean_magnitude(server_fa
     assert server.wait()[0] == 0
     (m,) = server.metrics()
     assert m["proposed"] == 3 and m["union"] == 2
+
+
+def test_only_the_evaluators_results_are_recorded(server_factory):
+    """A registered worker at another rank cannot overwrite the run's evaluation."""
+    server = server_factory(2)
+    clients = start_clients(server, 2, 1)
+    for c in clients:
+        c.push(0, [c.rank], [1.0])
+    for c in clients:
+        assert c.recv().type == "aggregate"
+    clients[1].send(protocol.encode("metrics", iter=0, rank=1, report={"test_acc": 0.99}))
+    clients[0].send(protocol.encode("metrics", iter=0, rank=0, report={"test_acc": 0.25}))
+    for c in clients:
+        c.finish(0)
+    for c in clients:
+        assert c.recv().type == "shutdown"
+    assert server.wait()[0] == 0
+    evals = [json.loads(line) for line in (server.out / "eval.jsonl").read_text().splitlines()]
+    assert [e["test_acc"] for e in evals] == [0.25]
+    assert json.loads((server.out / "summary.json").read_text())["test_acc"] == 0.25
