@@ -19,13 +19,13 @@ Tools on top: report, costmodel, locality, keys, kernel_check.
 """
 
 __version__ = "0.2.0"
-__all__ = ["connect", "Session", "WorkerError", "__version__"]
+__all__ = ["connect", "Session", "WorkerError", "ServerGone", "__version__"]
 
 
 def __getattr__(name):
     # torch and pyzmq are imported only when the API is used, so the command-line tools that
     # never train (psparse-report, psparse-keys, ...) start quickly.
-    if name in ("connect", "Session", "WorkerError"):
+    if name in ("connect", "Session", "WorkerError", "ServerGone"):
         from . import session
         return getattr(session, name)
     raise AttributeError(f"module 'psparse' has no attribute {name!r}")

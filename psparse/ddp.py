@@ -103,6 +103,9 @@ class AllreduceExchange:
         self.t_round = now
         self.iteration += 1
 
+    def say(self, text: str) -> None:
+        print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
+
     def log(self, **values) -> None:
         if self.evals:
             self.last_eval = {"iter": self.iteration - 1, **values,

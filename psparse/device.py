@@ -45,7 +45,9 @@ class FlatModel:
         self.grad_views = []
         offset = 0
         for p, n in zip(params, self.layer_sizes):
-            self.params[offset:offset + n].copy_(p.data.view(-1))
+            # reshape: a channels_last parameter is not viewable as 1-D; as a view of the flat
+            # buffer it becomes contiguous (the values are the same)
+            self.params[offset:offset + n].copy_(p.data.reshape(-1))
             p.data = self.params[offset:offset + n].view_as(p)
             view = self.grad[offset:offset + n].view_as(p)
             p.grad = view

@@ -137,17 +137,20 @@ class Launch:
         self._bytes = [0, 0]
         self._unions: list[int] = []
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None
-               ) -> ForkedProcess:
-        """A forked child running ``args[0]``'s main(args[1:]), or with ``self.script`` set
-        and ``env`` given, the user's script (its environment extended by ``env``)."""
-        if env is not None:
-            def target():
-                os.environ.update(env)
-                return run_script(self.script)
-        else:
-            def target():
-                return importlib.import_module(args[0]).main(args[1:])
+    def _spawn(self, name: str, args: list[str]) -> ForkedProcess:
+        """A forked child running module ``args[0]``'s main(args[1:])."""
+        def target():
+            return importlib.import_module(args[0]).main(args[1:])
+        return self._fork(name, target)
+
+    def _spawn_script(self, name: str, env: dict[str, str]) -> ForkedProcess:
+        """A forked child running the user's script, its environment extended by ``env``."""
+        def target():
+            os.environ.update(env)
+            return run_script(self.script)
+        return self._fork(name, target)
+
+    def _fork(self, name: str, target) -> ForkedProcess:
         proc = ForkedProcess(target, self.out / "logs" / f"{name}.log")
         self.procs[name] = proc
         return proc
@@ -195,8 +198,9 @@ class Launch:
             port = self._wait_for_port()
             for r in range(cfg.workers):
                 if self.script:
-                    self._spawn(f"rank-{r}", [], self.script_env(
-                        r, r, f"127.0.0.1:{port}", {"PSPARSE_CONFIG": str(config_path.resolve())}))
+                    self._spawn_script(f"rank-{r}", self.script_env(
+                        r, r, f"127.0.0.1:{port}", {"PSPARSE_CONFIG": str(config_path.resolve()),
+                                                    "PSPARSE_CONFIG_JSON": ""}))
                     continue
                 self._spawn(f"rank-{r}", ["psparse.worker", "--config", str(config_path),
                                           "--rank", str(r), "--connect", f"127.0.0.1:{port}",
@@ -222,12 +226,16 @@ class Launch:
         out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
         inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(config_path.read_text()),
-                                                    separators=(",", ":"))}
+                                                    separators=(",", ":")),
+                  "PSPARSE_CONFIG": ""}  # a path inherited from this shell would win
         if c["mode"] == "slurm":
             if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
                 os.environ.update({k: v for k, v in self.script_env(0, 0, server, inline).items()
                                    if k not in ("RANK", "LOCAL_RANK")})
-                argv = cluster.srun_prefix(cfg) + [sys.executable, *self.script]
+                # torchrun's names from SLURM's, per task, before the script starts
+                argv = cluster.srun_prefix(cfg) + [
+                    "sh", "-c", 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "$@"',
+                    "psparse-task", sys.executable, *self.script]
             else:
                 argv = cluster.srun_command(cfg, server, out) + again
             self._spawn_piped("workers", argv, prefix="rank ")
@@ -515,7 +523,10 @@ def run_script(argv: list[str]) -> int:
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)  # sys.exit("message"), as python prints it
+        return 1
     return 0
 
 

@@ -12,7 +12,7 @@ directory", documents every field.
     RUN_DIR/rank-R.json          worker R's own totals: bytes, time split, final checksum
     RUN_DIR/server.port          the port a local server listens on (for the launcher)
     RUN_DIR/logs/NAME.log        each process's output (launcher)
-    RUN_DIR/checkpoints/         --checkpoint-every (psparse/checkpoint.py)
+    RUN_DIR/checkpoint/          --checkpoint-every (psparse/checkpoint.py)
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch
 from . import checkpoint, cluster
 from .client import PSClient, ServerGone, WorkerError
 from .config import ConfigError, RunConfig, config_from_json, load_config_file
-from .device import FlatModel, HostBuffers, gpu_array_module, pick_device
+from .device import FlatModel, HostBuffers, gpu_array_module
 from .locality import SelectionRecorder
 from .memory import Memory, density_schedule
 from .policies import Layout, PolicyError, build_policy, check_output
@@ -49,6 +49,10 @@ __all__ = ["connect", "Session", "WorkerError", "ServerGone"]
 
 
 # ------------------------------------------------------------------------------ round shapes
+# A round shape decides what a round sends: ``choose(session, it, accumulator)`` returns the
+# (indices, values) to push, taken out of the accumulator. It may use the session's ``policy``,
+# ``memory``, ``client`` (for a proposal phase), ``outbox`` and ``select``; the rest of a round
+# (accumulate before, push and apply after) is the same for every shape (``Session.exchange``).
 class OnePhase:
     """The policy selects from the accumulator; those entries are pushed."""
 
@@ -70,8 +74,10 @@ class TwoPhase:
         return s.select(acc, it, s.on_device(group)[0])
 
 
-class Dense:
-    """The budget is the whole model (density 1): every entry is sent, no selection."""
+class WholeModel:
+    """The budget is the whole model (density 1): every entry is sent, no selection. (Not to
+    be confused with a *dense push*, the encoding ``client.push`` picks when all values are
+    smaller than (index, value) pairs.)"""
 
     def choose(self, s: Session, it: int, acc):
         everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
@@ -90,7 +96,7 @@ class Session:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  cfg: RunConfig, *, rank: int, server: tuple[str, int], iterations: int,
                  batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
-                 run_token: str | None = None, resume: bool = False, device=None, log=None):
+                 run_token: str | None = None, resume: bool = False, device=None, say=None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
@@ -101,20 +107,25 @@ class Session:
                               "batches_per_epoch=len(loader))")
         self.out_dir = Path(out_dir) if out_dir else None
         self._t_created = self._t_last = time.perf_counter()
-        self._log = log
+        self._say = say  # where progress lines go (default: stderr)
         check_model(model)
-        if device is None:
-            device = next(model.parameters()).device
+        if device is None:  # where the trainable parameters are
+            device = next(p for p in model.parameters() if p.requires_grad).device
         self.net = FlatModel(model, torch.device(device))
         self.device = self.net.device
         self.optimizer = optimizer
         # the GPU path: accumulator, selection and policy state on the device (CuPy kernels)
         self.xp = gpu_array_module(self.device, self.say)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm, xp=self.xp)
-        if optimizer is not None and not self.memory.optimizer_momentum_applies and any(
-                g.get("momentum", 0) for g in optimizer.param_groups):
+        if optimizer is not None and not self.memory.optimizer_momentum_applies and not (
+                isinstance(optimizer, torch.optim.SGD)
+                and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
             raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
-                              "must have none (momentum=0)")
+                              "must be plain SGD (torch.optim.SGD with momentum=0), got "
+                              f"{type(optimizer).__name__}")
+        if cfg.checkpoint_every and (self.out_dir is None or optimizer is None):
+            raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
+                              "PSPARSE_OUT) and the optimizer: connect(model, optimizer, ...)")
         self.outbox = HostBuffers()  # pinned host copies of the k pairs (GPU path)
         self.k = density_to_k(cfg.density, self.net.numel)
         self.policy = build_policy(cfg.policy, cfg.policy_args,
@@ -132,24 +143,38 @@ class Session:
         self.start = self.iteration = 0
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._dense = self._arange = None
+        self._buffers_at_checkpoint = None  # model buffers as they were after the update
         self.closed = False
-        if resume:
-            self._restore()
-        self.steps = self.budget_steps()
-        dense = all(step[1] == self.net.numel for step in self.steps)
-        self.round = Dense() if dense else TwoPhase() if self.policy.two_phase else OnePhase()
+        try:
+            if resume:
+                self._restore()
+            self.steps = self.budget_steps()
+        except BaseException:
+            self.client.close()  # not registered yet: nobody to tell, just leave
+            raise
+        whole = all(step[1] == self.net.numel for step in self.steps)
+        # a two-phase policy keeps its proposal phase even at density 1: the run says two_phase
+        self.round = TwoPhase() if self.policy.two_phase else WholeModel() if whole \
+            else OnePhase()
 
     # ----------------------------------------------------------------------------- basics
     def log(self, **values) -> None:
         """Evaluation results of the iteration just exchanged (``test_acc=``, ``test_loss=``,
         ``train_loss=``, ``epoch=``) into the run's eval.jsonl. Only the evaluator's are
         recorded (on other ranks this returns at once), so every rank may call it."""
-        self.report(values)
+        _check_eval_values(values)
+        if not self.is_evaluator:
+            return  # only the evaluator's results are the run's (the server ignores others')
+        values = {k: float(v) for k, v in values.items()}
+        if "epoch" not in values and self.batches_per_epoch:
+            values = {"epoch": round(self.iteration / self.batches_per_epoch, 4), **values}
+        self.last_report = (self.iteration - 1, values)
+        self.client.report(*self.last_report)
 
     def say(self, text: str) -> None:
         """A progress line on stderr, prefixed with the rank and the time since connect."""
-        if self._log is not None:
-            self._log(text)
+        if self._say is not None:
+            self._say(text)
         else:
             print(f"[rank {self.rank} +{time.perf_counter() - self._t_created:.1f}s] {text}",
                   file=sys.stderr, flush=True)
@@ -266,6 +291,12 @@ class Session:
             self.policy.observe(*self.on_device(agg.indices, agg.values), it)
             self.net.set_grad(agg.indices, agg.values)
         self.iteration = it + 1
+        if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
+            # The checkpoint of iteration it + 1 is written at the next exchange, once the
+            # optimizer has stepped; by then the next forward pass has moved buffers such as
+            # BatchNorm's running statistics, so keep them as they are now.
+            self._buffers_at_checkpoint = {name: b.detach().clone()
+                                           for name, b in self.net.model.named_buffers()}
         self._t_last = time.perf_counter()
         self._times["compute_s"] += self._t_last - t3
         self._times["select_s"] += t2 - t1
@@ -289,18 +320,7 @@ class Session:
             self._arange = np.arange(self.net.numel, dtype=np.int64)
         return self._arange
 
-    # ------------------------------------------------------------------------------ reports
-    def report(self, values: dict) -> None:
-        """Evaluation results after the last exchange, into eval.jsonl (evaluator only)."""
-        _check_eval_values(values)
-        if not self.is_evaluator:
-            return  # only the evaluator's results are the run's (README, "Evaluation")
-        values = {k: float(v) for k, v in values.items()}
-        if "epoch" not in values and self.batches_per_epoch:
-            values = {"epoch": round(self.iteration / self.batches_per_epoch, 4), **values}
-        self.last_report = (self.iteration - 1, values)
-        self.client.report(*self.last_report)
-
+    # -------------------------------------------------------------------------------- ending
     def close(self, **final) -> None:
         """End of training: the final report (with the evaluator's ``final`` values, e.g.
         ``close(test_acc=...)``, and the weight checksum), the server's shutdown, then this
@@ -315,6 +335,7 @@ class Session:
         info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
                 "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
+                "options": self.cfg.agreed(),
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -359,9 +380,12 @@ class Session:
     def state_dict(self) -> dict:
         """Everything of this worker's exchange state a resume needs: model, optimizer,
         accumulator, policy state, key cache, byte and time totals, the last evaluation."""
+        # clones: the parameters are views of one flat buffer, and pickling a view writes the
+        # whole buffer once per parameter
+        model = {name: t.detach().clone() for name, t in self.net.model.state_dict().items()}
         return {
             "iteration": self.iteration,
-            "model": self.net.model.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "memory": {name: to_host(a) for name, a in self.memory.state_dict().items()},
             "policy": {name: to_host(v) if hasattr(v, "shape") else v
@@ -388,12 +412,12 @@ class Session:
         self.start = self.iteration = state["iteration"]
 
     def _checkpoint(self, iteration: int) -> None:
-        if not self.out_dir:
-            raise WorkerError("checkpoint_every needs the run directory (--out)")
-        if self.optimizer is None:
-            raise WorkerError("checkpoint_every needs the optimizer: connect(model, optimizer)")
-        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration,
-                        {**self.state_dict(), "iteration": iteration})
+        state = self.state_dict()
+        if self._buffers_at_checkpoint is not None:
+            state["model"].update(self._buffers_at_checkpoint)
+            self._buffers_at_checkpoint = None
+        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration, {**state,
+                                                                     "iteration": iteration})
 
     def _restore(self) -> None:
         if not self.out_dir:
@@ -494,6 +518,12 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     return session
 
 
+# options the server acts on too (checkpoints at the same iterations, the broadcast limit, ...):
+# they come from the launcher's configuration, never from one worker's connect()
+SERVER_OPTIONS = ("checkpoint_every", "server_limit", "server_device", "bandwidth", "elastic",
+                  "register_timeout", "workers")
+
+
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     """Defaults, then the launcher's config.json (PSPARSE_CONFIG), then keyword options."""
     values = {}
@@ -503,16 +533,20 @@ def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     elif os.environ.get("PSPARSE_CONFIG_JSON"):  # the same, inline (cluster modes)
         values.update(config_from_json(os.environ["PSPARSE_CONFIG_JSON"], "PSPARSE_CONFIG_JSON"))
     known = {f.name for f in fields(RunConfig)}
+    shared = sorted(set(options) & set(SERVER_OPTIONS))
+    if shared:
+        raise ConfigError(f"psparse.connect: {', '.join(shared)} must match the server's: set "
+                          "it on psparse-launch (or psparse-server), not in connect()")
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"psparse.connect: unknown option {', '.join(unknown)}; valid: "
-                          f"{', '.join(sorted(known))}")
+                          f"{', '.join(sorted(known - set(SERVER_OPTIONS)))}")
     if isinstance(options.get("policy_args"), dict):
         options["policy_args"] = [f"{k}={v}" for k, v in options["policy_args"].items()]
     values.update(options)
     if world_size is not None:
         values["workers"] = world_size
-    elif "workers" not in options and not launched:
+    elif not launched:
         env_world = cluster.world_size_from_env()
         if env_world is None:
             raise ConfigError("psparse.connect: no world size (pass world_size=..., or run "

@@ -40,9 +40,9 @@ __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Shard, data,
           device: torch.device, forward=None) -> None:
     """The training loop, for any ``session`` with psparse's exchange interface (``start``,
-    ``iterations``, ``is_evaluator``, ``exchange(loss)``, ``log(**values)``, ``close(**final)``):
-    a psparse Session, or the DDP baseline's. ``forward`` is the module to call (DDP's wrapper);
-    the model itself by default."""
+    ``iterations``, ``is_evaluator``, ``exchange(loss)``, ``log(**values)``, ``close(**final)``,
+    ``say(text)``): a psparse Session, or the DDP baseline's AllreduceExchange. ``forward`` is
+    the module to call (DDP's wrapper); the model itself by default."""
     forward = forward or model
     t0 = time.perf_counter()
     for it in range(session.start, session.iterations):
@@ -64,8 +64,7 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \
                 and done < session.iterations:
             session.log(**evaluate(model, data, device, it, shard.batches_per_epoch))
-    if hasattr(session, "say"):
-        session.say(f"{session.iterations} iterations in {time.perf_counter() - t0:.1f} s")
+    session.say(f"{session.iterations} iterations in {time.perf_counter() - t0:.1f} s")
     final = evaluate(model, data, device, session.iterations - 1, shard.batches_per_epoch) \
         if session.is_evaluator else {}
     session.close(**final)

@@ -84,11 +84,11 @@ def test_a_user_script_resumes_exactly(tmp_path):
     BatchNorm buffers), Adam's state, the accumulator and the policy; the result equals an
     uninterrupted run's."""
     run = ["--workers", "2", "--policy", "core", "--density", "0.05", "--checkpoint-every", "20"]
-    whole = launch(tmp_path / "whole", *run, SCRIPT, "--iterations", "300")
+    whole = launch(tmp_path / "whole", *run, SCRIPT, "--iterations", "130")
     assert whole.returncode == 0, whole.stdout + whole.stderr
     cut = tmp_path / "cut"
     proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), "--quiet", *run,
-                                          SCRIPT, "--iterations", "300"),
+                                          SCRIPT, "--iterations", "130"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=HERE)
     deadline = time.monotonic() + 120
@@ -98,7 +98,7 @@ def test_a_user_script_resumes_exactly(tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    assert len(read_jsonl(cut / "metrics.jsonl")) < 300
+    assert len(read_jsonl(cut / "metrics.jsonl")) < 130
     resumed = launch(cut, "--resume", str(cut))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     for name in ("metrics.jsonl", "eval.jsonl"):
@@ -107,6 +107,8 @@ def test_a_user_script_resumes_exactly(tmp_path):
     for rank in range(2):
         assert np.array_equal(np.load(cut / f"params-{rank}.npy"),
                               np.load(tmp_path / "whole" / f"params-{rank}.npy"))
+        # BatchNorm's running statistics and batch count too: the checkpoint keeps the buffers
+        # as they were after the update, not after the next forward pass
         assert np.array_equal(np.load(cut / f"bn-{rank}.npy"),
                               np.load(tmp_path / "whole" / f"bn-{rank}.npy"))
 
@@ -151,6 +153,51 @@ def test_connect_refuses_what_it_cannot_exchange():
         psparse.connect(torch.nn.Linear(3, 2), rank=0, world_size=1)
     with pytest.raises(ConfigError, match="no world size"):
         psparse.connect(torch.nn.Linear(3, 2), rank=0, iterations=3)
+
+
+def test_a_two_phase_policy_at_density_1_keeps_its_proposal_phase(tmp_path):
+    r = launch(tmp_path / "run", "--workers", "2", "--model", "mlp", "--dataset", "digits",
+               "--policy", "cltk", "--density", "1", "--iterations", "5", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(m["proposed"] is not None for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+
+
+def test_connect_refuses_server_options_and_checkpoints_it_cannot_write(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="checkpoint_every must match the server's"):
+        psparse.connect(model, rank=0, world_size=1, iterations=5, checkpoint_every=2)
+    (tmp_path / "config.json").write_text('{"workers": 1, "checkpoint_every": 2}')
+    monkeypatch.setenv("PSPARSE_CONFIG", str(tmp_path / "config.json"))
+    with pytest.raises(ConfigError, match="checkpoints .* need the run directory .* and the "
+                                          "optimizer"):
+        psparse.connect(model, rank=0, iterations=5, out=tmp_path)
+    with pytest.raises(ConfigError, match="must be plain SGD .* got Adam"):
+        psparse.connect(model, torch.optim.Adam(model.parameters()), rank=0, iterations=5,
+                        memory="dgc", out=tmp_path)
+
+
+def test_session_state_is_model_sized_and_channels_last_models_work():
+    """A checkpoint holds each parameter once (the parameters are views of one flat buffer,
+    and a pickled view would write all of it); channels_last parameters are flattened."""
+    import pickle
+
+    from psparse.config import RunConfig
+    from psparse.session import Session
+
+    layers = [torch.nn.Conv2d(8, 8, 3) for _ in range(10)]
+    model = torch.nn.Sequential(*layers).to(memory_format=torch.channels_last)
+    session = Session(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      RunConfig(workers=1), rank=0, server=("127.0.0.1", 1), iterations=3)
+    try:
+        numel = sum(p.numel() for p in model.parameters())
+        assert session.net.numel == numel
+        # the parameters and the accumulator, 4 bytes an entry each, plus a little
+        assert len(pickle.dumps(session.state_dict())) < 3 * 4 * numel
+        before = [p.detach().clone() for p in model.parameters()]
+        session.net.params.add_(1.0)  # the parameters are views of the flat buffer
+        assert all(torch.equal(p, b + 1) for p, b in zip(model.parameters(), before))
+    finally:
+        session.disconnect()
 
 
 def test_a_missing_script_is_refused_before_anything_starts(tmp_path):

@@ -165,8 +165,8 @@ def test_the_spec_client_notes_hold_on_a_real_server(tmp_path):
 
     import msgpack
     import numpy as np
-
     from conftest import ServerProcess
+
     from psparse.transport import Channel
 
     numel = 1000

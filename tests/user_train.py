@@ -97,8 +97,10 @@ def main():
         ps.close(test_acc=accuracy(model, test))
     np.save(os.path.join(os.environ["PSPARSE_OUT"], f"params-{rank}.npy"),
             torch.cat([q.detach().flatten() for q in model.parameters()]).numpy())
+    bn = model.bn
     np.save(os.path.join(os.environ["PSPARSE_OUT"], f"bn-{rank}.npy"),
-            model.bn.running_mean.numpy())
+            np.concatenate([bn.running_mean.numpy(), bn.running_var.numpy(),
+                            [float(bn.num_batches_tracked)]]))
 
 
 class _Nothing:
