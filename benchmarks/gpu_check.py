@@ -70,8 +70,8 @@ class Check:
             code, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             code = 124
-            output = (exc.stdout or b"").decode(errors="replace") if isinstance(
-                exc.stdout, bytes) else (exc.stdout or "")
+            output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                             for part in (exc.stdout or "", exc.stderr or ""))
             output += f"\n(stopped after {limit:.0f} s)"
         self.say(output.rstrip(), echo=False)
         print(output.rstrip()[-6000:], flush=True)
@@ -102,6 +102,10 @@ def device_info(check: Check) -> None:
         check.figures["versions"] = json.loads(out.strip().splitlines()[-1])
         if not check.cpu and not check.figures["versions"]["cuda_available"]:
             check.fail("torch sees no CUDA device (run with GPU_CHECK_CPU=1 on a CPU machine)")
+        if not check.cpu and check.figures["versions"]["cupy"].startswith("none"):
+            # without CuPy a --device cuda worker selects on the host: nothing here would check
+            # the kernels
+            check.fail(f"CuPy does not import: {check.figures['versions']['cupy']}")
 
 
 def kernel_gate_and_tests(check: Check) -> None:
@@ -116,7 +120,7 @@ def kernel_gate_and_tests(check: Check) -> None:
         check.say("\n=== kernel gate: skipped (CuPy/NVRTC not installed here; make check-kernels)")
     code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",
                                            "-p", "no:cacheprovider", "tests/test_kernels.py",
-                                           "tests/test_kernel_check.py"], 240, "test_kernels.log")
+                                           "tests/test_kernel_check.py"], 120, "test_kernels.log")
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", out)}
     check.figures["kernel_tests"] = counts
     no_gpu_skips = len(re.findall(r"SKIPPED.*no CUDA device", out))
@@ -130,7 +134,7 @@ def selection_benchmark(check: Check) -> None:
     check.run("selection benchmark", [sys.executable, "benchmarks/gpu_select.py", "--device",
                                       "cpu" if check.cpu else "cuda", "--sizes", sizes,
                                       "--repeats", "5" if check.cpu else "15",
-                                      "--json", str(result)], 180, "gpu_select.log")
+                                      "--json", str(result)], 100, "gpu_select.log")
     if result.exists():
         check.figures["selection"] = json.loads(result.read_text())
         target = [r for r in check.figures["selection"]["rows"]
@@ -172,8 +176,8 @@ def lenet(check: Check) -> None:
               "--seed", "0", "--quiet"]
     length = ["--iterations", "40", "--eval-every", "0"] if check.cpu else ["--epochs", "2"]
     device = ["--device", "cpu"] if check.cpu else ["--device", "cuda", "--server-device", "cuda"]
-    host = train(check, "lenet-mnist-host", [*common, *length, "--device", "cpu"], 150)
-    dev = train(check, "lenet-mnist-device", [*common, *length, *device], 150)
+    host = train(check, "lenet-mnist-host", [*common, *length, "--device", "cpu"], 110)
+    dev = train(check, "lenet-mnist-device", [*common, *length, *device], 110)
     if not (host and dev):
         check.fail("LeNet/MNIST: a run wrote no summary")
         return
