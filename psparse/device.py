@@ -125,7 +125,8 @@ class HostBuffers:
 
 
 def gpu_array_module(device: torch.device, log=print):
-    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy."""
+    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy. With CuPy
+    it also makes ``device`` CuPy's current device (where the kernels will run)."""
     if device.type != "cuda":
         return np
     cupy = cupy_or_none()

@@ -251,8 +251,6 @@ class Session:
         if it >= self.iterations:
             raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
                               "iterations agreed at connect)")
-        t1 = time.perf_counter()
-        self._times["compute_s"] += t1 - self._t_last
         if loss is not None:
             loss = float(loss.item() if hasattr(loss, "item") else loss)
             if not math.isfinite(loss):
@@ -260,6 +258,8 @@ class Session:
                                   "(lower the learning rate, or use clip_norm)")
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)  # the state after iteration it - 1's update
+        t1 = time.perf_counter()  # compute_s: everything since the last exchange returned
+        self._times["compute_s"] += t1 - self._t_last
         k = self._k_at(it)
         if k != self.policy.k:
             self.policy.set_k(k)
