@@ -16,6 +16,19 @@ SGD), each (index, value) pair taking e = index size + 4 bytes plus a header h p
                       small to gain 2x) allreduced with the P factors (p = sum of rows x r),
                       then the Q factors (q = sum of columns x r): powersgd_sizes)
 
+CPU of the exchange (issue 15): on hosts that get a share s of a core (the emulated cluster's
+CFS quota; a small node), the exchange's own CPU work W takes W / s of wall time, and the
+formulas above, which count the link only, miss by 27-51% there. With cpu_share, server_cpu_s
+(the PS server's CPU per round: decoding N pushes, aggregating, encoding and sending N
+aggregates) and worker_comm_cpu_s (a worker's CPU per iteration in a collective):
+
+  sparse / dense PS   the link term X becomes max(X, S) + min(X, S) / 2N, S = server_cpu / s
+                      (the server's CPU and its link overlap message by message, 2N messages)
+  ring collectives    + worker_comm_cpu / s (every worker receives, reduces and forwards on
+                      every dependent step: its CPU is on the path; allgather, ring, PowerSGD)
+
+Without them (the defaults) the formulas are the link-only ones.
+
 Bytes on a real link are more than the payload: every TCP segment of at most 1448 payload
 bytes (MSS at MTU 1500 with timestamps) carries 66 bytes of TCP/IP/Ethernet headers, which a
 shaper such as tc tbf counts (WIRE_OVERHEAD; 1.0 for pacing by sleep, which counts payload).
@@ -73,6 +86,12 @@ class Setting:
     up_bytes: float | None = None  # measured bytes per iteration, all workers' pushes
     down_bytes: float | None = None  # measured bytes per iteration, all broadcasts
     powersgd_entries: int | None = None  # u + p + q of powersgd_sizes, when known
+    # CPU of the exchange itself, in CPU seconds per iteration at full speed (0: not counted),
+    # and the fraction of a core each host gets (None: a whole core). On a host limited to a
+    # share s, W CPU seconds take W / s of wall time (CFS quota: s of every period).
+    cpu_share: float | None = None
+    server_cpu_s: float = 0.0  # the PS server's decode, aggregation, encode, sends per round
+    worker_comm_cpu_s: float = 0.0  # a worker's part of a collective (reductions, copies)
 
 
 def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
@@ -83,15 +102,26 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     e, h, N = s.index_bytes + 4, HEADER_BYTES, s.workers
     up = s.up_bytes if s.up_bytes is not None else N * (s.k * e + h)
     down = s.down_bytes if s.down_bytes is not None else N * (s.union * e + h)
+    share = s.cpu_share or 1.0
+    server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
+
+    def ps(link: float) -> float:
+        # the server's CPU and its link work message by message, overlapped: the round takes
+        # the longer of the two plus the shorter one's share of a single message (of 2N)
+        return max(link, server_cpu) + min(link, server_cpu) / (2 * N)
+
+    # collectives: every worker is on the path of every step (receive, reduce, forward), so
+    # its exchange CPU adds to the link time
     extra = {}
     if s.powersgd_entries is not None:
         extra["PowerSGD"] = s.compute_s + 2 * (N - 1) / N * 4 * s.powersgd_entries / B \
-            + 3 * 2 * (N - 1) * latency_s
+            + worker_cpu + 3 * 2 * (N - 1) * latency_s
     return {
-        "sparse PS": s.compute_s + (up + down) / B + 2 * latency_s,
-        "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + (N - 1) * latency_s,
-        "dense PS": s.compute_s + 2 * N * (4 * s.numel + h) / B + 2 * latency_s,
-        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B
+        "sparse PS": s.compute_s + ps((up + down) / B) + 2 * latency_s,
+        "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
+        + (N - 1) * latency_s,
+        "dense PS": s.compute_s + ps(2 * N * (4 * s.numel + h) / B) + 2 * latency_s,
+        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B + worker_cpu
         + 2 * (N - 1) * latency_s,
         **extra,
     }

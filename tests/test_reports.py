@@ -65,6 +65,30 @@ def test_model_formulas():
     assert slow["dense ring allreduce"] - p["dense ring allreduce"] == pytest.approx(0.06)
 
 
+def test_model_cpu_terms_on_cpu_shares():
+    """Issue 15: on hosts with a share s of a core, W CPU seconds of the exchange take W / s.
+    The PS server's CPU overlaps its link message by message (the longer of the two plus the
+    shorter one's part of one of the 2N messages); a collective's per-worker CPU adds."""
+    base = Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5)
+    plain = predict(base, 8e6)
+    s = Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5, cpu_share=0.25,
+                server_cpu_s=0.001, worker_comm_cpu_s=0.002, powersgd_entries=100)
+    p = predict(s, 8e6)
+    link = plain["sparse PS"] - 0.5  # 1.44 ms, less than the server's 4 ms of wall time
+    assert p["sparse PS"] == pytest.approx(0.5 + 0.004 + link / 8)
+    dense_link = plain["dense PS"] - 0.5  # 32.9 ms: the link dominates
+    assert p["dense PS"] == pytest.approx(0.5 + dense_link + 0.004 / 8)
+    assert p["dense ring allreduce"] == pytest.approx(plain["dense ring allreduce"] + 0.008)
+    assert p["sparse allgather"] == pytest.approx(plain["sparse allgather"] + 0.008)
+    assert p["PowerSGD"] == pytest.approx(0.5 + 2 * 3 / 4 * 400 / 1e6 + 0.008)
+    # no share given: the CPU terms count at a whole core; zero CPU: the link-only formulas
+    whole = predict(Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5,
+                            worker_comm_cpu_s=0.002), 8e6)
+    assert whole["dense ring allreduce"] == pytest.approx(plain["dense ring allreduce"] + 0.002)
+    assert predict(Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5,
+                           cpu_share=0.25), 8e6) == plain
+
+
 def test_model_reads_a_run(two_runs):
     s, info = setting_from_run(two_runs[0])
     assert s.workers == 3 and s.numel == 2410 and s.k == 24
