@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -114,6 +115,67 @@ def link_counters(hosts: int) -> dict[str, list[int]]:
     return out
 
 
+def _proc_cpu(out: Path) -> dict[int, list]:
+    """pid -> [role, CPU seconds (user + system)] of the run's processes: "server" (the
+    launcher's forked psparse server), "launcher", or "worker" (psparse workers, DDP ranks)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if str(out).encode() not in args:
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        module = args[2].decode() if len(args) > 2 else ""
+        found[int(pid)] = [module, int(stat[1]), (int(stat[11]) + int(stat[12])) / hz]
+    launchers = {pid for pid, (m, _, _) in found.items() if m == "psparse.launch"}
+    return {pid: ["launcher" if m == "psparse.launch" and ppid not in launchers else
+                  "server" if m == "psparse.launch" else "worker", cpu]
+            for pid, (m, ppid, cpu) in found.items()}
+
+
+def sample_cpu(out: Path, done: threading.Event, period: float = 0.25) -> None:
+    """CPU time of every process of the run, with the iteration count, to cpu-samples.jsonl
+    (for the cost model's CPU terms: the server's CPU per round, the workers' per iteration)."""
+    with open(out / "cpu-samples.jsonl", "w") as f:
+        while not done.is_set():
+            metrics = out / "metrics.jsonl"
+            iters = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
+            f.write(json.dumps({"t": time.time(), "iters": iters, "procs": _proc_cpu(out)})
+                    + "\n")
+            f.flush()
+            done.wait(period)
+
+
+def cpu_per_iteration(samples: list[dict], iterations: int, eval_every: int) -> dict | None:
+    """Server and worker CPU milliseconds per iteration from cpu-samples.jsonl, over stretches
+    between evaluations (an evaluation stops the round on rank 0, not part of an iteration)."""
+    server = worker = 0.0
+    its, per_worker = 0, {}
+    for lo in range(1, iterations, eval_every):
+        hi = min(lo + eval_every - 3, iterations - 2)
+        inside = [x for x in samples if lo <= x["iters"] <= hi]
+        if len(inside) < 2 or inside[-1]["iters"] == inside[0]["iters"]:
+            continue
+        a, b = inside[0]["procs"], inside[-1]["procs"]
+        for pid, (role, cpu) in b.items():
+            if pid in a:
+                d = cpu - a[pid][1]
+                if role == "server":
+                    server += d
+                elif role == "worker":
+                    per_worker[pid] = per_worker.get(pid, 0.0) + d
+        its += inside[-1]["iters"] - inside[0]["iters"]
+    if not its:
+        return None
+    worker = [1e3 * v / its for v in per_worker.values()]
+    return {"iterations": its, "server_ms": 1e3 * server / its,
+            "worker_ms_mean": statistics.mean(worker) if worker else None,
+            "worker_ms_max": max(worker) if worker else None}
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.is_file() else []
@@ -159,6 +221,8 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
     watcher = threading.Thread(target=quota_when_training,
                                args=(out, WORKERS + 1, quota, done), daemon=True)
     watcher.start()
+    sampler = threading.Thread(target=sample_cpu, args=(out, done), daemon=True)
+    sampler.start()
     # the launcher (and the psparse server it forks) runs on h0, in h0's namespace and CPU share
     try:
         r = subprocess.run(["bash", str(NSRSH), f"{CLUSTER}-h0",
@@ -166,15 +230,48 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
                            cwd=ROOT)
     finally:
         done.set()
+        sampler.join()
         cpu_quota(WORKERS + 1, quota)
     after = link_counters(WORKERS + 1)
     (out / "links.json").write_text(json.dumps(
-        {h: {"rx_bytes": after[h][0] - before[h][0], "tx_bytes": after[h][1] - before[h][1]}
-         for h in after}, indent=1))
+        {**{h: {"rx_bytes": after[h][0] - before[h][0], "tx_bytes": after[h][1] - before[h][1]}
+            for h in after}, "cpu_share": quota / 10000}, indent=1))
     (out / "command.json").write_text(json.dumps(identity))
     print(f"[cluster] {model} {rate} {name} exit {r.returncode} in "
           f"{time.perf_counter() - t:.0f} s", flush=True)
     return out
+
+
+STEP_PROBE = r"""
+import os, sys, time, torch, torch.distributed as dist
+rank, n, size, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", rank=rank, world_size=n)
+x = torch.zeros(size)
+for _ in range(20):
+    dist.all_reduce(x)
+dist.barrier()
+t = time.perf_counter()
+for _ in range(reps):
+    dist.all_reduce(x)
+if rank == 0:
+    print((time.perf_counter() - t) / reps)
+dist.destroy_process_group()
+"""
+
+
+def probe_allreduce(addrs: list[str], entries: int, reps: int = 100) -> float:
+    """Seconds per gloo allreduce of `entries` float32 among the 8 worker hosts, each in its
+    namespace and CPU share (a separate measurement, not from the sweep's runs): with one
+    entry, 2 (N - 1) dependent ring steps of nothing but wake-up, syscalls and latency."""
+    procs = []
+    for r in range(WORKERS):
+        env = (f"MASTER_ADDR={addrs[1]} MASTER_PORT=29533 OMP_NUM_THREADS=1 "
+               f"{shlex.quote(sys.executable)} -c {shlex.quote(STEP_PROBE)} "
+               f"{r} {WORKERS} {entries} {reps}")
+        procs.append(subprocess.Popen(["bash", str(NSRSH), f"{CLUSTER}-h{r + 1}", env],
+                                      stdout=subprocess.PIPE, text=True, cwd=ROOT))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return float(outs[0].strip().splitlines()[-1])
 
 
 def numel_and_shapes(model: str) -> tuple[int, list[tuple[int, ...]]]:
@@ -218,9 +315,21 @@ def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
         target_acc=target,
         time_to_target_s=next((e["time_s"] for e in evals if e["test_acc"] >= target), None),
         evals=[[e["time_s"], e["test_acc"]] for e in evals])
-    # psparse-model: the run's own compute (and selection) time, the scheme's bytes at the rate
+    # psparse-model: the run's own compute (and selection) time, the scheme's bytes at the rate;
+    # "link only" (the model before issue 15's check) against the model with the exchange's CPU
+    # on the hosts' CPU shares and the slowest host's compute
+    share = links.get("cpu_share", (os.cpu_count() or 1) / (WORKERS + 1))
+    # a two-phase policy (vote) counts its proposal round trip as selection time: that is
+    # exchange, which the model predicts (its bytes and server CPU are in the round's), so only
+    # compute is given (the local proposal's top-k, ~3 ms, goes with it)
+    local = ("compute_s",) if any(m.get("proposed") is not None for m in metrics) \
+        else ("compute_s", "select_s")
+    slowest = max(sum(r[k] for k in local) for r in others) / iters
     s = Setting(numel=summary["numel"], k=summary["k"], workers=WORKERS, union=1.0,
-                compute_s=(split["compute_s"] + split["select_s"]) / 1e3)
+                compute_s=sum(split[k] for k in local) / 1e3)
+    samples = _jsonl(out / "cpu-samples.jsonl")
+    cpu = cpu_per_iteration(samples, iters, config.get("eval_every") or iters) \
+        if samples else None
     baseline = config.get("baseline")
     if baseline == "powersgd":
         s.powersgd_entries = sum(powersgd_sizes(shapes, config["powersgd_rank"]))
@@ -234,34 +343,57 @@ def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
         s.union = statistics.mean(m["broadcast_entries"] for m in metrics)
         scheme = "sparse PS"
     pred = predict(s, parse_rate(rate), wire_overhead=WIRE_OVERHEAD)
-    row.update(scheme=scheme, predicted_ms=1e3 * pred[scheme],
-               model_error=pred[scheme] / (median_ms / 1e3) - 1)
+    row.update(scheme=scheme, link_only_ms=1e3 * pred[scheme],
+               link_only_error=pred[scheme] / (median_ms / 1e3) - 1)
+    if cpu is not None:
+        s.compute_s = slowest
+        s.cpu_share = share
+        s.server_cpu_s = cpu["server_ms"] / 1e3
+        # a worker's exchange CPU: its CPU per iteration less what its compute and selection
+        # used (throttled to the share throughout, as the CPU counters show)
+        s.worker_comm_cpu_s = max(0.0, cpu["worker_ms_mean"] / 1e3
+                                  - share * sum(split[k] for k in local) / 1e3)
+        pred = predict(s, parse_rate(rate), wire_overhead=WIRE_OVERHEAD)
+        row.update(cpu_share=share, server_cpu_ms=cpu["server_ms"],
+                   worker_cpu_ms=cpu["worker_ms_mean"],
+                   worker_comm_cpu_ms=1e3 * s.worker_comm_cpu_s,
+                   slowest_compute_ms=1e3 * slowest, predicted_ms=1e3 * pred[scheme],
+                   model_error=pred[scheme] / (median_ms / 1e3) - 1)
     return row
 
 
 def table(model: str, rows: list[dict], commit: str) -> str:
     target = MODELS[model]["target"]
     lines = [f"Commit `{commit}`. Wall times from the first iteration (start-up excluded); ms per "
-             "iteration: mean over the run (evaluations included) and median iteration; the "
-             "split is the mean per iteration over ranks 1-7 (rank 0 also evaluates). Link MB: "
-             "what the host's eth0 received / sent over the run, headers included.", "",
+             "iteration: mean over the run (evaluations included: rank 0's evaluation stops "
+             "every round) and median iteration; the split is the mean per iteration over ranks "
+             "1-7 (rank 0 also evaluates; a two-phase policy's proposal round counts as "
+             "select). Link MB: what the host's eth0 received / sent over the run, headers "
+             "included. CPU: CPU ms per iteration between evaluations, the PS server's and a "
+             "worker's for its exchange (its CPU less its compute's). Models against the "
+             "median iteration: link only (compute + bytes / rate) and with the CPU terms "
+             "(psparse/costmodel.py).", "",
              f"| rate | run | ms/it mean | ms/it median | compute | select | wait | server link "
-             f"MB in/out | worker link MB in/out | s to {100 * target:g}% | final acc % | model "
-             "ms/it | model error |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"MB in/out | worker link MB in/out | s to {100 * target:g}% | final acc % | "
+             "server CPU ms | worker exch. CPU ms | model link only | error | model with CPU "
+             "| error |", "|---|" * 16 + "|"]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['rate']} | {r['run']} | failed: {str(r['failed'])[:80]} |"
-                         + " |" * 10)
+                         + " |" * 13)
             continue
         tt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else \
             "not reached"
+        cpu = (f"{r['server_cpu_ms']:.1f} | {r['worker_comm_cpu_ms']:.1f} | "
+               f"{r['link_only_ms']:.1f} | {r['link_only_error']:+.1%} | "
+               f"{r['predicted_ms']:.1f} | {r['model_error']:+.1%}") if "model_error" in r \
+            else f"- | - | {r['link_only_ms']:.1f} | {r['link_only_error']:+.1%} | - | -"
         lines.append(
             f"| {r['rate']} | {r['run']} | {r['ms_per_iteration']:.1f} | {r['median_ms']:.1f} | "
             f"{r['compute_ms']:.1f} | {r['select_ms']:.1f} | {r['wait_ms']:.1f} | "
             f"{r['server_link_mb']['rx_bytes']:.1f} / {r['server_link_mb']['tx_bytes']:.1f} | "
             f"{r['worker_link_mb']['rx_bytes']:.1f} / {r['worker_link_mb']['tx_bytes']:.1f} | "
-            f"{tt} | {100 * r['test_acc']:.2f} | {r['predicted_ms']:.1f} | "
-            f"{r['model_error']:+.1%} |")
+            f"{tt} | {100 * r['test_acc']:.2f} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -321,7 +453,23 @@ def main(argv=None) -> int:
                    help="reuse finished runs made by other code (default: only by this code)")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
     p.add_argument("--table-only", action="store_true", help="no runs: tables from runs/")
+    p.add_argument("--probe-steps", action="store_true",
+                   help="only measure the per-step cost of a tiny gloo allreduce on the "
+                        "cluster's CPU shares (results/cluster-step-probe.json)")
     args = p.parse_args(argv)
+    if args.probe_steps:
+        rate = (args.rates or "80mbit").split(",")[0]
+        addrs = cluster_up(rate, WORKERS + 1)
+        try:
+            per = probe_allreduce(addrs, 1)
+        finally:
+            cluster_down()
+        result = {"rate": rate, "allreduce_1_entry_s": per,
+                  "per_ring_step_s": per / (2 * (WORKERS - 1)), "workers": WORKERS}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "cluster-step-probe.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result))
+        return 0
     prov = provenance()
     code_id = prov["code_id"]
     names = args.runs.split(",")
@@ -349,9 +497,12 @@ def main(argv=None) -> int:
         commits = sorted({r.get("code_id") or "?" for r in rows if "failed" not in r})
         text = table(model, rows, ", ".join(commits))
         notes = ratios(rows)
-        errors = [abs(r["model_error"]) for r in rows if "model_error" in r]
-        if errors:
-            notes.append(f"largest model error: {max(errors):.1%}")
+        for key, label in (("link_only_error", "link only"), ("model_error", "with CPU")):
+            errs = [r for r in rows if key in r]
+            if errs:
+                worst = max(errs, key=lambda r: abs(r[key]))
+                notes.append(f"largest model error ({label}): {worst[key]:+.1%} "
+                             f"({worst['rate']} {worst['run']})")
         text += "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
         (RESULTS / f"cluster-{model}.md").write_text(text)
         (RESULTS / f"cluster-{model}.json").write_text(json.dumps(rows, indent=1))

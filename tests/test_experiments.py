@@ -67,6 +67,26 @@ def test_cluster_sweep_runs_parse_and_name_the_peers():
                 assert parsed.baseline == "powersgd" and parsed.powersgd_rank == int(name[-1])
 
 
+def test_cpu_per_iteration_leaves_out_evaluations():
+    from experiments.cluster import cpu_per_iteration
+
+    # server 2 ms and workers 10 / 12 ms of CPU per iteration; an evaluation at iteration 10
+    # (rank 0's 5 s of CPU) falls between the stretches and is not counted
+    samples, cpu = [], {"1": 0.0, "2": 0.0, "3": 0.0}
+    for it in range(0, 20):
+        if it == 10:
+            cpu["2"] += 5.0
+        samples.append({"t": it, "iters": it, "procs": {
+            "1": ["server", cpu["1"]], "2": ["worker", cpu["2"]], "3": ["worker", cpu["3"]],
+            "9": ["launcher", 0.0]}})
+        cpu = {"1": cpu["1"] + 0.002, "2": cpu["2"] + 0.010, "3": cpu["3"] + 0.012}
+    got = cpu_per_iteration(samples, 20, 10)
+    assert got["server_ms"] == pytest.approx(2.0)
+    assert got["worker_ms_mean"] == pytest.approx(11.0)
+    assert got["worker_ms_max"] == pytest.approx(12.0)
+    assert cpu_per_iteration(samples[:1], 20, 10) is None
+
+
 def test_a_finished_run_by_other_code_is_not_reused_unless_told(tmp_path):
     import json
 

@@ -148,6 +148,12 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
         quota = Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h1/cpu.cfs_quota_us")
         if quota.parent.is_dir():  # 2/3 of this machine's cores per host, per 10 ms
             assert int(quota.read_text()) == (os.cpu_count() or 1) * 10000 // 3
+            # a worker started from inside h0 (where the launcher runs: `ip netns exec`
+            # remounted /sys there) still lands in its own host's share, not h0's
+            nested = subprocess.run(
+                [*rsh, f"{name}-h0", shlex.join([*rsh, f"{name}-h2", "grep cpu: /proc/self/cgroup"])],
+                capture_output=True, text=True, timeout=30)
+            assert nested.stdout.strip().endswith(f"/psparse-{name}-h2"), nested
         hostfile = tmp_path / "hosts"
         hostfile.write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
         out = tmp_path / "run"
