@@ -302,6 +302,14 @@ def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
              for k in ("compute_s", "select_s", "wait_s")}
     steps = [b["time_s"] - a["time_s"] for a, b in zip(metrics, metrics[1:])]
     median_ms = 1e3 * statistics.median(steps)
+    # rank 0's evaluations stop every round (4-6 s each on a 2/9-core host, longer in DDP,
+    # whose waiting ranks poll): the training time at each evaluation, those stalls taken out
+    stalls, train_times = 0.0, []
+    for e in evals:
+        i = min(e["iter"], iters - 1)
+        train_times.append(metrics[i]["time_s"] - stalls)
+        if i + 1 < iters:
+            stalls += max(0.0, steps[i] - statistics.median(steps))
     links = json.loads((out / "links.json").read_text())
     worker_links = [links[f"h{i}"] for i in range(1, WORKERS + 1)]
     row.update(
@@ -314,6 +322,8 @@ def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
         test_acc=summary["test_acc"], best_acc=max(e["test_acc"] for e in evals),
         target_acc=target,
         time_to_target_s=next((e["time_s"] for e in evals if e["test_acc"] >= target), None),
+        train_time_to_target_s=next((t for t, e in zip(train_times, evals)
+                                     if e["test_acc"] >= target), None),
         evals=[[e["time_s"], e["test_acc"]] for e in evals])
     # psparse-model: the run's own compute (and selection) time, the scheme's bytes at the rate;
     # "link only" (the model before issue 15's check) against the model with the exchange's CPU
@@ -353,8 +363,11 @@ def measure(out: Path, name: str, rate: str, target: float, shapes) -> dict:
         # used (throttled to the share throughout, as the CPU counters show)
         s.worker_comm_cpu_s = max(0.0, cpu["worker_ms_mean"] / 1e3
                                   - share * sum(split[k] for k in local) / 1e3)
-        pred = predict(s, parse_rate(rate), wire_overhead=WIRE_OVERHEAD)
-        row.update(cpu_share=share, server_cpu_ms=cpu["server_ms"],
+        # the per-step latency on the CPU shares, from the tiny-allreduce probe (--probe-steps)
+        probe = RESULTS / "cluster-step-probe.json"
+        step = json.loads(probe.read_text())["per_ring_step_s"] if probe.is_file() else 0.0
+        pred = predict(s, parse_rate(rate), latency_s=step, wire_overhead=WIRE_OVERHEAD)
+        row.update(cpu_share=share, step_latency_ms=1e3 * step, server_cpu_ms=cpu["server_ms"],
                    worker_cpu_ms=cpu["worker_ms_mean"],
                    worker_comm_cpu_ms=1e3 * s.worker_comm_cpu_s,
                    slowest_compute_ms=1e3 * slowest, predicted_ms=1e3 * pred[scheme],
@@ -374,16 +387,17 @@ def table(model: str, rows: list[dict], commit: str) -> str:
              "median iteration: link only (compute + bytes / rate) and with the CPU terms "
              "(psparse/costmodel.py).", "",
              f"| rate | run | ms/it mean | ms/it median | compute | select | wait | server link "
-             f"MB in/out | worker link MB in/out | s to {100 * target:g}% | final acc % | "
+             f"MB in/out | worker link MB in/out | s to {100 * target:g}% | s to {100 * target:g}% "
+             "net of evaluations | final acc % | "
              "server CPU ms | worker exch. CPU ms | model link only | error | model with CPU "
-             "| error |", "|---|" * 16 + "|"]
+             "| error |", "|" + "---|" * 18]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['rate']} | {r['run']} | failed: {str(r['failed'])[:80]} |"
-                         + " |" * 13)
+                         + " |" * 14)
             continue
-        tt = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else \
-            "not reached"
+        tt = f"{r['time_to_target_s']:.1f} | {r['train_time_to_target_s']:.1f}" \
+            if r["time_to_target_s"] is not None else "not reached | not reached"
         cpu = (f"{r['server_cpu_ms']:.1f} | {r['worker_comm_cpu_ms']:.1f} | "
                f"{r['link_only_ms']:.1f} | {r['link_only_error']:+.1%} | "
                f"{r['predicted_ms']:.1f} | {r['model_error']:+.1%}") if "model_error" in r \
@@ -397,24 +411,24 @@ def table(model: str, rows: list[dict], commit: str) -> str:
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict]) -> list[str]:
+def ratios(rows: list[dict], key: str = "train_time_to_target_s") -> list[str]:
     """Per rate: time to target of psparse's best policy over DDP's and PowerSGD's best."""
     notes = []
     for rate in dict.fromkeys(r["rate"] for r in rows):
         ok = [r for r in rows if r["rate"] == rate and "failed" not in r
-              and r["time_to_target_s"] is not None]
+              and r[key] is not None]
         best = lambda names: min((r for r in ok if r["run"] in names),  # noqa: E731
-                                 key=lambda r: r["time_to_target_s"], default=None)
+                                 key=lambda r: r[key], default=None)
         ps, ddp = best(PSPARSE_RUNS), best(["ddp"])
         psgd = best([n for n in PEER_RUNS if n.startswith("powersgd")])
+        label = "net of evaluations" if key == "train_time_to_target_s" else "wall"
         if ps is None:
-            notes.append(f"{rate}: no psparse run reached the target")
+            notes.append(f"{rate} ({label}): no psparse run reached the target")
             continue
-        parts = [f"{rate}: best psparse `{ps['run']}` {ps['time_to_target_s']:.1f} s"]
-        for label, ref in (("DDP", ddp), ("PowerSGD", psgd)):
-            parts.append(f"/ {label} ({ref['run']}, {ref['time_to_target_s']:.1f} s) = "
-                         f"{ps['time_to_target_s'] / ref['time_to_target_s']:.2f}" if ref
-                         else f"{label}: target not reached")
+        parts = [f"{rate} ({label}): best psparse `{ps['run']}` {ps[key]:.1f} s"]
+        for name, ref in (("DDP", ddp), ("PowerSGD", psgd)):
+            parts.append(f"/ {name} ({ref['run']}, {ref[key]:.1f} s) = {ps[key] / ref[key]:.2f}"
+                         if ref else f"/ {name}: target not reached")
         notes.append(" ".join(parts))
     return notes
 
@@ -496,7 +510,7 @@ def main(argv=None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         commits = sorted({r.get("code_id") or "?" for r in rows if "failed" not in r})
         text = table(model, rows, ", ".join(commits))
-        notes = ratios(rows)
+        notes = ratios(rows) + ratios(rows, "time_to_target_s")
         for key, label in (("link_only_error", "link only"), ("model_error", "with CPU")):
             errs = [r for r in rows if key in r]
             if errs:

@@ -24,8 +24,11 @@ aggregates) and worker_comm_cpu_s (a worker's CPU per iteration in a collective)
 
   sparse / dense PS   the link term X becomes max(X, S) + min(X, S) / 2N, S = server_cpu / s
                       (the server's CPU and its link overlap message by message, 2N messages)
-  ring collectives    + worker_comm_cpu / s (every worker receives, reduces and forwards on
-                      every dependent step: its CPU is on the path; allgather, ring, PowerSGD)
+  collectives         the link term X becomes max(X, W) + min(X, W) / m, W = worker_comm_cpu
+                      / s, m dependent steps (2 (N - 1) per ring allreduce, 3 of them for
+                      PowerSGD, whose W includes the hook's own matrix products)
+  and L, the one-way latency per dependent step, is where a host's wake-up on its CPU share
+  shows (measured by a tiny allreduce on the hosts: experiments/cluster.py --probe-steps).
 
 Without them (the defaults) the formulas are the link-only ones.
 
@@ -105,24 +108,25 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     share = s.cpu_share or 1.0
     server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
 
-    def ps(link: float) -> float:
-        # the server's CPU and its link work message by message, overlapped: the round takes
-        # the longer of the two plus the shorter one's share of a single message (of 2N)
-        return max(link, server_cpu) + min(link, server_cpu) / (2 * N)
+    def overlap(link: float, cpu: float, messages: int) -> float:
+        # CPU and link work message by message, overlapped: the longer of the two plus the
+        # shorter one's part of a single message
+        return max(link, cpu) + min(link, cpu) / messages
 
-    # collectives: every worker is on the path of every step (receive, reduce, forward), so
-    # its exchange CPU adds to the link time
+    ring = 2 * (N - 1)  # dependent steps of a ring allreduce
     extra = {}
     if s.powersgd_entries is not None:
-        extra["PowerSGD"] = s.compute_s + 2 * (N - 1) / N * 4 * s.powersgd_entries / B \
-            + worker_cpu + 3 * 2 * (N - 1) * latency_s
+        extra["PowerSGD"] = s.compute_s + overlap(
+            2 * (N - 1) / N * 4 * s.powersgd_entries / B, worker_cpu, 3 * ring) \
+            + 3 * ring * latency_s
     return {
-        "sparse PS": s.compute_s + ps((up + down) / B) + 2 * latency_s,
-        "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
+        "sparse PS": s.compute_s + overlap((up + down) / B, server_cpu, 2 * N) + 2 * latency_s,
+        "sparse allgather": s.compute_s + overlap((N - 1) * (s.k * e + h) / B, worker_cpu, N - 1)
         + (N - 1) * latency_s,
-        "dense PS": s.compute_s + ps(2 * N * (4 * s.numel + h) / B) + 2 * latency_s,
-        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B + worker_cpu
-        + 2 * (N - 1) * latency_s,
+        "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
+        + 2 * latency_s,
+        "dense ring allreduce": s.compute_s + overlap(2 * (N - 1) / N * 4 * s.numel / B,
+                                                      worker_cpu, ring) + ring * latency_s,
         **extra,
     }
 
