@@ -24,11 +24,11 @@ aggregates) and worker_comm_cpu_s (a worker's CPU per iteration in a collective)
 
   sparse / dense PS   the link term X becomes max(X, S) + min(X, S) / 2N, S = server_cpu / s
                       (the server's CPU and its link overlap message by message, 2N messages)
-  collectives         the link term X becomes max(X, W) + min(X, W) / m, W = worker_comm_cpu
-                      / s, m dependent steps (2 (N - 1) per ring allreduce, 3 of them for
-                      PowerSGD, whose W includes the hook's own matrix products)
-  and L, the one-way latency per dependent step, is where a host's wake-up on its CPU share
-  shows (measured by a tiny allreduce on the hosts: experiments/cluster.py --probe-steps).
+  collectives         + worker_comm_cpu / s: every step's send waits for the previous step's
+                      receive and reduction, so a worker's exchange CPU is in series with the
+                      link (allgather, ring; PowerSGD, whose CPU includes the hook's products)
+  L stays the latency per dependent step; on the emulated hosts a tiny allreduce measures it
+  (experiments/cluster.py --probe-steps: 0.19 ms per ring step on idle 2/9-core hosts).
 
 Without them (the defaults) the formulas are the link-only ones.
 
@@ -109,24 +109,25 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
 
     def overlap(link: float, cpu: float, messages: int) -> float:
-        # CPU and link work message by message, overlapped: the longer of the two plus the
-        # shorter one's part of a single message
+        # the PS server's messages are independent: its CPU and its link work message by
+        # message, overlapped: the longer of the two plus the shorter one's part of a message
         return max(link, cpu) + min(link, cpu) / messages
 
+    # collectives: each step's send waits for the previous step's receive and reduction, so
+    # a worker's exchange CPU is in series with its link time
     ring = 2 * (N - 1)  # dependent steps of a ring allreduce
     extra = {}
     if s.powersgd_entries is not None:
-        extra["PowerSGD"] = s.compute_s + overlap(
-            2 * (N - 1) / N * 4 * s.powersgd_entries / B, worker_cpu, 3 * ring) \
-            + 3 * ring * latency_s
+        extra["PowerSGD"] = s.compute_s + 2 * (N - 1) / N * 4 * s.powersgd_entries / B \
+            + worker_cpu + 3 * ring * latency_s
     return {
         "sparse PS": s.compute_s + overlap((up + down) / B, server_cpu, 2 * N) + 2 * latency_s,
-        "sparse allgather": s.compute_s + overlap((N - 1) * (s.k * e + h) / B, worker_cpu, N - 1)
+        "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
         + (N - 1) * latency_s,
         "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
         + 2 * latency_s,
-        "dense ring allreduce": s.compute_s + overlap(2 * (N - 1) / N * 4 * s.numel / B,
-                                                      worker_cpu, ring) + ring * latency_s,
+        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B + worker_cpu
+        + ring * latency_s,
         **extra,
     }
 
