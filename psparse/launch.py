@@ -404,8 +404,9 @@ class Launch:
         total = s["upload_mb"] + s["broadcast_mb"]
         ratio = s["dense_mb"] / total if total else float("inf")
         rows = [
-            ("iterations", f"{s['iterations']}  ({s['iterations_per_s']} it/s, "
-                           f"{s['wall_s']:.1f} s)"),
+            ("iterations", f"{s['iterations']}  "
+                           f"({s.get('train_iterations_per_s') or s['iterations_per_s']} it/s "
+                           f"in training; {s['wall_s']:.1f} s in all)"),
             ("test accuracy", acc),
             ("union/k", f"mean {s['union_over_k_mean']}  max {s['union_over_k_max']}  "
                         f"(k = {s['k']}, numel = {s['numel']})" if not s.get("baseline")

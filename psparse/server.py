@@ -427,6 +427,7 @@ class Server:
         t["upload_bytes"] += record["upload_bytes"]
         t["broadcast_bytes"] += record["broadcast_bytes"]
         t["union"].append(record["union"] / max(1, record["budget"]))
+        t["train_s"] = record["time_s"]
         if record["loss"] is not None:
             t["loss"].append(record["loss"])
         if self._metrics_fh:
@@ -543,6 +544,11 @@ class Server:
             "iterations": done,
             "wall_s": round(wall, 3),
             "iterations_per_s": round(done / wall, 3) if wall > 0 and done else None,
+            # training alone: to the last round's aggregate (wall_s also holds the final
+            # evaluation and the end of the run, which make short runs look slower)
+            "train_s": t.get("train_s"),
+            "train_iterations_per_s": round(done / t["train_s"], 3)
+            if done and t.get("train_s") else None,
             "union_over_k_mean": round(float(np.mean(t["union"])), 4) if done else None,
             "union_over_k_max": round(float(np.max(t["union"])), 4) if done else None,
             "pushed_k_mean": round(float(np.mean(t["pushed"])), 4) if t["pushed"] else None,

@@ -29,7 +29,7 @@ ITERATIONS = 30
 WORKER_ARGS = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations",
                str(ITERATIONS), "--eval-every", "10", "--check-every", "1", "--seed", "5",
                "--timeout", "20"]
-TIMING = ("round_s", "time_s", "wall_s", "iterations_per_s")
+TIMING = ("round_s", "time_s", "wall_s", "iterations_per_s", "train_s", "train_iterations_per_s")
 WRONG_RUN = {"numel": 5, "iterations": ITERATIONS, "two_phase": False,
              "steps": [[0, 1, 1, 0]], "config": {}}
 

@@ -49,6 +49,9 @@ def test_a_user_script_trains_through_the_launcher(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["numel"] == 2676
     assert summary["test_acc"] > 0.3  # chance is 0.1 (ten digits)
+    # training alone is shorter than the whole run (the final evaluation and reports)
+    assert 0 < summary["train_s"] < summary["wall_s"]
+    assert summary["train_iterations_per_s"] > summary["iterations_per_s"]
     config = json.loads((out / "config.json").read_text())
     assert config["script"] == f"{SCRIPT} --iterations 40"
     ranks = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(4)]
