@@ -21,13 +21,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
-from common import table  # noqa: E402
+from common import median_time, table  # noqa: E402
 
 from psparse import kernels  # noqa: E402
 from psparse.xp import cupy_or_none, to_torch  # noqa: E402
@@ -51,24 +50,13 @@ def cuda_median_ms(cupy, fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def host_median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median wall-clock time of fn() on the host, in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
     """Table rows and figures for one size n (both densities), and whether every selection was
     right. ``xp`` is cupy (CUDA events) or numpy (host clock)."""
     if xp is np:
         rng = np.random.default_rng(0)
-        timer = host_median_ms
+        def timer(fn, repeats):  # noqa: E306
+            return 1e3 * median_time(fn, repeats, warmup=2)
     else:
         rng = xp.random.default_rng(0)
         def timer(fn, repeats):  # noqa: E306

@@ -122,12 +122,12 @@ def compile_ptx(code: str, arch: str, filename: str = "psparse_kernels.cu") -> t
 
 def check_source(source: CudaSource, report: Report, archs=ARCHS) -> None:
     import cupy
-    found = set(_KERNEL_START.findall(source.code))
+    signatures = kernels.kernel_signatures(source.code)
     for name in source.kernels:
-        if name not in found:
+        if name not in signatures:
             report.fail(f"{name}: no extern \"C\" __global__ function of that name in "
                         f"{source.name}")
-    for name, signature in kernels.kernel_signatures(source.code).items():
+    for name, signature in signatures.items():
         unknown = [f"{ctype} {pname}" for ctype, pname in signature if ctype not in kernels.C_TYPES]
         if unknown:  # launches are checked against these types (kernels.check_launch)
             report.fail(f"{name}: parameter type not in kernels.C_TYPES: {', '.join(unknown)}")

@@ -79,9 +79,13 @@ class WholeModel:
     be confused with a *dense push*, the encoding ``client.push`` picks when all values are
     smaller than (index, value) pairs.)"""
 
+    def __init__(self):
+        self.everything = None  # every index, made once (numel entries: not per round)
+
     def choose(self, s: Session, it: int, acc):
-        everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
-        return everything, s.memory.take(everything)
+        if self.everything is None:
+            self.everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
+        return self.everything, s.memory.take(self.everything)
 
 
 # ---------------------------------------------------------------------------------- session
