@@ -317,6 +317,10 @@ class Launch:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0}
             self._read_progress()
+            if failed and set(failed) == {"server"}:
+                # The server ends the run at once when a worker's connection closes, so it can
+                # exit before the launcher has reaped that worker: the worker is the cause.
+                failed = self._worker_failures_within(1.0) or failed
             if failed and first_failure is None:
                 first_failure = sorted(failed.items())[0]
                 server = self.procs.get("server")
@@ -342,6 +346,16 @@ class Launch:
                 shown = self._last["metrics"]
                 last_print = time.monotonic()
             time.sleep(0.1)
+
+    def _worker_failures_within(self, seconds: float) -> dict[str, int]:
+        """Workers that exit non-zero on their own within ``seconds`` (name -> code)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            failed = {n: p.returncode for n, p in self.procs.items()
+                      if n != "server" and p.poll() is not None and p.returncode != 0}
+            if failed or time.monotonic() >= deadline:
+                return failed
+            time.sleep(0.02)
 
     def stop_all(self) -> None:
         alive = [p for p in self.procs.values() if p.poll() is None]
