@@ -58,6 +58,7 @@ class RunConfig:
     record_selections: bool = False
     checkpoint_every: int = 0
     eval_every: int = 100
+    eval_samples: int | None = None
     check_every: int = 10
     threads: int | None = None
     device: str = "cpu"
@@ -109,6 +110,7 @@ class RunConfig:
         need(0 <= self.momentum < 1, "momentum must be in [0, 1)")
         need(self.weight_decay >= 0, "weight-decay must be >= 0")
         need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
+        need(self.eval_samples is None or self.eval_samples >= 1, "eval-samples must be >= 1")
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.checkpoint_every >= 0, "checkpoint-every must be >= 0")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
@@ -205,6 +207,8 @@ HELP = {
     "checkpoint_every": "every this many iterations the server and every worker save their "
                         "state to RUN_DIR/checkpoint/ (0: never); --resume RUN_DIR continues",
     "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
+    "eval_samples": "evaluate on this many test images, a fixed random subset (seed 0, the same "
+                    "in every run), instead of the whole test set: for slow hosts (default: all)",
     "check_every": "workers send a weight checksum every this many iterations; the server stops "
                    "the run if replicas differ",
     "device": "cpu, cuda (one GPU per worker: local rank modulo the visible devices; "

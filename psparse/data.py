@@ -390,10 +390,17 @@ def random_crop_flip(x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> tor
     return out
 
 
-def test_batches(ds: Dataset, batch_size: int = 1000):
-    for s in range(0, len(ds.test_y), batch_size):
-        yield (ds.normalise(torch.from_numpy(ds.test_x[s:s + batch_size])),
-               torch.from_numpy(ds.test_y[s:s + batch_size]))
+def test_batches(ds: Dataset, batch_size: int = 1000, samples: int | None = None):
+    """The test set in batches; with ``samples``, a fixed random subset of that many images
+    (the same in every run and on every machine: test sets may be stored grouped by class, so
+    the first ``samples`` images would not do)."""
+    x, y = ds.test_x, ds.test_y
+    if samples is not None and samples < len(y):
+        pick = np.sort(np.random.default_rng(0).permutation(len(y))[:samples])
+        x, y = x[pick], y[pick]
+    for s in range(0, len(y), batch_size):
+        yield (ds.normalise(torch.from_numpy(x[s:s + batch_size])),
+               torch.from_numpy(y[s:s + batch_size]))
 
 
 def main(argv=None) -> int:

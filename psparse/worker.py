@@ -63,25 +63,30 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
         done = it + 1
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \
                 and done < session.iterations:
-            session.log(**evaluate(model, data, device, it, shard.batches_per_epoch))
+            session.log(**evaluate(model, data, device, it, shard.batches_per_epoch,
+                                    cfg.eval_samples))
     session.say(f"{session.iterations} iterations in {time.perf_counter() - t0:.1f} s")
-    final = evaluate(model, data, device, session.iterations - 1, shard.batches_per_epoch) \
+    final = evaluate(model, data, device, session.iterations - 1, shard.batches_per_epoch,
+                     cfg.eval_samples) \
         if session.is_evaluator else {}
     session.close(**final)
 
 
-def evaluate(model, data, device, it: int, batches_per_epoch: int) -> dict:
-    test_loss, test_acc = evaluate_model(model, data, device)
+def evaluate(model, data, device, it: int, batches_per_epoch: int,
+             samples: int | None = None) -> dict:
+    test_loss, test_acc = evaluate_model(model, data, device, samples)
     return {"epoch": round((it + 1) / batches_per_epoch, 4), "test_loss": test_loss,
             "test_acc": test_acc}
 
 
 @torch.no_grad()
-def evaluate_model(model: torch.nn.Module, data, device: torch.device) -> tuple[float, float]:
-    """(mean test loss, test accuracy) over the whole test set."""
+def evaluate_model(model: torch.nn.Module, data, device: torch.device,
+                   samples: int | None = None) -> tuple[float, float]:
+    """(mean test loss, test accuracy) over the whole test set, or over a fixed random subset
+    of ``samples`` test images."""
     model.eval()
     loss_sum, correct, n = 0.0, 0, 0
-    for x, y in test_batches(data):
+    for x, y in test_batches(data, samples=samples):
         x, y = x.to(device), y.to(device)
         out = model(x)
         loss_sum += float(F.cross_entropy(out, y, reduction="sum"))

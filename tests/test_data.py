@@ -172,3 +172,17 @@ def test_in_shapes_match_the_data():
 
     assert IN_SHAPES["digits"] == load_digits().in_shape
     assert set(IN_SHAPES) == set(DATASETS)
+
+
+def test_eval_samples_is_a_fixed_subset_across_classes():
+    """--eval-samples: the same random subset every time, not the first images (test sets may
+    be stored grouped by class), and the whole set when samples is not given."""
+    ds = data.load_digits()
+    # make the stored order class-grouped, as CIFAR-10's JPEG archive is
+    order = np.argsort(ds.test_y, kind="stable")
+    ds.test_x, ds.test_y = ds.test_x[order], ds.test_y[order]
+    labels = lambda n: np.concatenate([y.numpy() for _, y in data.test_batches(ds, 50, n)])  # noqa: E731
+    part = labels(60)
+    assert len(part) == 60 and np.array_equal(part, labels(60))
+    assert len(np.unique(part)) >= 8  # the first 60 would be one or two classes
+    assert len(labels(None)) == len(ds.test_y) == len(labels(10 ** 9))
