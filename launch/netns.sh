@@ -11,8 +11,8 @@
 # switch namespace NAME-sw; each host's link is shaped in both directions with tc tbf at RATE
 # (its eth0 for what it sends, its switch port for what it receives), plus netem DELAY where the
 # kernel has netem (else a clear refusal). Each host also gets a CPU share: a cgroup (v1 cpu)
-# psparse-NAME-h<i> with a CFS quota of CPUS / HOSTS cores (CPUS: $PSNET_CPUS, default all of
-# this machine's), so that emulated hosts compute side by side as on separate machines, not one
+# psparse-NAME-h<i> with a CFS quota of CPUS / HOSTS cores (CPUS: $PSNET_CPUS, may be a fraction
+# like 1.5, default all of this machine's), so that emulated hosts compute side by side as on separate machines, not one
 # after another. launch/nsrsh.sh HOST 'COMMAND' runs a command on a host (its namespace and its
 # cgroup): the --rsh of psparse-launch --hostfile. Prints the hosts' addresses, h0 first.
 #
@@ -80,6 +80,11 @@ cluster)
         echo "netem is not available in this kernel: DELAY '$delay' cannot be emulated (omit it)" >&2
         exit 3
     fi
+    cpus=${PSNET_CPUS:-$(nproc)}
+    period=10000  # 10 ms: a short period, so a throttled host waits ms, not 100s of ms
+    quota=$(awk -v c="$cpus" -v p="$period" -v h="$hosts" \
+        'BEGIN { q = int(c * p / h); if (c !~ /^[0-9]*\.?[0-9]+$/ || q < 1000) exit 1; print q }') \
+        || { echo "PSNET_CPUS must be a number of cores giving each host >= 0.1 core, got '$cpus'" >&2; exit 2; }
     trap '"$0" down "$name"' ERR
     net=$(( $(printf '%s' "$name" | cksum | cut -d' ' -f1) % 250 + 1 ))
     sw=${name}-sw
@@ -87,9 +92,6 @@ cluster)
     ip -n "$sw" link set lo up
     ip -n "$sw" link add br0 type bridge
     ip -n "$sw" link set br0 up
-    cpus=${PSNET_CPUS:-$(nproc)}
-    period=10000  # 10 ms: a short period, so a throttled host waits ms, not 100s of ms
-    quota=$(( cpus * period / hosts ))
     addrs=""
     for i in $(seq 0 $((hosts - 1))); do
         ns=${name}-h$i
