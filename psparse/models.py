@@ -1,4 +1,4 @@
-"""Models: LeNet-5 (MNIST), ResNet-20 (CIFAR-10), and a tiny MLP for fast tests."""
+"""Models: LeNet-5 (MNIST, CIFAR-10), ResNet-20 (CIFAR-10), and a tiny MLP for fast tests."""
 
 from __future__ import annotations
 
@@ -10,16 +10,29 @@ from . import plugin
 
 
 class LeNet5(nn.Module):
-    """LeNet-5 for 28x28 grey images (conv1 padded to keep the classic 32x32 geometry).
+    """LeNet-5 (LeCun et al. 1998) for images of shape ``in_shape`` = (C, H, W).
 
-    61,706 parameters, so density 1% means k = 617.
+    The classic geometry is a 32x32 input: conv 5x5 -> 6, pool, conv 5x5 -> 16, pool to 5x5,
+    fc 120, 84, classes. Inputs smaller than 32 are zero-padded by conv1 up to it (MNIST's
+    28x28 with padding 2, as before); 32x32 and larger are not padded, and fc1 takes what
+    the second pooling leaves. Sizes:
+
+    * (1, 28, 28) MNIST: 61,706 parameters, so density 1% means k = 617;
+    * (3, 32, 32) CIFAR-10: 62,006 parameters (k = 620 at 1%).
     """
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, num_classes: int = 10, in_shape: tuple[int, int, int] = (1, 28, 28)):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
+        channels, height, width = in_shape
+        pad = max(0, (32 - min(height, width) + 1) // 2)
+
+        def after(size: int) -> int:  # conv1 (padded), pool, conv2, pool
+            return ((size + 2 * pad - 4) // 2 - 4) // 2
+
+        h, w = after(height), after(width)
+        self.conv1 = nn.Conv2d(channels, 6, 5, padding=pad)
         self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc1 = nn.Linear(16 * h * w, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
@@ -107,4 +120,6 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> nn.Mo
         for d in in_shape:
             n *= d
         return MLP(n, 32, num_classes)
+    if name == "lenet":
+        return LeNet5(num_classes, tuple(in_shape))
     return MODELS[name](num_classes)
