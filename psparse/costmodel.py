@@ -155,6 +155,19 @@ def setting_from_run(run_dir: Path) -> tuple[Setting, dict]:
     return s, {"measured_s": measured, "bandwidth": paced, "iterations": iters}
 
 
+def model_shapes(name: str) -> list[tuple[int, ...]]:
+    """Trainable parameter shapes of a built-in model (torch is imported only here)."""
+    from .data import IN_SHAPES
+    from .models import build_model
+
+    dataset = {"lenet": "mnist", "lenet-cifar": "cifar10", "resnet20": "cifar10",
+               "mlp": "digits"}.get(name)
+    if dataset is None:
+        raise ValueError(f"--model {name!r}: choose lenet, lenet-cifar, resnet20 or mlp")
+    net = build_model(name.split("-")[0], IN_SHAPES[dataset], 10)
+    return [tuple(q.shape) for q in net.parameters() if q.requires_grad]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="psparse-model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,7 +180,26 @@ def main(argv=None) -> int:
     p.add_argument("--compute", type=float, help="compute seconds per iteration")
     p.add_argument("--bandwidth", action="append", default=None,
                    help="link rate, e.g. 100Mbit, 1Gbit (repeatable; default 1Gbit, 10Gbit)")
-    p.add_argument("--latency", type=float, default=0.0, help="one-way latency in ms")
+    p.add_argument("--latency", type=float, default=0.0,
+                   help="one-way latency per dependent step in ms (default 0)")
+    p.add_argument("--wire-overhead", action="store_true",
+                   help=f"count TCP/IP/Ethernet headers ({WIRE_OVERHEAD:.4f} link bytes per "
+                        "payload byte), as a real or tc-shaped link does (default: payload "
+                        "only, as --bandwidth pacing counts)")
+    p.add_argument("--cpu-share", type=float, default=None,
+                   help="fraction of a core each host gets (e.g. 0.1667 on the emulated "
+                        "cluster's 1/6-core hosts); the CPU terms below take W / share")
+    p.add_argument("--server-cpu", type=float, default=0.0,
+                   help="the PS server's CPU ms per round at full speed (decode N pushes, "
+                        "aggregate, encode and send N aggregates); overlaps its link")
+    p.add_argument("--worker-comm-cpu", type=float, default=0.0,
+                   help="a worker's CPU ms per iteration inside a collective (gloo's copies "
+                        "and reductions; PowerSGD's products); in series with the link")
+    p.add_argument("--powersgd-rank", type=int, default=None,
+                   help="add a PowerSGD column at this rank (needs --model for the layer shapes)")
+    p.add_argument("--model", default=None,
+                   help="built-in model whose layer shapes size PowerSGD's factors: lenet "
+                        "(MNIST), lenet-cifar, resnet20 or mlp")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:
@@ -180,9 +212,21 @@ def main(argv=None) -> int:
             s = Setting(args.numel, args.k, args.workers, args.union or args.k, args.compute)
             info = {}
         rates = [parse_rate(b) for b in (args.bandwidth or ["1Gbit", "10Gbit"])]
+        if args.cpu_share is not None and not 0 < args.cpu_share <= 1:
+            raise ValueError(f"--cpu-share must be in (0, 1], got {args.cpu_share}")
+        if args.server_cpu < 0 or args.worker_comm_cpu < 0:
+            raise ValueError("--server-cpu and --worker-comm-cpu must be >= 0 (ms)")
+        s.cpu_share = args.cpu_share
+        s.server_cpu_s, s.worker_comm_cpu_s = args.server_cpu / 1e3, args.worker_comm_cpu / 1e3
+        if args.powersgd_rank is not None:
+            if args.powersgd_rank < 1 or not args.model:
+                raise ValueError("--powersgd-rank needs a rank >= 1 and --model")
+            s.powersgd_entries = sum(powersgd_sizes(model_shapes(args.model),
+                                                    args.powersgd_rank))
     except (OSError, ValueError, KeyError) as exc:
         p.error(str(exc))
-    rows = {f"{r / 1e6:g} Mbit/s": predict(s, r, args.latency / 1000) for r in rates}
+    overhead = WIRE_OVERHEAD if args.wire_overhead else 1.0
+    rows = {f"{r / 1e6:g} Mbit/s": predict(s, r, args.latency / 1000, overhead) for r in rates}
     if args.json:
         print(json.dumps({"setting": s.__dict__, **info, "predicted_s": rows}, indent=1))
         return 0

@@ -95,6 +95,31 @@ def test_model_cpu_terms_on_cpu_shares():
                            cpu_share=0.25), 8e6) == plain
 
 
+def test_model_cli_takes_the_cpu_terms_and_powersgd():
+    """psparse-model's flags reach the formulas: the same figures as predict() with them."""
+    from psparse.costmodel import WIRE_OVERHEAD, model_shapes, powersgd_sizes
+
+    args = ["--numel", "61706", "--k", "617", "--workers", "8", "--compute", "0.025",
+            "--bandwidth", "80mbit", "--latency", "0.2", "--cpu-share", "0.25", "--server-cpu",
+            "7", "--worker-comm-cpu", "19", "--powersgd-rank", "1", "--model", "lenet",
+            "--wire-overhead", "--json"]
+    r = subprocess.run(python_module("psparse.costmodel", *args), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["predicted_s"]["80 Mbit/s"]
+    s = Setting(numel=61706, k=617, workers=8, union=617, compute_s=0.025, cpu_share=0.25,
+                server_cpu_s=0.007, worker_comm_cpu_s=0.019,
+                powersgd_entries=sum(powersgd_sizes(model_shapes("lenet"), 1)))
+    want = predict(s, 80e6, latency_s=0.0002, wire_overhead=WIRE_OVERHEAD)
+    assert got == pytest.approx(want) and "PowerSGD" in got
+    bad = subprocess.run(python_module("psparse.costmodel", *args[:8], "--cpu-share", "2"),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--cpu-share must be in (0, 1]" in bad.stderr
+    bad = subprocess.run(python_module("psparse.costmodel", *args[:8], "--powersgd-rank", "1"),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--powersgd-rank needs" in bad.stderr
+
+
 def test_model_reads_a_run(two_runs):
     s, info = setting_from_run(two_runs[0])
     assert s.workers == 3 and s.numel == 2410 and s.k == 24
