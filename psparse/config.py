@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .memory import MEMORIES, SCALECOM_BETA
 from .transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
@@ -44,6 +45,7 @@ class RunConfig:
     policy: str = "topk"
     policy_args: list[str] | None = None
     memory: str = "residual"
+    memory_beta: float | None = None  # scalecom's filter factor; validate() sets the default
     clip_norm: float | None = None
     density_warmup: float = 0.0
     # How long and how.
@@ -88,8 +90,17 @@ class RunConfig:
              "package.module:factory")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
         need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
-        need(self.memory in ("residual", "dgc"),
-             f"memory must be 'residual' or 'dgc', got {self.memory!r}")
+        need(self.memory in MEMORIES,
+             f"memory must be one of {', '.join(MEMORIES)}, got {self.memory!r}")
+        if self.memory == "scalecom" and self.memory_beta is None:
+            self.memory_beta = SCALECOM_BETA  # recorded in config.json: the beta the run used
+        need(self.memory_beta is None or self.memory == "scalecom",
+             f"memory-beta {self.memory_beta} is the scalecom memory's low-pass filter factor; "
+             f"memory {self.memory!r} has none (drop memory-beta, or use memory scalecom)")
+        need(self.memory_beta is None or (isinstance(self.memory_beta, (int, float))
+                                          and 0 < self.memory_beta <= 1),
+             f"memory-beta must be in (0, 1] (1: plain error feedback; ScaleCom's filter "
+             f"smooths the memory over about 1/beta rounds), got {self.memory_beta!r}")
         need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")
         need(self.density_warmup >= 0, "density-warmup must be >= 0 (epochs)")
         need(self.policy_args is None or all(isinstance(a, str) and "=" in a
@@ -187,8 +198,11 @@ HELP = {
     "policy": "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, core, "
               "vote, or package.module:ClassName",
     "policy_args": "policy parameter key=value (repeatable; default: the policy's defaults)",
-    "memory": "error feedback: residual (acc += g) or dgc (momentum correction + factor "
-              "masking; the optimizer then applies plain SGD)",
+    "memory": "error feedback: residual (acc += g), dgc (momentum correction + factor "
+              "masking; the optimizer then applies plain SGD) or scalecom (ScaleCom's "
+              "low-pass-filtered memory, m = (1-beta) m + beta (m + g - sent))",
+    "memory_beta": f"with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain "
+                   f"error feedback (default: {SCALECOM_BETA})",
     "clip_norm": "clip each local gradient to this L2 norm before accumulating "
                  "(default: no clipping)",
     "density_warmup": "DGC warm-up: density 25%, 6.25%, 1.56%, ... in the first this-many "

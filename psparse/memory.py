@@ -1,6 +1,6 @@
 """Error-feedback memory: how gradients become the accumulator a policy selects from.
 
-GRACE calls this the "memory" half of a compressor. Two kinds, both composable with any
+GRACE calls this the "memory" half of a compressor. Three kinds, all composable with any
 selection policy:
 
 * ``residual`` (default): acc += g. Entries not sent stay in acc and are sent later.
@@ -8,6 +8,39 @@ selection policy:
   u = m*u + g; acc += u. After sending, both acc and u are zeroed at the sent indices
   (momentum factor masking), and the optimizer applies the aggregate with *plain* SGD,
   since momentum already happened locally.
+* ``scalecom``: ScaleCom's low-pass-filtered memory (Chen et al., "ScaleCom: Scalable
+  Sparsified Gradient Compression for Communication-Efficient Distributed Training", NeurIPS
+  2020, Algorithm 1, its memory-update line). With m_t the worker's memory, g_t its gradient
+  and s_t what it sends (p_t at the sent indices, zero elsewhere)::
+
+      p_t     = m_t + g_t                          the error-feedback gradient (selected from)
+      r_t     = p_t - s_t                          plain error feedback's next memory
+      m_{t+1} = (1 - beta) * m_t + beta * r_t      a first-order low-pass filter over r_t
+              = m_t + beta * (g_t - s_t)
+
+  beta = 1 is plain error feedback (``residual``). A smaller beta smooths the memory over
+  about 1/beta rounds, so the workers' memories, built from gradients of the same model,
+  grow alike, and the leader's top-k (``cltk``, ScaleCom's cyclic local top-k) suits the
+  other workers too. Two consequences of the update, both exact:
+
+  - a sent entry is not zeroed: it keeps (1 - beta) * m_t[j] (the old memory, decayed), and
+    an unsent one gains only beta * g_t[j];
+  - nothing is lost, only delayed: summed from m_0 = 0, m_T = beta * sum_t (g_t - s_t), so
+    **sum_t g_t = sum_t s_t + m_T / beta**. What a worker has computed equals what it has
+    sent plus its memory divided by beta; the difference to plain error feedback's
+    "sent + memory" is (1/beta - 1) * m_T, still to be sent (tests/test_memory_scalecom.py).
+    No rescaling of the update is needed: over a run the aggregate carries the whole gradient.
+
+  Source note: the search tools of this project reached the paper's abstract, the IBM
+  summary and a NeurIPS review ("error feedback with low-pass filtering"), not its full
+  text, so its equation numbers could not be checked. The update above is the memory line of
+  the paper's Algorithm 1 as recalled, m_{t+1} = (1 - beta) m_t + beta (m_t + g_t - s_t):
+  the only reading under which beta = 1 (no filtering) is ordinary error feedback. The other
+  reading, m_{t+1} = (1 - beta) m_t + beta (g_t - s_t), would drop the unsent old memory at
+  beta = 1 (no error feedback at all), so it is not used. The default beta = 0.1
+  (``SCALECOM_BETA``) is the paper's large-batch setting as recalled, likewise unverified
+  here; ``--memory-beta`` sets it. docs/policies.md lists what of the paper is and is not
+  implemented.
 
 Optional local gradient clipping scales g to L2 norm <= clip_norm before it is accumulated.
 ``density_schedule`` gives DGC's warm-up: density 25%, 6.25%, 1.5625%, ... per epoch over the
@@ -23,20 +56,29 @@ import numpy as np
 from . import kernels
 from .xp import array_module
 
-MEMORIES = ("residual", "dgc")
+MEMORIES = ("residual", "dgc", "scalecom")
+SCALECOM_BETA = 0.1  # the low-pass filter's default beta (see the module docstring)
 
 
 class Memory:
-    """The accumulator (and DGC velocity) of one worker, on the host (``xp=numpy``) or the GPU
-    (``xp=cupy``: then ``add`` takes the gradient as a CuPy view of the torch tensor)."""
+    """The accumulator (and DGC velocity, or ScaleCom's filtered memory) of one worker, on the
+    host (``xp=numpy``) or the GPU (``xp=cupy``: then ``add`` takes the gradient as a CuPy
+    view of the torch tensor).
+
+    ``accumulator`` is what the policy selects from: for ``residual`` and ``dgc`` it is also
+    what carries over to the next round; for ``scalecom`` it is p_t = m_t + g_t during a round
+    and scratch between rounds, and ``filtered`` (m_t) carries over."""
 
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
-                 clip_norm: float | None = None, xp=np):
+                 clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA):
         if kind not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {kind!r}")
-        self.kind, self.momentum, self.clip_norm = kind, momentum, clip_norm
+        if kind == "scalecom" and not 0 < beta <= 1:
+            raise ValueError(f"the scalecom memory's beta must be in (0, 1], got {beta!r}")
+        self.kind, self.momentum, self.clip_norm, self.beta = kind, momentum, clip_norm, beta
         self.accumulator = xp.zeros(numel, dtype=xp.float32)
         self.velocity = xp.zeros(numel, dtype=xp.float32) if kind == "dgc" else None
+        self.filtered = xp.zeros(numel, dtype=xp.float32) if kind == "scalecom" else None
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
@@ -44,11 +86,21 @@ class Memory:
             norm = float(array_module(grad).linalg.norm(grad))
             if norm > self.clip_norm:
                 grad = grad * np.float32(self.clip_norm / norm)
+        if self.filtered is not None:  # scalecom: p_t = m_t + g_t
+            return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
         return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
 
     def take(self, indices):
-        """Values at ``indices`` (to push), then zero them there (and the velocity, for DGC)."""
-        return kernels.take(self.accumulator, indices, self.velocity)
+        """Values at ``indices`` (to push), then zero them there (and the velocity, for DGC).
+
+        For ``scalecom`` the zeroed accumulator is r_t, and the memory becomes
+        m_{t+1} = (1 - beta) m_t + beta r_t (the accumulator is left as scratch)."""
+        values = kernels.take(self.accumulator, indices, self.velocity)
+        if self.filtered is not None:
+            self.filtered *= np.float32(1.0 - self.beta)
+            self.accumulator *= np.float32(self.beta)
+            self.filtered += self.accumulator
+        return values
 
     @property
     def optimizer_momentum_applies(self) -> bool:
@@ -56,6 +108,9 @@ class Memory:
         return self.velocity is None
 
     def state_dict(self) -> dict:
+        """The arrays that carry over between rounds (checkpoints save them)."""
+        if self.filtered is not None:  # the accumulator is rebuilt from m_t by the next add
+            return {"filtered": self.filtered}
         state = {"accumulator": self.accumulator}
         if self.velocity is not None:
             state["velocity"] = self.velocity

@@ -39,7 +39,7 @@ from .client import PSClient, ServerGone, WorkerError
 from .config import ConfigError, RunConfig, config_from_json, load_config_file
 from .device import FlatModel, HostBuffers, gpu_array_module
 from .locality import SelectionRecorder
-from .memory import Memory, density_schedule
+from .memory import SCALECOM_BETA, Memory, density_schedule
 from .policies import Layout, PolicyError, build_policy, check_output
 from .rundir import EVAL_VALUES, rank_file
 from .sparsify import NonFiniteError, density_to_k, topk_exact
@@ -120,7 +120,8 @@ class Session:
         self.optimizer = optimizer
         # the GPU path: accumulator, selection and policy state on the device (CuPy kernels)
         self.xp = gpu_array_module(self.device, self.say)
-        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm, xp=self.xp)
+        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm, xp=self.xp,
+                             beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta)
         if optimizer is not None and not self.memory.optimizer_momentum_applies and not (
                 isinstance(optimizer, torch.optim.SGD)
                 and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
@@ -214,7 +215,8 @@ class Session:
         """Join the run: every worker registered and agreed (the server checks) or an error."""
         self.client.register(self.describe_run(), self.net.checksum(), self.start)
         self.say(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
-                 f"policy={self.policy.describe()} memory={self.cfg.memory}")
+                 f"policy={self.policy.describe()} memory={self.cfg.memory}"
+                 + (f"(beta={self.memory.beta})" if self.cfg.memory == "scalecom" else ""))
         if self.last_report is not None and self.last_report[0] == self.start - 1:
             self.client.report(*self.last_report)  # the server may not have written it
         self._t_last = time.perf_counter()
