@@ -66,6 +66,27 @@ def _resnet20_runs() -> dict[str, list[str]]:
     return runs
 
 
+SCALECOM_MEMORY = ["--memory", "scalecom"]  # ScaleCom's filtered memory, its default beta
+
+
+def _scalecom_runs() -> dict[str, list[str]]:
+    """Issue 19: ScaleCom (cltk + its low-pass-filtered memory) against cltk alone, top-k, and
+    core / vote with and without that memory, at density 1% and 0.1%."""
+    runs = {}
+    for density in ("0.01", "0.001"):
+        d = ["--density", density]
+        runs.update({
+            f"topk-d{density}": [*d, *SWEEP_POLICIES["topk"]],
+            f"cltk-d{density}": [*d, *SWEEP_POLICIES["cltk"]],
+            f"scalecom-d{density}": [*d, *SWEEP_POLICIES["cltk"], *SCALECOM_MEMORY],
+            f"core-d{density}": [*d, *SWEEP_POLICIES["core"]],
+            f"vote-d{density}": [*d, *SWEEP_POLICIES["vote"]],
+            f"core-scalecom-d{density}": [*d, *SWEEP_POLICIES["core"], *SCALECOM_MEMORY],
+            f"vote-scalecom-d{density}": [*d, *SWEEP_POLICIES["vote"], *SCALECOM_MEMORY],
+        })
+    return runs
+
+
 # name -> launcher arguments (added to the sweep's base arguments)
 SWEEPS: dict[str, dict] = {
     # issue 6: the thesis-style convergence sweep, CPU-sized (about 80 s per run here)
@@ -154,6 +175,9 @@ SWEEPS: dict[str, dict] = {
             "vote-keep1.5": ["--policy", "vote", "--policy-arg", "keep=1.5"],
         },
     },
+    # issue 19: ScaleCom's filtered memory, on the base of "policies" (LeNet/MNIST, 8 workers,
+    # 2 epochs); seeds on the command line: python -m experiments.run scalecom --seeds 0,1,2
+    "scalecom": {"base": LENET, "runs": _scalecom_runs()},
 }
 
 
