@@ -5,6 +5,8 @@
   accuracy?), and test accuracy against iterations for the main policies at density 1%.
 * ``time-to-accuracy``: test accuracy against wall time on the emulated link.
 * ``resnet20-cifar10``: test accuracy against iterations.
+* ``cifar-lenet``: per density, test accuracy against iterations and against MB broadcast so
+  far, seeds averaged (their range shaded).
 * ``locality``: recurrence of top-k gradient indices and agreement between workers
   (``psparse-locality``), as PNG and text.
 
@@ -107,19 +109,57 @@ def pivot(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def curves(runs: list[tuple[str, str]], path: Path, x: str, title: str,
+def _broadcast_at(run_dir: str) -> list[float]:
+    """Cumulative MB broadcast by the server after each iteration (a baseline's ring traffic)."""
+    path = ROOT / run_dir / "metrics.jsonl"
+    total, out = 0.0, []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            m = json.loads(line)
+            total += m.get("broadcast_bytes", m.get("allreduce_bytes", 0) / 2) / 1e6
+            out.append(total)
+    return out
+
+
+def curves(runs: list[tuple[str, str | list[str]]], path: Path, x: str, title: str,
            target: float | None = None) -> Path:
-    """Test accuracy of (label, run_dir) pairs against iterations (x="iter") or seconds."""
+    """Test accuracy of (label, run_dir) pairs against iterations (x="iter"), seconds
+    (x="time") or MB broadcast so far (x="broadcast", log scale). A label with a list of run
+    directories (seeds) is drawn as their mean, with their range shaded."""
+    import numpy as np
+
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, run_dir in runs:
-        evals = _evals(run_dir)
-        xs = [e["iter"] + 1 if x == "iter" else e["time_s"] for e in evals]
-        ax.plot(xs, [100 * e["test_acc"] for e in evals], marker="o", ms=3, lw=1.2,
-                label=label)
+    for label, dirs in runs:
+        dirs = [dirs] if isinstance(dirs, str) else dirs
+        series = []
+        for run_dir in dirs:
+            evals = _evals(run_dir)
+            if x == "iter":
+                xs = [e["iter"] + 1 for e in evals]
+            elif x == "time":
+                xs = [e["time_s"] for e in evals]
+            else:
+                sent = _broadcast_at(run_dir)
+                xs = [sent[min(e["iter"], len(sent) - 1)] for e in evals]
+            series.append((xs, [100 * e["test_acc"] for e in evals]))
+        n = min(len(xs) for xs, _ in series)  # seeds evaluate at the same iterations
+        xs = np.mean([xs[:n] for xs, _ in series], axis=0)
+        accs = np.array([a[:n] for _, a in series])
+        name = label if len(series) == 1 else f"{label} (mean of {len(series)} seeds)"
+        line, = ax.plot(xs, accs.mean(axis=0), marker="o", ms=3, lw=1.2, label=name)
+        if len(series) > 1:
+            ax.fill_between(xs, accs.min(axis=0), accs.max(axis=0), color=line.get_color(),
+                            alpha=0.15, lw=0)
     if target is not None:
         ax.axhline(100 * target, color="grey", ls=":", lw=1, label=f"target {100 * target:g}%")
-    ax.set_xlabel("iteration" if x == "iter" else "wall time (s)")
+    ax.set_xlabel({"iter": "iteration", "time": "wall time (s)",
+                   "broadcast": "MB broadcast by the server so far (log)"}[x])
+    if x == "broadcast":
+        from matplotlib.ticker import NullFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -156,6 +196,19 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
             locality.plot(result, written[-1])
             written.append(RESULTS / f"{stem}-{name}.txt")
             written[-1].write_text(locality.summary_text(result) + "\n")
+    elif sweep == "cifar-lenet":
+        # per density: every run (seeds averaged) and dense, against iterations and against
+        # MB broadcast
+        seeds: dict[str, list[str]] = {}
+        for r in rows:
+            if "failed" not in r:
+                seeds.setdefault(r["run"], []).append(r["dir"])
+        for density, label in (("0.01", "1%"), ("0.001", "0.1%")):
+            runs = [(n, d) for n, d in seeds.items() if n == "dense" or n.endswith(f"-d{density}")]
+            for x, what in (("iter", "iterations"), ("broadcast", "broadcast")):
+                written.append(curves(
+                    runs, RESULTS / f"{stem}-d{density}-{what}.png", x,
+                    f"LeNet-5 / CIFAR-10, 8 workers, density {label}: test accuracy", target))
     elif sweep.startswith("resnet20-cifar10"):
         runs = [(n, r["dir"]) for n, r in ok.items()]
         written.append(curves(runs, RESULTS / f"{stem}-accuracy.png", "iter",

@@ -4,8 +4,10 @@
     python -m experiments.run policies --only core,topk --seeds 0,1,2
 
 Each run's directory lands in runs/<sweep>/<run>-s<seed>/; the table (markdown) and the raw
-figures (JSON) in experiments/results/<sweep>.{md,json}. Runs whose summary.json already says
-"ok" with the same configuration are reused, so an interrupted sweep resumes.
+figures (JSON) in experiments/results/<sweep>.{md,json}. Runs that finished with the same
+configuration are reused, and a run stopped part-way continues from its newest checkpoint when
+the sweep saves them (--checkpoint-every), so an interrupted sweep resumes where it stopped.
+Seeds: --seeds for every run, else the sweep's own per run ("seeds"), else 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import figures
+from psparse import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -64,6 +67,22 @@ def _resnet20_runs() -> dict[str, list[str]]:
         for name in ("topk", "core", "cltk"):
             runs[f"{name}-d{density}"] = ["--density", density, *SWEEP_POLICIES[name]]
     return runs
+
+
+# issue 16: dense, top-k and the two aligning rules best on LeNet/MNIST (core, vote) on three
+# seeds, the other rules on one
+CIFAR_LENET_POLICIES = ("topk", "frequency", "ema", "penalty", "core", "vote", "cltk")
+CIFAR_LENET_THREE_SEEDS = ("topk", "core", "vote")
+
+
+def _cifar_lenet_runs() -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    """Dense, and every policy of the issue at density 1% and 0.1%; seeds per run."""
+    runs, seeds = {"dense": ["--density", "1"]}, {"dense": [0, 1, 2]}
+    for density in ("0.01", "0.001"):
+        for name in CIFAR_LENET_POLICIES:
+            runs[f"{name}-d{density}"] = ["--density", density, *SWEEP_POLICIES[name]]
+            seeds[f"{name}-d{density}"] = [0, 1, 2] if name in CIFAR_LENET_THREE_SEEDS else [0]
+    return runs, seeds
 
 
 SCALECOM_MEMORY = ["--memory", "scalecom"]  # ScaleCom's filtered memory, its default beta
@@ -141,6 +160,28 @@ SWEEPS: dict[str, dict] = {
         "runs": _resnet20_runs(),
         "target": 0.9,
     },
+    # issue 16: CIFAR-10 trained to convergence on CPU with the thesis era's small CNN, LeNet-5
+    # for 3x32x32 input (62,006 parameters; k = 620 at 1%, 62 at 0.1%). 8 workers x 32 images
+    # (195 iterations per epoch) with crop-and-flip augmentation; SGD lr 0.05, momentum 0.9,
+    # weight decay 5e-4; 30 epochs (5,850 iterations), step schedule: lr x0.1 at epochs 20 and
+    # 27; the whole test set evaluated every epoch; a checkpoint every epoch, so a sweep that
+    # is stopped resumes the run it stopped in from its last whole epoch (run_one). Seeds 0, 1,
+    # 2 for dense, top-k, core and vote, seed 0 for the rest: 29 runs. Time, estimated (not
+    # run yet): a worker's iteration costs 13.0 CPU-ms here against MNIST LeNet's 10.7 (one
+    # thread, forward, backward, step, batch with augmentation), so about 85 ms per iteration
+    # on the idle 2-core machine (MNIST's 5-epoch runs took 60-80), 8-9 min of training, plus
+    # 30 evaluations of 1.3 CPU-s and start-up: ~10 min per run, ~5 h for the sweep. (One
+    # 40-iteration run on a busy half-core share took 0.97 s per iteration.)
+    "cifar-lenet": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "cifar10", "--batch-size",
+                 "32", "--lr", "0.05", "--lr-steps", "20,27", "--momentum", "0.9",
+                 "--weight-decay", "5e-4", "--epochs", "30", "--eval-every", "195",
+                 "--checkpoint-every", "195"],
+        "runs": _cifar_lenet_runs()[0],
+        "seeds": _cifar_lenet_runs()[1],
+        "target": 0.6,
+        "progress": True,  # ~10 min per run: show the launcher's progress line
+    },
     # issue 6 / thesis section 6.2: are large gradient entries few, and do they recur on the
     # same indices over short periods? One epoch of top-k, every worker recording its top-k.
     "locality": {
@@ -181,8 +222,23 @@ SWEEPS: dict[str, dict] = {
 }
 
 
+# Exit codes of a launcher that was stopped rather than one whose run failed: interrupted
+# (130: SIGINT or SIGTERM), or killed by a signal (negative).
+INTERRUPTED = 130
+
+
 def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None,
-            target: float) -> dict:
+            target: float, progress: bool = False, label: str = "") -> dict:
+    """One run of a sweep: reused when finished, resumed from its newest checkpoint when it
+    was stopped part-way, else started; its row of figures.
+
+    A run's directory holds ``started.json`` (its arguments, written before the launcher
+    starts) and ``command.json`` (the same, written once the launcher has finished, whether the
+    run succeeded or failed). A directory with command.json equal to the run's arguments is a
+    finished run and is reused. One with only started.json and a checkpoint that the server
+    and every worker saved (``--checkpoint-every``) is continued with ``psparse-launch
+    --resume``; without a checkpoint it starts over. A launcher that was interrupted or killed
+    stops the sweep (SystemExit) without writing command.json, so the next call resumes it."""
     out = ROOT / "runs" / sweep / f"{name}-s{seed}"
     cmd = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet", *args,
            "--seed", str(seed)]
@@ -192,18 +248,39 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     # The run's identity is its arguments, not where the checkout lives (sweeps are often run
     # from a separate worktree so that editing the code does not change a running sweep).
     identity = cmd[6:]
-    done = summary_path.is_file() and (out / "command.json").is_file() \
-        and json.loads((out / "command.json").read_text()) == identity
+
+    def same(file: str) -> bool:
+        path = out / file
+        return path.is_file() and json.loads(path.read_text()) == identity
+
+    done = summary_path.is_file() and same("command.json")
     if not done:
         t = time.perf_counter()
-        print(f"[{sweep}] {name} seed {seed} ...", flush=True)
-        r = subprocess.run(cmd, cwd=ROOT)
+        saved = None
+        if same("started.json") and (out / "config.json").is_file():
+            workers = json.loads((out / "config.json").read_text())["workers"]
+            saved = checkpoint.latest_common(out, workers)
+        if saved is not None:
+            print(f"[{sweep}] {label}{name} seed {seed}: resuming at iteration {saved} ...",
+                  flush=True)
+            launch = [sys.executable, "-m", "psparse.launch", "--resume", str(out)]
+            launch += [] if progress else ["--quiet"]
+        else:
+            print(f"[{sweep}] {label}{name} seed {seed} ...", flush=True)
+            launch = [c for c in cmd if c != "--quiet"] if progress else cmd
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "command.json").unlink(missing_ok=True)
+            (out / "started.json").write_text(json.dumps(identity))
+        r = subprocess.run(launch, cwd=ROOT)
+        if r.returncode == INTERRUPTED or r.returncode < 0:
+            raise SystemExit(f"[{sweep}] {name} seed {seed} stopped (exit {r.returncode}); run "
+                             "the same command again to resume it from its last checkpoint")
         out.mkdir(parents=True, exist_ok=True)  # a launcher that failed early may not have
         (out / "command.json").write_text(json.dumps(identity))
         if r.returncode != 0:
             print(f"[{sweep}] {name} seed {seed} FAILED (exit {r.returncode}); logs in {out}",
                   flush=True)
-        print(f"[{sweep}] {name} seed {seed} done in {time.perf_counter() - t:.0f} s",
+        print(f"[{sweep}] {label}{name} seed {seed} done in {time.perf_counter() - t:.0f} s",
               flush=True)
     if not summary_path.is_file():
         return {"run": name, "seed": seed, "failed": "no summary (see logs)",
@@ -214,6 +291,7 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
                 "dir": str(out.relative_to(ROOT))}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    workers, numel = summary["world_size"], summary["numel"]
     row = {"run": name, "seed": seed, "test_acc": summary["test_acc"],
            "best_acc": max(e["test_acc"] for e in evals),
            "broadcast_mb": summary["broadcast_mb"], "upload_mb": summary["upload_mb"],
@@ -223,7 +301,18 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
            # wall time at the first evaluation that reached the target (None: never reached)
            "time_to_target_s": next((e["time_s"] for e in evals if e["test_acc"] >= target),
                                     None),
+           "iterations": summary["iterations"], "workers": workers, "numel": numel,
+           # bytes on the wire per iteration, all processes together: the workers' pushes
+           # (two-phase policies' proposals included) and the server's broadcast (vote's and
+           # cltk's index broadcast included), or a baseline's ring traffic; over what a dense
+           # ring allreduce of the same model sends (ALLREDUCE_DEFINITION)
+           "sent_bytes_per_iteration": float(np.mean([
+               m["allreduce_bytes"] if "allreduce_bytes" in m
+               else m["upload_bytes"] + m["broadcast_bytes"] for m in metrics])),
+           "allreduce_bytes_per_iteration": dense_allreduce_bytes(workers, numel),
            "dir": str(out.relative_to(ROOT))}
+    row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
+        row["allreduce_bytes_per_iteration"]
     if "baseline" in summary:  # DDP: dense ring allreduce, no union; bytes = ring traffic
         row.update(baseline=summary["baseline"], union_k_mean=1.0, union_k_p95=1.0,
                    k_mean=float(summary["numel"]))
@@ -234,31 +323,53 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     return row
 
 
+ALLREDUCE_DEFINITION = (
+    "(up + bcast) / allreduce: the bytes all workers push (proposals included) plus the bytes "
+    "the server broadcasts (index broadcasts included), per iteration, over the bytes a dense "
+    "ring allreduce of the same model sends per iteration, all workers together: N workers x "
+    "2(N-1)/N x numel x 4 B (reduce-scatter and all-gather, float32; the same count as the "
+    "DDP baseline's allreduce_bytes, so DDP is 1.00). psparse's counts include message "
+    "headers, the ring's do not; dense exchange through the server is 2N/(2(N-1)) = 1.14 at "
+    "N = 8.")
+
+
+def dense_allreduce_bytes(workers: int, numel: int) -> float:
+    """Bytes a dense float32 ring allreduce sends per iteration, all workers together:
+    each of N workers sends 2(N-1)/N x numel x 4 B (reduce-scatter, then all-gather)."""
+    return workers * 2 * (workers - 1) / workers * numel * 4
+
+
 def table(rows: list[dict]) -> str:
+    """The sweep's table: one line per run, means over its seeds; "±" is the sample standard
+    deviation over seeds (ddof=1); the definition of the bytes ratio below it."""
     by_run: dict[str, list[dict]] = {}
     for r in rows:
         by_run.setdefault(r["run"], []).append(r)
     target = next((r["target_acc"] for r in rows if "target_acc" in r), 0.98)
-    lines = ["| run | seeds | final acc % | best acc % | union/k mean | union/k p95 | "
-             f"broadcast MB | upload MB | mean k | ms/iter | s to {100 * target:g}% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | seeds | final acc % (± sample SD) | best acc % | union/k mean | "
+             "union/k p95 | broadcast MB | upload MB | (up + bcast) / allreduce | mean k | "
+             f"ms/iter | s to {100 * target:g}% |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in by_run.items():
         failed = [r for r in rs if "failed" in r]
         if failed:
             lines.append(f"| {name} | {len(rs)} | failed: {failed[0]['failed'][:90]} | | | | | "
-                         "| | | |")
+                         "| | | | |")
             continue
         acc = np.array([r["test_acc"] for r in rs]) * 100
-        accs = f"{acc.mean():.2f}" + (f" ± {acc.std():.2f}" if len(rs) > 1 else "")
+        accs = f"{acc.mean():.2f}" + (f" ± {acc.std(ddof=1):.2f}" if len(rs) > 1 else "")
         mean = lambda key: np.mean([r[key] for r in rs])  # noqa: E731
         reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
         to_target = (f"{np.mean(reached):.0f}" if len(reached) == len(rs) else
                      f"not reached ({len(rs) - len(reached)} of {len(rs)})")
+        # rows made before the column existed do not have it
+        ratio = f"{mean('sent_over_allreduce'):.3f}" \
+            if all("sent_over_allreduce" in r for r in rs) else "—"
         lines.append(f"| {name} | {len(rs)} | {accs} | {100 * mean('best_acc'):.2f} | "
                      f"{mean('union_k_mean'):.2f} | {mean('union_k_p95'):.2f} | "
-                     f"{mean('broadcast_mb'):.1f} | {mean('upload_mb'):.1f} | "
+                     f"{mean('broadcast_mb'):.1f} | {mean('upload_mb'):.1f} | {ratio} | "
                      f"{mean('k_mean'):.0f} | {mean('ms_per_iteration'):.1f} | {to_target} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + ALLREDUCE_DEFINITION
 
 
 def main(argv=None) -> int:
@@ -266,7 +377,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", choices=sorted(SWEEPS))
     p.add_argument("--only", default=None, help="comma-separated run names of the sweep")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds for every run (default: the sweep's seeds per "
+                        "run, else 0)")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
     p.add_argument("--stem", default=None,
                    help="name of the results files (default: the sweep, plus the --only runs)")
@@ -278,15 +391,24 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in sweep["runs"]]
     if unknown:
         p.error(f"unknown run(s) {unknown}; the sweep has {list(sweep['runs'])}")
+    if args.seeds is not None:
+        seeds = {name: [int(s) for s in args.seeds.split(",")] for name in names}
+    else:
+        seeds = {name: sweep.get("seeds", {}).get(name, [0]) for name in names}
+    # seed-major, as before: every run's seed 0 first, so a stopped sweep has one of each
+    plan = [(name, seed) for seed in sorted({s for v in seeds.values() for s in v})
+            for name in names if seed in seeds[name]]
     if args.dry_run:
         for name in names:
-            print(f"{name}: psparse-launch {' '.join(sweep['base'] + sweep['runs'][name])}")
+            print(f"{name} (seeds {','.join(map(str, seeds[name]))}): psparse-launch "
+                  f"{' '.join(sweep['base'] + sweep['runs'][name])}")
         return 0
     rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for name in names:
-            rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
-                                args.data_dir, sweep.get("target", 0.98)))
+    for i, (name, seed) in enumerate(plan):
+        rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
+                            args.data_dir, sweep.get("target", 0.98),
+                            progress=sweep.get("progress", False),
+                            label=f"{i + 1}/{len(plan)} "))
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.stem or (args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}")
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))

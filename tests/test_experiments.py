@@ -48,6 +48,24 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert "| dense | 1 |" in table and "| topk-d0.05 | 1 |" in table and "s to 50%" in table
     png = tmp_path / "results" / "time-to-accuracy.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # total bytes against a dense ring allreduce (2 workers: each sends numel x 4 B): dense
+    # exchange through the server moves twice that, plus message headers
+    import json
+
+    rows = {r["run"]: r for r in json.loads((tmp_path / "results" /
+                                              "time-to-accuracy.json").read_text())}
+    assert rows["dense"]["allreduce_bytes_per_iteration"] == 2 * rows["dense"]["numel"] * 4
+    assert 2.0 < rows["dense"]["sent_over_allreduce"] < 2.1
+    assert rows["topk-d0.05"]["sent_over_allreduce"] < 0.5
+    assert "(up + bcast) / allreduce" in table
+    # the cifar-lenet figures from these runs: per density, against iterations and against MB
+    # broadcast, a run with two seeds drawn as their mean
+    named = [{**rows["dense"]}, {**rows["topk-d0.05"], "run": "topk-d0.01"},
+             {**rows["topk-d0.05"], "run": "topk-d0.01", "seed": 1}]
+    drawn = figures.build("cifar-lenet", "cl", named)
+    assert sorted(p.name for p in drawn) == sorted(
+        f"cl-d{d}-{x}.png" for d in ("0.01", "0.001") for x in ("iterations", "broadcast"))
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in drawn)
     assert run.main(["time-to-accuracy"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out  # reused
 
@@ -112,3 +130,98 @@ def test_config_json_records_the_code_and_reads_back(tmp_path):
         '{"workers": 3, "provenance": {"git_commit": "x"}, "baseline": "powersgd", '
         '"powersgd_rank": 1}')
     assert load_config_file(tmp_path / "config.json") == {"workers": 3}
+
+
+def test_cifar_lenet_sweep_covers_the_issue():
+    """Issue 16: LeNet-5 on CIFAR-10 to convergence, 8 workers, densities 1% and 0.1%, the
+    issue's policies, three seeds for dense, top-k, core and vote, checkpoints to resume."""
+    from experiments.run import SWEEPS
+
+    sweep = SWEEPS["cifar-lenet"]
+    cfg = resolve_config(build_parser().parse_args(["--out", "x", *sweep["base"]]))
+    assert (cfg.model, cfg.dataset, cfg.workers, cfg.epochs) == ("lenet", "cifar10", 8, 30)
+    assert cfg.lr_step_epochs() == [20, 27] and cfg.checkpoint_every == cfg.eval_every == 195
+    policies = ("topk", "frequency", "ema", "penalty", "core", "vote", "cltk")
+    assert set(sweep["runs"]) == {"dense"} | {f"{p}-d{d}" for p in policies
+                                              for d in ("0.01", "0.001")}
+    three = {n for n, s in sweep["seeds"].items() if s == [0, 1, 2]}
+    assert three == {"dense"} | {f"{p}-d{d}" for p in ("topk", "core", "vote")
+                                 for d in ("0.01", "0.001")}
+    assert all(sweep["seeds"][n] == [0] for n in set(sweep["runs"]) - three)
+    assert sum(len(s) for s in sweep["seeds"].values()) == 29
+
+
+def test_the_table_shows_sample_sd_and_bytes_over_a_dense_allreduce():
+    from experiments.run import dense_allreduce_bytes, table
+
+    # the three top-k seeds of results/policies-topk-core-vote-keep1.5.json
+    rows = [{"run": "topk", "seed": s, "test_acc": a, "best_acc": a, "union_k_mean": 6.1,
+             "union_k_p95": 6.8, "broadcast_mb": 71.0, "upload_mb": 12.4, "k_mean": 617,
+             "ms_per_iteration": 60.0, "time_to_target_s": None, "target_acc": 0.98,
+             "sent_over_allreduce": 0.05}
+            for s, a in enumerate((0.9875, 0.9765, 0.9815))]
+    text = table(rows)
+    assert "| topk | 3 | 98.18 ± 0.55 |" in text  # ddof=1; the population SD was 0.45
+    assert "| 0.050 |" in text and "2(N-1)/N x numel x 4 B" in text
+    # a ring allreduce of 61,706 floats among 8 workers: 7/4 x 246,824 B per worker
+    assert dense_allreduce_bytes(8, 61706) == 8 * 2 * 7 / 8 * 61706 * 4 == 3455536
+
+
+def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """The sweep driver killed mid-run (driver, launcher, server and workers together, as when a
+    session ends) continues that run from its newest checkpoint on the next call instead of
+    starting it over, and ends with the whole run."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import read_jsonl
+
+    from experiments import figures, run
+
+    tiny = {"base": ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations",
+                     "400", "--eval-every", "100", "--checkpoint-every", "100", "--threads",
+                     "1"],
+            "runs": {"topk-d0.05": ["--density", "0.05"]}}
+    code = ("import sys\nfrom pathlib import Path\nfrom experiments import figures, run\n"
+            f"for m in (run, figures):\n    m.ROOT = Path({str(tmp_path)!r})\n"
+            "    m.RESULTS = m.ROOT / 'results'\n"
+            f"run.SWEEPS['tiny'] = {tiny!r}\nsys.exit(run.main(['tiny']))\n")
+    repo = Path(run.__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = tmp_path / "runs" / "tiny" / "topk-d0.05-s0"
+    deadline = time.monotonic() + 240
+    try:
+        while not ((out / "checkpoint" / "server-200.pt").is_file()
+                   and len(read_jsonl(out / "metrics.jsonl")) >= 230):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the sweep and everything it started
+    first = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, first
+    stopped_at = len(read_jsonl(out / "metrics.jsonl"))
+    assert 230 <= stopped_at < 400
+    assert not (out / "command.json").exists() and (out / "started.json").is_file()
+    before = (out / "metrics.jsonl").read_text().splitlines()[:200]
+
+    for module in (run, figures):
+        monkeypatch.setattr(module, "ROOT", tmp_path)
+        monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
+    monkeypatch.setitem(run.SWEEPS, "tiny", tiny)
+    assert run.main(["tiny"]) == 0
+    printed = capsys.readouterr().out
+    assert "topk-d0.05 seed 0: resuming at iteration 200 ..." in printed, printed
+    assert "resumed at iteration 200" in (out / "logs" / "server.log").read_text()
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(m)["iter"] for m in metrics] == list(range(400))
+    assert metrics[:200] == before  # not run again: the first 200 rounds keep their times
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    assert "| topk-d0.05 | 1 |" in (tmp_path / "results" / "tiny.md").read_text()
+    assert run.main(["tiny"]) == 0
+    assert "seed 0" not in capsys.readouterr().out.replace("[tiny]", "")  # finished: reused
