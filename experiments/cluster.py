@@ -84,11 +84,12 @@ def sh(*cmd: str, check: bool = True) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=check).stdout
 
 
-def cluster_up(rate: str, hosts: int, cpus: float = HOST_CPUS) -> list[str]:
+def cluster_up(rate: str, hosts: int, cpus: float = HOST_CPUS, pin: bool = True) -> list[str]:
     sh("bash", str(NETNS), "down", CLUSTER, check=False)
     return subprocess.run(["bash", str(NETNS), "cluster", CLUSTER, str(hosts), rate],
                           capture_output=True, text=True, check=True,
-                          env={**os.environ, "PSNET_CPUS": str(cpus)}).stdout.split()
+                          env={**os.environ, "PSNET_CPUS": str(cpus),
+                               "PSNET_PIN": "1" if pin else "0"}).stdout.split()
 
 
 def cluster_down() -> None:
@@ -213,7 +214,12 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
     args = MODELS[model]["base"] + RUNS[name] + ["--seed", "0"]
     if data_dir:
         args += ["--data-dir", data_dir]
-    identity = {"args": args, "rate": rate}
+    # the hosts' CPU: share and pinning (netns.sh pins each host to one CPU; PSNET_PIN=0 not)
+    cpuset = Path(f"/sys/fs/cgroup/cpuset/psparse-{CLUSTER}-h1/cpuset.cpus")
+    identity = {"args": args, "rate": rate,
+                "cpu_share": int(Path(f"/sys/fs/cgroup/cpu/psparse-{CLUSTER}-h0/"
+                                      "cpu.cfs_quota_us").read_text()) / 10000,
+                "pinned": cpuset.is_file() and bool(cpuset.read_text().strip())}
     if reusable(out, identity, code_id, reuse_any):
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -247,7 +253,8 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
     after = link_counters(WORKERS + 1)
     (out / "links.json").write_text(json.dumps(
         {**{h: {"rx_bytes": after[h][0] - before[h][0], "tx_bytes": after[h][1] - before[h][1]}
-            for h in after}, "cpu_share": quota / 10000}, indent=1))
+            for h in after}, "cpu_share": quota / 10000, "pinned": identity["pinned"]},
+        indent=1))
     (out / "command.json").write_text(json.dumps(identity))
     print(f"[cluster] {model} {rate} {name} exit {r.returncode} in "
           f"{time.perf_counter() - t:.0f} s", flush=True)
@@ -488,6 +495,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", type=float, default=HOST_CPUS,
                    help="cores shared by the 9 hosts, 1/9 each (default %(default)s of this "
                         "machine's; leave the rest to everything else, capped in a cgroup)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin each host to one CPU (the first sweeps' setting)")
     p.add_argument("--table-only", action="store_true", help="no runs: tables from runs/")
     p.add_argument("--probe-steps", action="store_true",
                    help="only measure the per-step cost of a tiny gloo allreduce on the "
@@ -495,7 +504,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.probe_steps:
         rate = (args.rates or "80mbit").split(",")[0]
-        addrs = cluster_up(rate, WORKERS + 1, args.cpus)
+        addrs = cluster_up(rate, WORKERS + 1, args.cpus, not args.no_pin)
         try:
             per = probe_allreduce(addrs, 1)
         finally:
@@ -515,7 +524,7 @@ def main(argv=None) -> int:
         for rate in rates:
             if args.table_only:
                 continue
-            addrs = cluster_up(rate, WORKERS + 1, args.cpus)
+            addrs = cluster_up(rate, WORKERS + 1, args.cpus, not args.no_pin)
             try:
                 for name in names:
                     run_one(model, rate, name, addrs, code_id, args.reuse_any, args.data_dir)

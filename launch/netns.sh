@@ -13,8 +13,12 @@
 # kernel has netem (else a clear refusal). Each host also gets a CPU share: a cgroup (v1 cpu)
 # psparse-NAME-h<i> with a CFS quota of CPUS / HOSTS cores (CPUS: $PSNET_CPUS, may be a fraction
 # like 1.5, default all of this machine's), so that emulated hosts compute side by side as on separate machines, not one
-# after another. launch/nsrsh.sh HOST 'COMMAND' runs a command on a host (its namespace and its
-# cgroup): the --rsh of psparse-launch --hostfile. Prints the hosts' addresses, h0 first.
+# after another; and each host is pinned to one CPU (cgroup v1 cpuset psparse-NAME-h<i>, CPU
+# i modulo this machine's CPUs), as a host's share of one core: a quota smaller than the
+# kernel's bandwidth slice (sched_cfs_bandwidth_slice_us, 5 ms) cannot be split between a
+# host's threads on two CPUs without stalls, which a real host does not have
+# (PSNET_PIN=0: no pinning). launch/nsrsh.sh HOST 'COMMAND' runs a command on a host (its
+# namespace and its cgroups): the --rsh of psparse-launch --hostfile. Prints the hosts' addresses, h0 first.
 #
 # Creates namespaces NAME-srv (10.213.N.1) and NAME-wrk (10.213.N.2), N from 1..250 (printed).
 # RATE shapes both directions with a token bucket (tc tbf); DELAY adds one-way latency (netem).
@@ -119,6 +123,12 @@ cluster)
             echo "$period" > "$cg/cpu.cfs_period_us"
             echo "$quota" > "$cg/cpu.cfs_quota_us"
         fi
+        cs=/sys/fs/cgroup/cpuset/psparse-$ns
+        if [ "${PSNET_PIN:-1}" = 1 ] && [ -d /sys/fs/cgroup/cpuset ]; then
+            mkdir -p "$cs"
+            echo $(( i % $(nproc) )) > "$cs/cpuset.cpus"
+            cat /sys/fs/cgroup/cpuset/cpuset.mems > "$cs/cpuset.mems"
+        fi
         addrs="$addrs 10.214.$net.$((i + 1))"
     done
     echo "${addrs# }"
@@ -128,8 +138,9 @@ down)
     ip netns del "$wrk" 2>/dev/null || true
     for ns in $(ip netns list | awk '{print $1}' | grep -E "^${name}-(h[0-9]+|sw)\$" || true); do
         ip netns del "$ns" 2>/dev/null || true
-        cg=/sys/fs/cgroup/cpu/psparse-$ns
-        [ -d "$cg" ] && rmdir "$cg" 2>/dev/null || true
+        for cg in /sys/fs/cgroup/cpu/psparse-$ns /sys/fs/cgroup/cpuset/psparse-$ns; do
+            [ -d "$cg" ] && rmdir "$cg" 2>/dev/null || true
+        done
     done
     ;;
 *)

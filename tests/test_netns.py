@@ -151,9 +151,16 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
             # a worker started from inside h0 (where the launcher runs: `ip netns exec`
             # remounted /sys there) still lands in its own host's share, not h0's
             nested = subprocess.run(
-                [*rsh, f"{name}-h0", shlex.join([*rsh, f"{name}-h2", "grep cpu: /proc/self/cgroup"])],
+                [*rsh, f"{name}-h0", shlex.join([*rsh, f"{name}-h2", "cat /proc/self/cgroup"])],
                 capture_output=True, text=True, timeout=30)
-            assert nested.stdout.strip().endswith(f"/psparse-{name}-h2"), nested
+            joined = dict(line.split(":", 2)[1:] for line in nested.stdout.splitlines())
+            assert joined.get("cpu,cpuacct", joined.get("cpu", "")).endswith(
+                f"/psparse-{name}-h2"), nested
+            # and on its own CPU (a host's share of one core: see netns.sh on the slice)
+            cpus = Path(f"/sys/fs/cgroup/cpuset/psparse-{name}-h2/cpuset.cpus")
+            if cpus.parent.is_dir():
+                assert cpus.read_text().strip() == str(2 % (os.cpu_count() or 1))
+                assert joined["cpuset"].endswith(f"/psparse-{name}-h2"), nested
         hostfile = tmp_path / "hosts"
         hostfile.write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
         out = tmp_path / "run"
@@ -185,3 +192,4 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{name}-" not in left
     assert not Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h0").exists()
+    assert not Path(f"/sys/fs/cgroup/cpuset/psparse-{name}-h0").exists()
