@@ -87,16 +87,24 @@ def pivot(rows: list[dict]) -> str:
     ok = {r["run"]: r for r in rows}
     settings = [("d0.01", "1%"), ("d0.01-limit2k", "1% + limit 2k"), ("d0.001", "0.1%"),
                 ("d0.001-limit2k", "0.1% + limit 2k")]
+    # upload + broadcast as % of a dense ring allreduce, per iteration (run.ALLREDUCE_DEFINITION),
+    # where the rows have it (rows made before it was recorded do not)
+    ratio = any("sent_over_allreduce" in r for r in rows)
     head = "| policy | " + " | ".join(label for _, label in settings) + " |"
+    what = "acc % · union/k · MB" + (" · up + bcast, % of allreduce" if ratio else "")
     lines = [head, "|---" * (len(settings) + 1) + "|",
-             "| | " + " | ".join("acc % · union/k · MB" for _ in settings) + " |"]
+             "| | " + " | ".join(what for _ in settings) + " |"]
 
     def cell(r):
         if r is None:
             return "—"
         if "failed" in r:
             return "diverged" if "diverged" in r["failed"] else "failed"
-        return f"{100 * r['test_acc']:.2f} · {r['union_k_mean']:.2f} · {r['broadcast_mb']:.1f}"
+        text = f"{100 * r['test_acc']:.2f} · {r['union_k_mean']:.2f} · {r['broadcast_mb']:.1f}"
+        if ratio:
+            text += f" · {100 * r['sent_over_allreduce']:.2f}" if "sent_over_allreduce" in r \
+                else " · —"
+        return text
 
     policies = sorted({name.split("-d")[0] for name in ok if "-d0" in name},
                       key=lambda p: [r["run"] for r in rows].index(f"{p}-d0.01"))

@@ -23,6 +23,7 @@ import numpy as np
 
 from experiments import figures
 from psparse import checkpoint
+from psparse.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -258,8 +259,14 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
         t = time.perf_counter()
         saved = None
         if same("started.json") and (out / "config.json").is_file():
-            workers = json.loads((out / "config.json").read_text())["workers"]
-            saved = checkpoint.latest_common(out, workers)
+            config = json.loads((out / "config.json").read_text())
+            saved = checkpoint.latest_common(out, config["workers"])
+            made_by = config.get("provenance", {}).get("code_id")
+            if saved is not None and made_by != provenance()["code_id"]:
+                # one run, one code: a table states which code made its runs
+                print(f"[{sweep}] {label}{name} seed {seed}: its checkpoint was made by other "
+                      f"code ({made_by}); starting over", flush=True)
+                saved = None
         if saved is not None:
             print(f"[{sweep}] {label}{name} seed {seed}: resuming at iteration {saved} ...",
                   flush=True)
@@ -310,6 +317,9 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
                m["allreduce_bytes"] if "allreduce_bytes" in m
                else m["upload_bytes"] + m["broadcast_bytes"] for m in metrics])),
            "allreduce_bytes_per_iteration": dense_allreduce_bytes(workers, numel),
+           # which code made the run (config.json; None for runs made before it was recorded)
+           "code": json.loads((out / "config.json").read_text()).get(
+               "provenance", {}).get("code_id") if (out / "config.json").is_file() else None,
            "dir": str(out.relative_to(ROOT))}
     row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
         row["allreduce_bytes_per_iteration"]
@@ -324,13 +334,13 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
 
 
 ALLREDUCE_DEFINITION = (
-    "(up + bcast) / allreduce: the bytes all workers push (proposals included) plus the bytes "
-    "the server broadcasts (index broadcasts included), per iteration, over the bytes a dense "
-    "ring allreduce of the same model sends per iteration, all workers together: N workers x "
-    "2(N-1)/N x numel x 4 B (reduce-scatter and all-gather, float32; the same count as the "
-    "DDP baseline's allreduce_bytes, so DDP is 1.00). psparse's counts include message "
-    "headers, the ring's do not; dense exchange through the server is 2N/(2(N-1)) = 1.14 at "
-    "N = 8.")
+    "up + bcast, % of allreduce: the bytes all workers push (proposals included) plus the "
+    "bytes the server broadcasts (index broadcasts included), per iteration, as a share of the "
+    "bytes a dense ring allreduce of the same model sends per iteration, all workers together: "
+    "N workers x 2(N-1)/N x numel x 4 B (reduce-scatter and all-gather, float32; the same "
+    "count as the DDP baseline's allreduce_bytes, so DDP is 100%). psparse's counts include "
+    "message headers, the ring's do not; dense exchange through the server is 2N/(2(N-1)) = "
+    "114% at N = 8.")
 
 
 def dense_allreduce_bytes(workers: int, numel: int) -> float:
@@ -347,7 +357,7 @@ def table(rows: list[dict]) -> str:
         by_run.setdefault(r["run"], []).append(r)
     target = next((r["target_acc"] for r in rows if "target_acc" in r), 0.98)
     lines = ["| run | seeds | final acc % (± sample SD) | best acc % | union/k mean | "
-             "union/k p95 | broadcast MB | upload MB | (up + bcast) / allreduce | mean k | "
+             "union/k p95 | broadcast MB | upload MB | up + bcast, % of allreduce | mean k | "
              f"ms/iter | s to {100 * target:g}% |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in by_run.items():
@@ -363,13 +373,24 @@ def table(rows: list[dict]) -> str:
         to_target = (f"{np.mean(reached):.0f}" if len(reached) == len(rs) else
                      f"not reached ({len(rs) - len(reached)} of {len(rs)})")
         # rows made before the column existed do not have it
-        ratio = f"{mean('sent_over_allreduce'):.3f}" \
+        ratio = f"{100 * mean('sent_over_allreduce'):.2f}" \
             if all("sent_over_allreduce" in r for r in rs) else "—"
         lines.append(f"| {name} | {len(rs)} | {accs} | {100 * mean('best_acc'):.2f} | "
                      f"{mean('union_k_mean'):.2f} | {mean('union_k_p95'):.2f} | "
                      f"{mean('broadcast_mb'):.1f} | {mean('upload_mb'):.1f} | {ratio} | "
                      f"{mean('k_mean'):.0f} | {mean('ms_per_iteration'):.1f} | {to_target} |")
-    return "\n".join(lines) + "\n\n" + ALLREDUCE_DEFINITION
+    return "\n".join(lines) + "\n\n" + ALLREDUCE_DEFINITION + "\n\n" + made_by(rows)
+
+
+def made_by(rows: list[dict]) -> str:
+    """Which code made a table's runs (config.json's provenance), one line."""
+    codes: dict[str, list[str]] = {}
+    for r in rows:
+        codes.setdefault(r.get("code") or "not recorded", []).append(f"{r['run']}-s{r['seed']}")
+    if len(codes) == 1:
+        return f"Made by one code version: {next(iter(codes))}."
+    return (f"Made by {len(codes)} code versions: " +
+            "; ".join(f"{code} ({', '.join(runs)})" for code, runs in codes.items()) + ".")
 
 
 def main(argv=None) -> int:

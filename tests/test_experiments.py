@@ -57,7 +57,10 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert rows["dense"]["allreduce_bytes_per_iteration"] == 2 * rows["dense"]["numel"] * 4
     assert 2.0 < rows["dense"]["sent_over_allreduce"] < 2.1
     assert rows["topk-d0.05"]["sent_over_allreduce"] < 0.5
-    assert "(up + bcast) / allreduce" in table
+    assert "| up + bcast, % of allreduce |" in table
+    from psparse.provenance import provenance
+
+    assert f"Made by one code version: {provenance()['code_id']}." in table
     # the cifar-lenet figures from these runs: per density, against iterations and against MB
     # broadcast, a run with two seeds drawn as their mean
     named = [{**rows["dense"]}, {**rows["topk-d0.05"], "run": "topk-d0.01"},
@@ -162,7 +165,11 @@ def test_the_table_shows_sample_sd_and_bytes_over_a_dense_allreduce():
             for s, a in enumerate((0.9875, 0.9765, 0.9815))]
     text = table(rows)
     assert "| topk | 3 | 98.18 ± 0.55 |" in text  # ddof=1; the population SD was 0.45
-    assert "| 0.050 |" in text and "2(N-1)/N x numel x 4 B" in text
+    assert "| 5.00 |" in text and "2(N-1)/N x numel x 4 B" in text
+    assert "Made by one code version: not recorded." in text
+    rows[0]["code"] = "abc"
+    assert "Made by 2 code versions: abc (topk-s0); not recorded (topk-s1, topk-s2)." in \
+        table(rows)
     # a ring allreduce of 61,706 floats among 8 workers: 7/4 x 246,824 B per worker
     assert dense_allreduce_bytes(8, 61706) == 8 * 2 * 7 / 8 * 61706 * 4 == 3455536
 
