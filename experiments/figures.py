@@ -91,7 +91,7 @@ def pivot(rows: list[dict]) -> str:
     # where the rows have it (rows made before it was recorded do not)
     ratio = any("sent_over_allreduce" in r for r in rows)
     head = "| policy | " + " | ".join(label for _, label in settings) + " |"
-    what = "acc % · union/k · MB" + (" · up + bcast, % of allreduce" if ratio else "")
+    what = "acc % · union/k · MB" + (" · % of allreduce" if ratio else "")
     lines = [head, "|---" * (len(settings) + 1) + "|",
              "| | " + " | ".join(what for _ in settings) + " |"]
 
@@ -114,6 +114,10 @@ def pivot(rows: list[dict]) -> str:
     for ref in ("dense", "ddp"):
         if ref in ok:
             lines.append(f"| {ref} (density 1.0) | {cell(ok[ref])} | | | |")
+    if ratio:
+        lines += ["", "% of allreduce: the workers' pushes plus the server's broadcast per "
+                  "iteration, as a share of the bytes a dense ring allreduce sends "
+                  "(experiments/run.py, ALLREDUCE_DEFINITION)."]
     return "\n".join(lines)
 
 
