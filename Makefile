@@ -37,7 +37,7 @@ demo: install data
 	$(VENV)/bin/psparse-launch --workers 8 --out runs/demo
 
 # experiment sweeps: make exp-lenet-mnist, exp-time-to-accuracy, exp-resnet20-cifar10,
-# exp-policies, exp-cost-model (see experiments/README.md)
+# exp-cifar-lenet, exp-policies, exp-cost-model (see experiments/README.md)
 # issue 15: psparse against DDP and DDP + PowerSGD on an emulated cluster (root: network
 # namespaces, tc, cgroups; see experiments/README.md section 6)
 exp-cluster: install data
