@@ -249,3 +249,15 @@ def test_the_spec_client_notes_hold_on_a_real_server(tmp_path):
     doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
                    .split())
     assert "the server's `--timeout` ÷ 5" in doc and "5 × `heartbeat_s`" in doc
+
+
+def test_protocol_lists_every_agreed_option():
+    """docs/protocol.md names every option a worker sends in the run description's `config`
+    (RunConfig.agreed()): a client writer must be able to fill all of them."""
+    from psparse.config import RunConfig
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    para = doc[doc.index("fills `config` with its"):]
+    para = para[:para.index("\n\n")]
+    missing = [k for k in RunConfig().agreed() if f"`{k}`" not in para]
+    assert not missing, f"docs/protocol.md's config list lacks {missing}"
