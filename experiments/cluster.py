@@ -208,10 +208,14 @@ def reusable(out: Path, identity: dict, code_id: str | None, reuse_any: bool) ->
     return False
 
 
+def run_dir(model: str, rate: str, name: str, seed: int) -> Path:
+    return ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s{seed}"
+
+
 def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
-            reuse_any: bool, data_dir: str | None) -> Path:
-    out = ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s0"
-    args = MODELS[model]["base"] + RUNS[name] + ["--seed", "0"]
+            reuse_any: bool, data_dir: str | None, seed: int = 0) -> Path:
+    out = run_dir(model, rate, name, seed)
+    args = MODELS[model]["base"] + RUNS[name] + ["--seed", str(seed)]
     if data_dir:
         args += ["--data-dir", data_dir]
     # the hosts' CPU: share and pinning (netns.sh pins each host to one CPU; PSNET_PIN=0 not)
@@ -230,7 +234,7 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
               "--bind", addrs[0], "--port", "5555", "--master-addr", addrs[1], *args]
     before = link_counters(WORKERS + 1)
     t = time.perf_counter()
-    print(f"[cluster] {model} {rate} {name} ...", flush=True)
+    print(f"[cluster] {model} {rate} {name} seed {seed} ...", flush=True)
     for stale in ("metrics.jsonl", "logs/server.log"):
         (out / stale).unlink(missing_ok=True)
     quota = int(Path(f"/sys/fs/cgroup/cpu/psparse-{CLUSTER}-h0/cpu.cfs_quota_us").read_text())
@@ -256,7 +260,7 @@ def run_one(model: str, rate: str, name: str, addrs: list[str], code_id: str,
             for h in after}, "cpu_share": quota / 10000, "pinned": identity["pinned"]},
         indent=1))
     (out / "command.json").write_text(json.dumps(identity))
-    print(f"[cluster] {model} {rate} {name} exit {r.returncode} in "
+    print(f"[cluster] {model} {rate} {name} seed {seed} exit {r.returncode} in "
           f"{time.perf_counter() - t:.0f} s", flush=True)
     return out
 
@@ -458,6 +462,54 @@ def ratios(rows: list[dict], target: float, key: str = "train_time_to_target_s")
     return notes
 
 
+def _mean_sd(values: list[float], fmt: str = ".1f") -> str:
+    """mean ± sample SD (ddof 1) over the seeds, and how many; one value: just it."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:{fmt}} (1)"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}} ({len(values)})"
+
+
+def seed_summary(model: str, by_seed: dict[tuple[str, str], list[dict]]) -> str:
+    """Runs made with several seeds: mean ± sample SD of the median iteration, the time to
+    each target net of evaluations, the final accuracy; and, per seed, the time to target of
+    each psparse run over DDP's and PowerSGD's with the same seed."""
+    multi = {key: [r for r in rows if "failed" not in r] for key, rows in by_seed.items()
+             if len(rows) > 1}
+    if not multi:
+        return ""
+    targets = MODELS[model]["targets"]
+    net = lambda r, t: r["to_target"][f"{t:g}"]["train_time_to_target_s"]  # noqa: E731
+    lines = ["", "Over seeds (mean ± sample SD (runs)); times to target net of evaluations, "
+             "over the runs that reached it:", "",
+             "| rate | run | ms/it median | " + " | ".join(f"s to {100 * t:g}%" for t in targets)
+             + " | final acc % |", "|" + "---|" * (4 + len(targets))]
+    for (rate, name), rows in multi.items():
+        cells = [_mean_sd([r["median_ms"] for r in rows])]
+        for t in targets:
+            got = [net(r, t) for r in rows if net(r, t) is not None]
+            cells.append(_mean_sd(got) + (f", {len(rows) - len(got)} not reached"
+                                          if len(got) < len(rows) else ""))
+        cells.append(_mean_sd([100 * r["test_acc"] for r in rows], ".2f"))
+        lines.append(f"| {rate} | {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Time to target, psparse run ÷ peer, per seed (same seed), mean ± sample SD:",
+              ""]
+    for t in targets:
+        for rate in dict.fromkeys(rate for rate, _ in multi):
+            for name in PSPARSE_RUNS:
+                for peer in ("ddp", "powersgd-r1", "powersgd-r4"):
+                    mine, theirs = multi.get((rate, name), []), multi.get((rate, peer), [])
+                    peer_of = {r["seed"]: r for r in theirs}
+                    q = [net(r, t) / net(peer_of[r["seed"]], t) for r in mine
+                         if r["seed"] in peer_of and net(r, t) is not None
+                         and net(peer_of[r["seed"]], t) is not None]
+                    if len(q) > 1:
+                        lines.append(f"- {rate}, to {100 * t:g}%: `{name}` ÷ `{peer}` = "
+                                     f"{_mean_sd(q, '.2f')}")
+    return "\n".join(lines) + "\n"
+
+
 def figure(model: str, rate: str, rows: list[dict]) -> Path:
     import matplotlib
 
@@ -495,6 +547,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", type=float, default=HOST_CPUS,
                    help="cores shared by the 9 hosts, 1/9 each (default %(default)s of this "
                         "machine's; leave the rest to everything else, capped in a cgroup)")
+    p.add_argument("--seeds", default="0",
+                   help="comma-separated seeds to run (default 0; the main table is seed 0's, "
+                        "runs with more seeds also get a table over seeds)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin each host to one CPU (the first sweeps' setting)")
     p.add_argument("--table-only", action="store_true", help="no runs: tables from runs/")
@@ -518,6 +573,7 @@ def main(argv=None) -> int:
     prov = provenance()
     code_id = prov["code_id"]
     names = args.runs.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
     for model in args.only.split(","):
         _, shapes = numel_and_shapes(model)
         rates = args.rates.split(",") if args.rates else MODELS[model]["rates"]
@@ -526,16 +582,24 @@ def main(argv=None) -> int:
                 continue
             addrs = cluster_up(rate, WORKERS + 1, args.cpus, not args.no_pin)
             try:
-                for name in names:
-                    run_one(model, rate, name, addrs, code_id, args.reuse_any, args.data_dir)
+                for seed in seeds:
+                    for name in names:
+                        run_one(model, rate, name, addrs, code_id, args.reuse_any,
+                                args.data_dir, seed)
             finally:
                 cluster_down()
-        rows = []
+        # the full table is seed 0's; runs made with more seeds get a summary over seeds
+        rows, by_seed = [], {}
         for rate in MODELS[model]["rates"]:
             for name in RUNS:
-                out = ROOT / "runs" / "cluster" / f"{model}-{rate}" / f"{name}-s0"
-                if (out / "links.json").is_file():
-                    rows.append(measure(out, name, rate, MODELS[model]["targets"], shapes))
+                for seed in range(10):
+                    out = run_dir(model, rate, name, seed)
+                    if (out / "links.json").is_file():
+                        row = measure(out, name, rate, MODELS[model]["targets"], shapes)
+                        row["seed"] = seed
+                        by_seed.setdefault((rate, name), []).append(row)
+                        if seed == 0:
+                            rows.append(row)
         if not rows:
             continue
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -550,6 +614,7 @@ def main(argv=None) -> int:
                 notes.append(f"largest model error ({label}): {worst[key]:+.1%} "
                              f"({worst['rate']} {worst['run']})")
         text += "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+        text += seed_summary(model, by_seed)
         (RESULTS / f"cluster-{model}.md").write_text(text)
         (RESULTS / f"cluster-{model}.json").write_text(json.dumps(rows, indent=1))
         print(text)

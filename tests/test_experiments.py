@@ -232,3 +232,21 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypat
     assert "| topk-d0.05 | 1 |" in (tmp_path / "results" / "tiny.md").read_text()
     assert run.main(["tiny"]) == 0
     assert "seed 0" not in capsys.readouterr().out.replace("[tiny]", "")  # finished: reused
+
+
+def test_cluster_seed_summary_pairs_seeds_and_uses_sample_sd():
+    """exp-cluster --seeds: mean ± sample SD over seeds, and psparse ÷ peer per same seed."""
+    from experiments import cluster
+
+    by_seed = {}
+    for seed in range(3):
+        for name, t in (("vote", 10.0 + seed), ("ddp", 20.0), ("powersgd-r1", None)):
+            by_seed.setdefault(("80mbit", name), []).append(
+                {"run": name, "rate": "80mbit", "seed": seed, "median_ms": 50.0 + seed,
+                 "test_acc": 0.9, "to_target": {f"{x:g}": {"train_time_to_target_s": t}
+                                                for x in cluster.MODELS["lenet"]["targets"]}})
+    text = cluster.seed_summary("lenet", by_seed)
+    assert "| 80mbit | vote | 51.0 ± 1.0 (3) | 11.0 ± 1.0 (3) |" in text  # ddof 1
+    assert "`vote` ÷ `ddp` = 0.55 ± 0.05 (3)" in text
+    assert "3 not reached" in text and "÷ `powersgd-r1`" not in text
+    assert cluster.seed_summary("lenet", {k: v[:1] for k, v in by_seed.items()}) == ""
