@@ -1,0 +1,181 @@
+"""Straightforward versions of the built-in policies: what each selects, written the plain way.
+
+These are the policies as they were before their selection was made fast (issue 18, item 3),
+with top-k done by ``kernels.topk_reference`` (a full lexsort) and state updates as dense numpy
+expressions. ``tests/test_policy_equivalence.py`` runs every built-in policy against its
+reference over many rounds and asserts the same indices and the same state. numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from psparse.kernels import sorted_union, topk_reference
+from psparse.policies import REGISTRY as BUILT_IN
+from psparse.policies import SelectionPolicy
+
+
+class Reference(SelectionPolicy):
+    def topk(self, score, k, offset=0):
+        return topk_reference(score, k)
+
+
+def decay_and_add(priority, indices, values, decay, weight, magnitude=True):
+    priority *= np.float32(decay)
+    if indices.size:
+        priority[indices] += np.float32(weight) * (np.abs(values) if magnitude else values)
+
+
+class TopK(Reference):
+    name = "topk"
+
+
+class RandomK(Reference):
+    name = "randomk"
+
+    def select(self, accumulator, iteration, group=None):
+        parts = []
+        for (offset, size), k in zip(self.layout.slices, self.slice_k):
+            rng = np.random.default_rng([self.seed, iteration, offset])
+            parts.append(np.sort(rng.choice(size, size=k, replace=False)) + offset)
+        return np.concatenate(parts).astype(np.int64)
+
+
+class Threshold(Reference):
+    name = "threshold"
+    params = BUILT_IN["threshold"].params
+    max_push = BUILT_IN["threshold"].max_push
+
+    def select(self, accumulator, iteration, group=None):
+        chosen = np.flatnonzero(np.abs(accumulator) >= self.lam)
+        if chosen.size > self.max_push:
+            chosen = self.per_slice(accumulator, self.layout.split(self.max_push), self.topk)
+        return chosen
+
+
+class Frequency(Reference):
+    name = "frequency"
+    params = BUILT_IN["frequency"].params
+
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self.priority = np.zeros(layout.numel, dtype=np.float32)
+
+    def select_slice(self, acc, k, offset):
+        pool = min(acc.size, int(np.ceil(self.c * k)))
+        candidates = self.topk(acc, pool, offset)
+        prio = self.priority[offset + candidates]
+        order = np.lexsort(np.stack([-np.abs(acc[candidates]), -prio]))
+        return np.sort(candidates[order[:k]])
+
+    def observe(self, indices, values, iteration):
+        self.priority *= np.float32(self.gamma)
+        self.priority[indices] += np.float32(1.0)
+
+    def state_dict(self):
+        return {"priority": self.priority}
+
+
+class EMA(Reference):
+    name = "ema"
+    params = BUILT_IN["ema"].params
+
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self.priority = np.zeros(layout.numel, dtype=np.float32)
+
+    def score(self, acc, offset):
+        prio = self.priority[offset:offset + acc.size]
+        top = float(prio.max()) if prio.size else 0.0
+        if top <= 0:
+            return np.abs(acc)
+        out = prio * np.float32(self.lam / top)  # float32 x a Python float: float32, as before
+        out += 1.0
+        out *= np.abs(acc)
+        return out
+
+    def observe(self, indices, values, iteration):
+        decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta)
+
+    def state_dict(self):
+        return {"priority": self.priority}
+
+
+class Penalty(Reference):
+    name = "penalty"
+    params = BUILT_IN["penalty"].params
+
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self.previous = np.empty(0, dtype=np.int64)
+
+    def score(self, acc, offset):
+        out = np.abs(acc) * np.float32(self.pi)
+        lo, hi = np.searchsorted(self.previous, [offset, offset + acc.size])
+        shared = self.previous[lo:hi] - offset
+        out[shared] = np.abs(acc[shared])
+        return out
+
+    def observe(self, indices, values, iteration):
+        self.previous = np.array(indices, dtype=np.int64)
+
+    def state_dict(self):
+        return {"previous": self.previous}
+
+
+class CyclicLocalTopK(Reference):
+    name = "cltk"
+    two_phase = True
+
+    def propose(self, accumulator, iteration):
+        if self.live[iteration % len(self.live)] != self.rank:
+            return None
+        return self.per_slice(accumulator, self.slice_k, self.topk)
+
+    def select(self, accumulator, iteration, group=None):
+        return np.asarray(group, dtype=np.int64)
+
+
+class SharedCore(Reference):
+    name = "core"
+    params = BUILT_IN["core"].params
+
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self.priority = np.zeros(layout.numel, dtype=np.float32)
+
+    def select_slice(self, acc, k, offset):
+        prio = self.priority[offset:offset + acc.size]
+        if self.signed:
+            prio = np.abs(prio)
+        core_k = min(k - int(round(self.own * k)), int(np.count_nonzero(prio)))
+        core = self.topk(prio, core_k) if core_k > 0 else np.empty(0, np.int64)
+        mag = np.abs(acc)
+        mag[core] = 0.0
+        mine = self.topk(mag, k - core.size)
+        return sorted_union([core, mine])
+
+    def observe(self, indices, values, iteration):
+        decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
+                      magnitude=not self.signed)
+
+    def state_dict(self):
+        return {"priority": self.priority}
+
+
+class Vote(Reference):
+    name = "vote"
+    two_phase = True
+    params = BUILT_IN["vote"].params
+    max_propose = BUILT_IN["vote"].max_propose
+    group_k = BUILT_IN["vote"].group_k
+
+    def propose(self, accumulator, iteration):
+        return self.per_slice(accumulator, self.layout.split(self.max_propose), self.topk)
+
+    def select(self, accumulator, iteration, group=None):
+        return np.asarray(group, dtype=np.int64)
+
+
+REFERENCES = {cls.name: cls for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty,
+                                        CyclicLocalTopK, SharedCore, Vote)}

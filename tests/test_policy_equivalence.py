@@ -1,0 +1,150 @@
+"""Every built-in policy selects exactly what its straightforward version selects (issue 18,
+item 3: selection made fast without changing what is selected).
+
+Each policy runs side by side with its reference (``tests/policy_reference.py``: the policies
+as they were, top-k by a full lexsort) over many rounds of error feedback, with ties (values on
+a coarse grid, runs of equal values, zeros), aggregates that push the shared state into
+float32's subnormal range and down to zero, a budget change (density warm-up), a checkpoint
+restore into a fresh instance, and both selection paths (exact partition, and the sampled
+threshold used above ``EXACT_BELOW``). Indices must be equal every round; the state (its digest,
+which hashes the bytes) equal at every restore and at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from policy_reference import REFERENCES
+
+from psparse.kernels import sorted_union
+from psparse.policies import REGISTRY, Layout, base, build_policy
+from psparse.sparsify import Selector
+
+MODEL = [7037]
+LAYERS = [5000, 37, 1200, 1, 799]
+
+CASES = [  # (policy, args)
+    ("topk", {}), ("randomk", {}), ("threshold", {"lam": "0.75"}),
+    ("threshold", {"lam": "0.5", "cap": "1.5"}), ("frequency", {}),
+    ("frequency", {"c": "1", "gamma": "0.5"}), ("ema", {}), ("ema", {"lam": "0", "beta": "0"}),
+    ("penalty", {}), ("penalty", {"pi": "1"}), ("cltk", {}), ("core", {}),
+    ("core", {"signed": "true", "beta": "0.9"}), ("core", {"own": "0"}), ("core", {"own": "1"}),
+    ("vote", {}), ("vote", {"keep": "1.5", "offer": "2"}),
+]
+
+
+def test_every_built_in_policy_has_a_reference():
+    assert set(REFERENCES) == set(REGISTRY)
+    assert {name for name, _ in CASES} == set(REGISTRY)
+
+
+def build(cls_or_name, layout, k, args, rank=0):
+    if isinstance(cls_or_name, str):
+        return build_policy(cls_or_name, [f"{a}={v}" for a, v in args.items()], layout, k,
+                            rank=rank, world_size=4, seed=3)
+    return cls_or_name(layout, k, rank=rank, world_size=4, seed=3, **args)
+
+
+def gradient(rng, n, it):
+    """Heavy-tailed, on a grid of 1/8 (so many exact ties), with zeros and runs of equal values."""
+    g = rng.standard_normal(n) * np.abs(rng.standard_normal(n)) ** 3
+    g = np.round(g * 8) / 8
+    if it % 3 == 0:
+        start = rng.integers(0, n - 60)
+        g[start:start + 50] = 2.5  # a run of ties at a large magnitude
+    if it % 5 == 1:
+        g[rng.integers(0, n, n // 4)] = 0.0
+    return g.astype(np.float32)
+
+
+def aggregate(rng, n, pushed, it):
+    """This worker's push plus three others'; values of every size, some subnormal-bound."""
+    others = [np.sort(rng.choice(n, rng.integers(1, 200), replace=False)) for _ in range(3)]
+    indices = sorted_union([pushed.astype(np.int64), *others])
+    values = (rng.standard_normal(indices.size) * 2).astype(np.float32)
+    kind = it % 4
+    if kind == 1:
+        values *= np.float32(1e-36)  # these decay into subnormals within a few rounds
+    elif kind == 2:
+        values[::3] = 0.0
+    elif kind == 3:
+        values = np.round(values).astype(np.float32)  # equal priorities
+    return indices, values
+
+
+def group_for(rng, policy, proposals, n, it):
+    """The server's answer in a two-phase round (its rule does not matter here)."""
+    if policy.name == "cltk":
+        if proposals is not None:
+            return proposals
+        return np.sort(rng.choice(n, policy.k, replace=False)).astype(np.int64)
+    offered = sorted_union([proposals, np.sort(rng.choice(n, 300, replace=False))])
+    keep = min(offered.size, policy.group_k)
+    return np.sort(rng.choice(offered, keep, replace=False)).astype(np.int64)
+
+
+def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
+    layout = Layout(sizes, granularity)
+    n = layout.numel
+    fast = build(name, layout, k, args)
+    ref = build(REFERENCES[name], layout, k, args)
+    rng = np.random.default_rng(seed)
+    acc = np.zeros(n, np.float32)
+    for it in range(rounds):
+        if it == rounds // 3:  # density warm-up: the budget changes
+            fast.set_k(k // 2)
+            ref.set_k(k // 2)
+        if it == rounds // 2:  # a checkpoint restored into a fresh policy
+            assert fast.state_digest() == ref.state_digest()
+            fast = build(name, layout, k // 2, args)
+            fast.load_state_dict(ref.state_dict())
+            if name == "cltk":
+                fast.set_live([0, 2, 3])
+                ref.set_live([0, 2, 3])
+        acc += gradient(rng, n, it)
+        group = None
+        if fast.two_phase:
+            proposal = fast.propose(acc, it)
+            expected = ref.propose(acc, it)
+            assert (proposal is None) == (expected is None)
+            if proposal is not None:
+                np.testing.assert_array_equal(proposal, expected, err_msg=f"propose {it}")
+            group = group_for(rng, fast, proposal, n, it)
+        chosen = fast.select(acc, it, group=group)
+        np.testing.assert_array_equal(chosen, ref.select(acc, it, group=group),
+                                      err_msg=f"{name} {args} round {it}")
+        assert chosen.dtype.kind == "i"
+        acc[chosen] = 0.0  # error feedback
+        indices, values = aggregate(rng, n, chosen, it)
+        fast.observe(indices, values, it)
+        ref.observe(indices, values, it)
+    assert fast.state_digest() == ref.state_digest()
+    return fast
+
+
+@pytest.fixture(params=["exact", "sampled"])
+def selection_path(request, monkeypatch):
+    """'sampled': slices from 1024 entries up take the sampled-threshold path (as above 1M)."""
+    if request.param == "sampled":
+        monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
+    return request.param
+
+
+@pytest.mark.parametrize("granularity", ["model", "layer"])
+@pytest.mark.parametrize("name, args", CASES,
+                         ids=[f"{n}-" + ",".join(f"{a}={v}" for a, v in a.items())
+                              for n, a in CASES])
+def test_policy_selects_what_its_reference_selects(name, args, granularity, selection_path):
+    sizes = MODEL if granularity == "model" else LAYERS
+    policy = run_side_by_side(name, args, sizes, granularity)
+    if selection_path == "sampled":
+        assert any(not s.exact for s in policy._selectors)
+
+
+def test_state_reaches_subnormals():
+    """The inputs do what the module docstring says: the decayed state holds subnormal values."""
+    core = run_side_by_side("core", {}, MODEL, "model", rounds=48)
+    p = core.state_dict()["priority"]
+    assert np.count_nonzero((p > 0) & (p < np.finfo(np.float32).tiny)) > 0
