@@ -12,10 +12,12 @@ every policy within 1.5x of top-k. The inputs are a synthetic but realistic roun
 (``Workload``): a heavy-tailed gradient with per-entry scales, so the same entries are large
 round after round; error feedback (what is sent is zeroed, the rest accumulates); and the
 aggregate every worker observes is the union of this worker's push and 7 other workers' pushes
-(half from the 4k entries of largest scale, half from the 16k largest; union/k about 5), so
+(half from the 4k entries of largest scale, half from the 16k largest), each other worker
+pushing where this one does as often as the policy aligns workers: the union's size is the
+policy's union/k measured on LeNet (``UNION``: 6.2 k for top-k, 1.8 k for core). So
 history-based policies carry a realistic state: at LeNet's size, after 1000 rounds of history,
-``core``'s priority has ~14k nonzeros and ~600 subnormal values, as in an 8-worker LeNet run
-(at 11M, 8 rounds of history). Policies run interleaved in blocks of 8 rounds
+``core``'s priority has ~14k nonzeros and several hundred subnormal values, as in an 8-worker
+LeNet run (at 11M, 8 rounds of history). Policies run interleaved in blocks of 8 rounds
 (one ``cltk`` leader turn each), so load drift hits all alike; the figure is the median over
 blocks of the mean time per round. What every policy shares (accumulating, gathering the pushed
 values, the server's part) is not timed.
@@ -47,6 +49,10 @@ DENSITIES = [0.001, 0.01]
 
 POLICY_CASES = [(61_706, 0.01), (61_706, 0.001), (11_000_000, 0.01), (11_000_000, 0.001)]
 WORKERS = 8
+# union/k of each policy on LeNet/MNIST, 8 workers, density 1% (docs/policies.md, "Measured");
+# two-phase policies and randomk: every worker pushes the same indices
+UNION = {"topk": 6.20, "threshold": 7.43, "frequency": 5.09, "ema": 4.25, "penalty": 3.22,
+         "core": 1.81}
 TARGET = 1.5  # every policy's selection time within 1.5x of top-k's
 # Part 2 times CPU seconds of this thread, not wall time: on a shared machine whose CPU share
 # is capped, wall time counts the waits for the next slice, which hit policies at random.
@@ -105,12 +111,16 @@ class Workload:
                       for _ in range(WORKERS - 1)]
             self.others.append(sorted_union(pushes))
             self.leader.append(pushes[0])
+        self.draw = rng.random(max(o.size for o in self.others))
         self.noise = rng.standard_normal(n, dtype=np.float32) / np.float32(WORKERS)
         # threshold's lambda: about k entries of a fresh gradient reach it
         self.lam = float(np.partition(np.abs(self.grads[0]), n - self.k)[n - self.k])
 
-    def aggregate(self, pushed, it: int):
-        indices = sorted_union([pushed, self.others[it % len(self.others)]])
+    def aggregate(self, pushed, it: int, share: float):
+        """The union of this worker's push and the others', who push ``share`` of their k
+        entries on their own and the rest where this worker pushes (the policy aligns them)."""
+        others = self.others[it % len(self.others)]
+        indices = sorted_union([pushed, others[self.draw[:others.size] < share]])
         return indices, self.scale[indices] * self.noise[:indices.size]
 
     def group(self, policy, proposal, it: int):
@@ -134,6 +144,8 @@ class Round:
         self.policy = build_policy(name, args, Layout([work.n]), work.k, rank=0,
                                    world_size=WORKERS, seed=0)
         self.work, self.it = work, 0
+        # the others' own share, so that the union is the policy's measured union/k
+        self.share = min(1.0, (UNION.get(name, 1.0) - 1) / (UNION["topk"] - 1))
         self.acc = np.zeros(work.n, dtype=np.float32)
 
     def step(self) -> float:
@@ -150,7 +162,7 @@ class Round:
         pushed = policy.select(acc, it, group=group)
         spent += CLOCK() - t
         acc[pushed] = 0.0  # sent
-        indices, values = work.aggregate(pushed, it)
+        indices, values = work.aggregate(pushed, it, self.share)
         t = CLOCK()
         policy.observe(indices, values, it)
         spent += CLOCK() - t
