@@ -48,8 +48,10 @@ class TimedHook:
         self.__name__ = self.__qualname__ = f"timed_{hook.__name__}"  # DDP logs hook names
         self.last_call = self.last_return = None
         self.sync_s = 0.0
+        self.buckets = 0  # how many gradient buckets DDP hands the hook per iteration
 
     def __call__(self, state, bucket):
+        self.buckets = max(self.buckets, bucket.index() + 1)
         self.last_call = time.perf_counter()
         fut = self.hook(self.state, bucket)
         self.last_return = time.perf_counter()
@@ -120,6 +122,7 @@ class AllreduceExchange:
         (self.out / rank_file(self.rank)).write_text(json.dumps({
             "rank": self.rank, "iterations": self.iterations, "numel": self.numel,
             "baseline": self.baseline, "wall_s": round(wall, 3),
+            "ddp_buckets": self.timer.buckets if self.timer else None,
             **{k: round(v, 4) for k, v in self.times.items()}}, indent=2))
         if self.rank != 0:
             return
@@ -134,7 +137,8 @@ class AllreduceExchange:
             "broadcast_mb": round(iterations * ring / 2e6, 4),
             "dense_mb": round(iterations * 2 * world * self.numel * 4 / 1e6, 4),
             "final_loss": None, "test_acc": self.last_eval["test_acc"],
-            "test_loss": self.last_eval["test_loss"], "rejected_messages": 0})
+            "test_loss": self.last_eval["test_loss"], "rejected_messages": 0,
+            "ddp_buckets": self.timer.buckets if self.timer else None})
         self.metrics.close()
         self.evals.close()
 
@@ -150,7 +154,16 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.timeout * 10))
-    ddp = DistributedDataParallel(model)
+    if baseline == "powersgd":
+        # One bucket for the whole model: torch's PowerSGD hook issues each bucket's second
+        # allreduce (Q) from the first one's callback, so with several buckets the ranks can
+        # issue the buckets' collectives in different orders, which gloo aborts on ("Received
+        # data size doesn't match expected size": ResNet-20, 1.09 MB, is two buckets by DDP's
+        # defaults). An explicit cap also sets DDP's first-bucket cap (default 1 MiB).
+        model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+        ddp = DistributedDataParallel(model, bucket_cap_mb=model_mib + 1)
+    else:
+        ddp = DistributedDataParallel(model)
     if baseline == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 

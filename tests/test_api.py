@@ -128,7 +128,7 @@ def test_the_built_in_loop_with_a_user_model_and_data_set(tmp_path):
 @pytest.mark.parametrize("spec, message", [
     ("user_factories:nope", "model factory 'user_factories:nope': no 'nope' in module "
                             "'user_factories'; callables defined there: digits_float, "
-                            "not_a_dataset, small_cnn"),
+                            "not_a_dataset, small_cnn, wide_mlp"),
     ("no_such_module:f", "cannot import the model factory's module 'no_such_module'"),
 ])
 def test_factory_errors_are_refused_before_anything_starts(tmp_path, spec, message):
