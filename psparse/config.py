@@ -19,7 +19,9 @@ from .transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
 # data.DATASETS are checked against these in the tests.
-MODELS = ("lenet", "mlp", "resnet20")
+MODELS = ("lenet", "mlp", "resnet20", "synthetic")
+MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the models that take
+# --model-arg, and their keys (models.SYNTHETIC_ARGS holds the defaults; a test keeps them equal)
 DATASETS = ("mnist", "cifar10", "digits")
 
 
@@ -36,6 +38,7 @@ class ConfigError(ValueError):
 class RunConfig:
     # What to train.
     model: str = "lenet"
+    model_args: list[str] | None = None
     dataset: str = "mnist"
     data_dir: str | None = None
     workers: int = 8
@@ -85,6 +88,7 @@ class RunConfig:
         need(self.model in MODELS or ":" in self.model,
              f"model {self.model!r} unknown; choose one of {sorted(MODELS)} or give "
              "package.module:factory")
+        self._check_model_args()
         need(self.dataset in DATASETS or ":" in self.dataset,
              f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)} or give "
              "package.module:factory")
@@ -144,6 +148,31 @@ class RunConfig:
         need(self.max_message_mb > 0, "max-message-mb must be > 0")
         return self
 
+    def _check_model_args(self) -> None:
+        """key=value entries, for a model that takes them, with keys it knows (the values are
+        checked where the model is built: models.build_model)."""
+        if not self.model_args:
+            return
+        for item in self.model_args:
+            if not (isinstance(item, str) and "=" in item and item.partition("=")[0].strip()):
+                raise ConfigError(f"model-arg entries must be key=value, got {item!r}")
+        if ":" in self.model:
+            return  # a factory's own keyword arguments: its signature checks them
+        if self.model not in MODEL_ARGS:
+            raise ConfigError(f"model {self.model!r} takes no model-arg (they are for "
+                              f"{', '.join(MODEL_ARGS)} and package.module:factory models)")
+        keys = MODEL_ARGS[self.model]
+        for item in self.model_args:
+            key = item.partition("=")[0].strip()
+            if key not in keys:
+                raise ConfigError(f"model-arg {key!r} unknown for model {self.model!r}; it "
+                                  f"takes {', '.join(keys)}")
+
+    def model_kwargs(self) -> dict[str, str]:
+        """--model-arg as {key: value} (strings; the last of a repeated key wins)."""
+        return dict((k.strip(), v.strip()) for k, _, v in
+                    (item.partition("=") for item in self.model_args or []))
+
     def lr_step_epochs(self) -> list[float]:
         return [float(s) for s in self.lr_steps.split(",")] if self.lr_steps else []
 
@@ -186,8 +215,12 @@ def parse_limit(text: str) -> tuple[float, str]:
 
 
 HELP = {
-    "model": "network to train: " + ", ".join(sorted(MODELS)) + ", or package.module:factory "
-             "(factory(in_shape, num_classes) -> torch.nn.Module)",
+    "model": "network to train: " + ", ".join(sorted(MODELS)) + " (a load-test model of any "
+             "size: --model-arg numel=25M), or package.module:factory "
+             "(factory(in_shape, num_classes, **model_args) -> torch.nn.Module)",
+    "model_args": "model parameter key=value, repeatable: synthetic takes numel (1M, 25M, "
+                  "2.5e7; default 1M), layers, tail, scale, seed; a factory gets them as "
+                  "keyword arguments (strings)",
     "dataset": "training data: " + ", ".join(DATASETS) + ", or package.module:factory "
                "(factory(data_dir) -> psparse.data.Dataset)",
     "data_dir": "folder holding the data sets (default: $PSPARSE_DATA or ./data)",
@@ -259,9 +292,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
     for f in fields(RunConfig):
         if (only is not None and f.name not in only) or f.name in NOT_FLAGS:
             continue
-        if f.name == "policy_args":
-            group.add_argument("--policy-arg", action="append", default=None, dest=f.name,
-                               metavar="KEY=VALUE", help=HELP[f.name])
+        if f.name in ("policy_args", "model_args"):
+            group.add_argument("--" + f.name[:-1].replace("_", "-"), action="append",
+                               default=None, dest=f.name, metavar="KEY=VALUE",
+                               help=HELP[f.name])
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
@@ -345,10 +379,10 @@ def config_from_map(raw, source: str) -> dict:
         name = key.replace("-", "_")
         if name in RECORD_ONLY:  # written by psparse-launch beside the options; not options
             continue
-        if name == "policy_arg":
-            name = "policy_args"
-        if name == "policy_args" and isinstance(value, dict):  # a [policy-args] table
-            value = [f"{k}={v}" for k, v in value.items()]
+        if name in ("policy_arg", "model_arg"):
+            name += "s"
+        if name in ("policy_args", "model_args") and isinstance(value, dict):
+            value = [f"{k}={v}" for k, v in value.items()]  # a [policy-args] table
         if name not in known:
             raise ConfigError(f"{source}: unknown option {key!r}; valid options: "
                               f"{', '.join(n.replace('_', '-') for n in known)}")

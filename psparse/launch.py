@@ -458,14 +458,19 @@ def check_policy(cfg: RunConfig) -> None:
     """Build the policy as rank 0 will: on the real model's layout and k (no data loaded).
     A script's or a factory's model is not known here: then a 100,000-entry stand-in checks the
     policy's name and parameters."""
+    import torch
+
     from .data import IN_SHAPES
-    from .models import build_model
+    from .models import build_model, check_factory
     from .sparsify import density_to_k
 
+    if not cfg.script and ":" in cfg.model:
+        check_factory(cfg.model, cfg.model_kwargs())  # takes the --model-arg keywords?
     if cfg.script or ":" in cfg.model or ":" in cfg.dataset:
         layout = Layout([100_000], cfg.granularity)
     else:
-        model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10)
+        with torch.device("meta"):  # sizes only: no memory, no initialisation
+            model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10, cfg.model_kwargs())
         layout = Layout([p.numel() for p in model.parameters() if p.requires_grad],
                         cfg.granularity)
     build_policy(cfg.policy, cfg.policy_args, layout, density_to_k(cfg.density, layout.numel),

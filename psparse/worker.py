@@ -103,7 +103,8 @@ def setup(cfg: RunConfig, rank: int):
     shard = Shard(data, rank, cfg.workers, cfg.batch_size, cfg.seed)
     torch.manual_seed(cfg.seed)  # same initial weights on every worker
     device = pick_device(cfg.device, rank)
-    model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
+    model = build_model(cfg.model, data.in_shape, data.num_classes,
+                        cfg.model_kwargs()).to(device)
     # With DGC the momentum is applied locally (in the memory), so SGD must not add more.
     momentum = 0.0 if cfg.memory == "dgc" else cfg.momentum
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
