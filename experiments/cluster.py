@@ -359,9 +359,16 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
     # compute is given (the local proposal's top-k, ~3 ms, goes with it)
     local = ("compute_s",) if any(m.get("proposed") is not None for m in metrics) \
         else ("compute_s", "select_s")
+    compute = sum(split[k] for k in local) / 1e3
     slowest = max(sum(r[k] for k in local) for r in others) / iters
+    if config.get("baseline"):
+        # DDP and PowerSGD: rank 0's median per iteration (metrics.jsonl has its split). The
+        # other ranks' totals hold rank 0's evaluation stalls when the model has BatchNorm
+        # (ResNet-20): DDP broadcasts its buffers at every forward, so ranks 1-7 wait in
+        # forward, which the split counts as compute (mean 1.6 s against a 1.0 s median).
+        compute = slowest = statistics.median(sum(m[k] for k in local) for m in metrics[2:])
     s = Setting(numel=summary["numel"], k=summary["k"], workers=WORKERS, union=1.0,
-                compute_s=sum(split[k] for k in local) / 1e3)
+                compute_s=compute)
     samples = _jsonl(out / "cpu-samples.jsonl")
     cpu = cpu_per_iteration(samples, iters, config.get("eval_every") or iters) \
         if samples else None
@@ -386,8 +393,7 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
         s.server_cpu_s = cpu["server_ms"] / 1e3
         # a worker's exchange CPU: its CPU per iteration less what its compute and selection
         # used (throttled to the share throughout, as the CPU counters show)
-        s.worker_comm_cpu_s = max(0.0, cpu["worker_ms_mean"] / 1e3
-                                  - share * sum(split[k] for k in local) / 1e3)
+        s.worker_comm_cpu_s = max(0.0, cpu["worker_ms_mean"] / 1e3 - share * compute)
         # the per-step latency on the CPU shares, from the tiny-allreduce probe (--probe-steps)
         probe = RESULTS / "cluster-step-probe.json"
         step = json.loads(probe.read_text())["per_ring_step_s"] if probe.is_file() else 0.0
