@@ -156,15 +156,13 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
 
 def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: KeyCache | None):
     """The index frame in its smallest form; records the chosen form in the header."""
-    key = codec.set_key(indices) if cache is not None else None
-    if cache is not None and key in cache.sets:
+    key = cache.match(indices) if cache is not None else None
+    if key is not None:
         fmt, frame = "cached", key
     elif numel is None:
         fmt, frame = "raw", indices
     else:
-        fmt, _ = codec.choose(indices, numel, indices.dtype.itemsize)
-        frame = (indices if fmt == "raw" else codec.encode_delta(indices) if fmt == "delta"
-                 else codec.encode_bitmap(indices, numel))
+        fmt, frame = codec.encode_smallest(indices, numel, indices.dtype.itemsize)
     if cache is not None:
         cache.remember(indices, sent=True, key=key)
     if fmt != "raw":
@@ -286,16 +284,31 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
         values = np.frombuffer(val_buf, dtype=val_dtype)
     if count:
         # Strictly increasing indices: no duplicates (so ``acc[idx] += val`` is exact), cheap
-        # range check on the two ends, and a canonical order for compact encodings.
-        if count > 1 and not bool(np.all(indices[1:] > indices[:-1])):
-            raise ProtocolError("indices must be strictly increasing (sorted, no duplicates)")
-        if indices[0] < 0:
-            raise ProtocolError(f"index {int(indices[0])} is negative")
+        # range check on the two ends, and a canonical order for compact encodings. The
+        # delta, bitmap and cached forms hold such sets by construction (their decoders refuse
+        # anything else; a cached set was checked when it was first sent or accepted), so only
+        # a raw frame is read for order; every form is checked against numel at its last index.
+        if fmt == "raw":
+            if count > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+                raise ProtocolError("indices must be strictly increasing (sorted, no "
+                                    "duplicates)")
+            if indices[0] < 0:
+                raise ProtocolError(f"index {int(indices[0])} is negative")
         if numel is not None and indices[-1] >= numel:
             raise ProtocolError(f"index {int(indices[-1])} out of range [0, {numel})")
-        if values is not None and not bool(np.isfinite(values).all()):
+        if values is not None and not all_finite(values):
             raise ProtocolError("values contain NaN or Inf")
     return indices, values
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether no value is NaN or +-Inf, in one pass that allocates nothing: a sum of squares
+    is finite only when every value is (NaN and Inf propagate, squares cannot cancel). Finite
+    values of magnitude above ~1e19 can overflow it to Inf; then an exact check decides."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if values.size == 0 or np.isfinite(np.dot(values, values)):
+            return True
+    return bool(np.isfinite(values).all())
 
 
 def _decode_index_format(fmt, buf, count, numel, cache) -> np.ndarray:
@@ -336,7 +349,7 @@ def _decode_dense(header, idx_frame, val_frame, numel):
     if len(buf) != header["count"] * 4:
         raise ProtocolError(f"value frame is {len(buf)} bytes, expected {header['count']} x 4")
     values = np.frombuffer(buf, dtype=VALUE_DTYPES["float32"])
-    if not bool(np.isfinite(values).all()):
+    if not all_finite(values):
         raise ProtocolError("values contain NaN or Inf")
     return values
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from psparse import codec, protocol
-from psparse.codec import KeyCache
+from psparse.codec import CodecError, KeyCache
 from psparse.protocol import ProtocolError
 
 NUMEL = 100_000
@@ -105,3 +105,78 @@ def test_key_cache_sends_a_reference_for_a_set_the_receiver_holds():
     with pytest.raises(ProtocolError, match="unknown to the receiver"):
         protocol.decode([bytes(memoryview(f).cast("B")) for f in again], numel=NUMEL,
                         cache=KeyCache())
+
+
+def _leb128(indices) -> bytes:
+    """The delta frame as docs/protocol.md defines it, one varint at a time."""
+    out, previous = bytearray(), 0
+    for i in (int(x) for x in indices):
+        gap, previous = i - previous, i
+        while True:
+            byte, gap = gap & 0x7F, gap >> 7
+            out.append(byte | (0x80 if gap else 0))
+            if not gap:
+                break
+    return bytes(out)
+
+
+@pytest.mark.parametrize("scale", [1, 100, 200, 20_000, 3_000_000, 2**40])
+def test_vectorised_delta_codec_matches_the_byte_by_byte_definition(scale):
+    rng = np.random.default_rng(scale)
+    for n in (1, 2, 7, 1000):
+        gaps = rng.integers(1, 2 * scale + 1, n, dtype=np.int64)
+        gaps[0] = rng.integers(0, scale + 1)
+        idx = np.cumsum(gaps)
+        for array in ((idx, idx.astype(np.int32)) if idx[-1] < 2**31 else (idx,)):
+            frame = codec.encode_delta(array)
+            assert frame.tobytes() == _leb128(idx)
+            np.testing.assert_array_equal(codec.decode_delta(frame, n), idx)
+            fmt, size = codec.choose(array, 2**62, array.itemsize)
+            assert codec.encode_smallest(array, 2**62, array.itemsize)[0] == fmt
+            assert size == min(len(frame), n * array.itemsize)
+
+
+def test_delta_frames_beyond_64_bits_and_overlong_varints():
+    ten = bytes([0x80] * 9 + [0x02])  # a 10-byte varint of 2^64: does not fit
+    with pytest.raises(CodecError, match="overflow"):
+        codec.decode_delta(np.frombuffer(ten, np.uint8), 1)
+    top = bytes([0xFF] * 8 + [0xFF, 0x00])  # 2^63 - 1 with an overlong zero tail
+    with pytest.raises(CodecError, match="overflow"):
+        codec.decode_delta(np.frombuffer(bytes([0x01]) + top, np.uint8), 2)
+    # overlong (non-minimal) varints decode to their value, as they always did
+    np.testing.assert_array_equal(
+        codec.decode_delta(np.frombuffer(bytes([0x85, 0x00, 0x81, 0x80, 0x00]), np.uint8), 2),
+        [5, 6])
+
+
+def test_bitmap_tail_bits_live_in_the_last_byte_only():
+    for numel in (8, 16, 13):
+        frame = codec.encode_bitmap(np.array([0, numel - 1]), numel)
+        np.testing.assert_array_equal(codec.decode_bitmap(frame, 2, numel), [0, numel - 1])
+    frame = codec.encode_bitmap(np.array([0]), 13)
+    frame[-1] |= 0x20  # bit 13
+    with pytest.raises(CodecError, match="beyond the model size"):
+        codec.decode_bitmap(frame, 2, 13)
+
+
+def test_key_cache_hashes_only_what_is_used():
+    cache = KeyCache()
+    a = np.array([1, 5, 9, 200], np.int32)
+    cache.remember(a, sent=True)
+    cache.remember(np.array([1, 6, 9, 200]), sent=False)  # same size and ends, other set
+    assert all(slot[1] is None for slot in cache._slots.values())  # nothing hashed yet
+    assert cache.match(np.array([1, 5, 9, 201])) is None
+    assert cache.match(np.array([1, 7, 9, 200])) is None
+    assert all(slot[1] is None for slot in cache._slots.values())
+    assert cache.match(a.astype(np.int64)) == codec.set_key(a)
+    np.testing.assert_array_equal(cache.lookup(codec.set_key([1, 6, 9, 200])),
+                                  [1, 6, 9, 200])
+    restored = KeyCache()
+    restored.restore(cache.state())
+    assert restored.sets.keys() == cache.sets.keys()
+    assert restored.match(a) == codec.set_key(a)
+    a[1] = 4  # the cache holds its own copy
+    assert cache.match(np.array([1, 5, 9, 200])) == codec.set_key(np.array([1, 5, 9, 200]))
+    empty = KeyCache()
+    empty.remember(np.empty(0, np.int64), sent=False)
+    assert empty.match(np.empty(0, np.int32)) == codec.set_key(np.empty(0, np.int64))

@@ -142,3 +142,21 @@ def test_wire_bytes_counts_zmtp_framing():
     assert wire_bytes([b"x" * 255]) == 257
     assert wire_bytes([b"x" * 256]) == 265
     assert wire_bytes([b"", np.zeros(100, np.float32)]) == 2 + 409
+
+
+def test_finite_values_of_any_size_pass_and_every_nan_or_inf_is_caught():
+    big = np.float32(3e38)  # finite, but the sum of squares the fast check uses overflows
+    assert decode(push([1, 2, 3], [big, -big, 1.0]), numel=10).values[0] == big
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 1, 2):
+            val = [big, 1.0, -big]
+            val[at] = bad
+            with pytest.raises(ProtocolError, match="NaN or Inf"):
+                decode(push([1, 2, 3], val), numel=10)
+    dense = _bytes(encode("push", None, np.array([big, 0, 0], np.float32), dense=True,
+                          iter=0, rank=0))
+    assert decode(dense, numel=3).values[0] == big
+    dense[2] = np.array([big, math.nan, 0], np.float32).tobytes()
+    with pytest.raises(ProtocolError, match="NaN or Inf"):
+        decode(dense, numel=3)
+    assert protocol.all_finite(np.empty(0, np.float32))
