@@ -52,9 +52,14 @@ def topk_reference(x, k: int):
 # ------------------------------------------------------------------------------- selection
 def estimate_threshold(x, k: int) -> float:
     """A magnitude that about MARGIN * k entries of x reach, from a strided ~1% sample."""
-    xp = array_module(x)
-    sample = xp.abs(x[::SAMPLE_STRIDE])
-    want = min(sample.size, max(1, int(np.ceil(k * MARGIN * sample.size / x.size)) + 1))
+    return sample_threshold(array_module(x).abs(x[::SAMPLE_STRIDE]), k, x.size)
+
+
+def sample_threshold(sample, k: int, n: int) -> float:
+    """The magnitude about MARGIN * k of n entries reach, from the magnitudes of ``sample``,
+    every SAMPLE_STRIDE-th of them."""
+    xp = array_module(sample)
+    want = min(sample.size, max(1, int(np.ceil(k * MARGIN * sample.size / n)) + 1))
     return float(xp.partition(sample, sample.size - want)[sample.size - want])
 
 
@@ -124,6 +129,41 @@ def compact_numpy(x: np.ndarray, threshold: float, capacity: int, block: int = 1
     count = idx.size
     idx = idx[:capacity]
     return idx, x[idx], count
+
+
+def compact_scored(score, n: int, threshold: float, capacity: int, scratch: np.ndarray):
+    """``compact_numpy`` of a score that is never written whole: ``score(sl, out)`` writes
+    score[sl] into out, one block of ``scratch``'s size at a time, selected while in cache."""
+    parts, values = [], []
+    for start in range(0, n, scratch.size):
+        block = scratch[:min(scratch.size, n - start)]
+        score(slice(start, start + block.size), block)
+        if not np.isfinite(block.sum()):
+            raise NonFiniteError(f"the score holds NaN or inf (first near index {start})")
+        hits = np.flatnonzero(block >= threshold)
+        if hits.size:
+            parts.append(hits + start)
+            values.append(block[hits])
+    if not parts:
+        return np.empty(0, np.int64), np.empty(0, np.float32), 0
+    idx, val = np.concatenate(parts), np.concatenate(values)
+    return idx[:capacity], val[:capacity], idx.size
+
+
+def at_least(x, threshold: float, scratch=None):
+    """Sorted indices of the entries with |x| >= threshold (on the host block by block, so the
+    |x| scratch stays in cache and no n-sized array is made; NaN is never selected)."""
+    xp = array_module(x)
+    if xp is not np or scratch is None:
+        return xp.flatnonzero(xp.abs(x) >= threshold)
+    parts = []
+    for start in range(0, x.size, scratch.size):
+        chunk = x[start:start + scratch.size]
+        mag = np.abs(chunk, out=scratch[:chunk.size])
+        hits = np.flatnonzero(mag >= threshold)
+        if hits.size:
+            parts.append(hits + start)
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 def compact_cupy(x, threshold: float, capacity: int):
@@ -248,13 +288,28 @@ def _scatter_add(cupy, target, idx, val) -> None:
         cupyx.scatter_add(target, idx, val)
 
 
+def slice_bounds(indices, slices) -> list[tuple[int, int]]:
+    """For sorted global ``indices`` and slices [(offset, size), ...] in order: per slice, the
+    (lo, hi) such that indices[lo:hi] are the slice's."""
+    xp = array_module(indices)
+    edges = [offset for offset, _ in slices] + [slices[-1][0] + slices[-1][1]]
+    bounds = xp.searchsorted(indices, xp.asarray(edges, dtype=indices.dtype)).tolist()
+    return list(zip(bounds, bounds[1:]))
+
+
 def sorted_union(indices: list):
     """Sorted distinct values of several index arrays (sort, then drop repeats).
 
-    ``numpy.unique`` (numpy 2.x) is ~50x slower than this on 10^6 ints.
+    ``numpy.unique`` (numpy 2.x) is ~50x slower than this on 10^6 ints. Two sorted arrays (a
+    policy's candidates and an aggregate) are merged by numpy's stable sort, which finds the two
+    runs (2-4x faster than quicksort there; slower from about eight runs on).
     """
     xp = array_module(indices[0])
-    merged = xp.sort(xp.concatenate(indices))
+    merged = xp.concatenate(indices)
+    if xp is np and len(indices) == 2:
+        merged.sort(kind="stable")
+    else:
+        merged = xp.sort(merged)
     if merged.size < 2:
         return merged
     keep = xp.empty(merged.size, dtype=bool)

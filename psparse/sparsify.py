@@ -41,9 +41,11 @@ def topk_exact(x: np.ndarray, k: int) -> np.ndarray:
     if not np.isfinite(mag.sum()):
         raise NonFiniteError("the accumulator holds NaN or inf")
     kth = np.partition(mag, n - k)[n - k]
-    above = np.flatnonzero(mag > kth)
-    ties = np.flatnonzero(mag == kth)[:k - above.size]
-    return np.union1d(above, ties)
+    keep = mag > kth
+    short = k - int(np.count_nonzero(keep))
+    if short:  # ties at the k-th magnitude: the lowest indices
+        keep[np.flatnonzero(mag == kth)[:short]] = True
+    return np.flatnonzero(keep)  # a mask, not union1d: numpy 2's hash-based unique is slow
 
 
 class Selector:
@@ -69,6 +71,29 @@ class Selector:
     def _compact(self, x, threshold, capacity):
         self._passes += 1
         return kernels.compact_numpy(x, threshold, capacity, BLOCK, self._abs)
+
+    def topk_scored(self, score, k: int, full):
+        """``topk`` of a non-negative score that ``score(sl, out)`` writes, score[sl] into out.
+
+        On a large host slice the score is made one cache-sized block at a time and selected
+        while in cache: no n-sized score array is written, one pass in all. Otherwise (small
+        slices, the GPU, or when the sampled threshold misjudged) it is written into ``full``
+        (n floats, the caller's scratch) and selected as ``topk`` does. Same answer either way.
+        """
+        n = self.n
+        if self.exact or is_gpu(full) or k <= 0 or k >= n:
+            score(slice(0, n), full)
+            return self.topk(full, k)
+        sample = np.empty(len(range(0, n, kernels.SAMPLE_STRIDE)), np.float32)
+        score(slice(0, n, kernels.SAMPLE_STRIDE), sample)
+        capacity = 2 * k + 1024
+        idx, val, count = kernels.compact_scored(
+            score, n, kernels.sample_threshold(sample, k, n), capacity, self._abs)
+        if count < k or count > capacity:
+            self.fallbacks += 1
+            score(slice(0, n), full)
+            return self.topk(full, k)
+        return kernels.trim(idx, val, k)[0]
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:

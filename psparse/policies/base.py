@@ -191,6 +191,11 @@ class SelectionPolicy:
         selector = self._selectors[self._slice_index(offset)]
         return selector.topk(score, k)
 
+    def topk_scored(self, score, k: int, offset: int, full) -> np.ndarray:
+        """``topk`` of a score written by ``score(sl, out)`` (score[sl] into out), without an
+        n-sized score on large slices (``Selector.topk_scored``); ``full``: n floats of scratch."""
+        return self._selectors[self._slice_index(offset)].topk_scored(score, k, full)
+
     def _slice_index(self, offset: int) -> int:
         for i, (o, _) in enumerate(self.layout.slices):
             if o == offset:
