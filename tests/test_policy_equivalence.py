@@ -3,9 +3,10 @@ item 3: selection made fast without changing what is selected).
 
 Each policy runs side by side with its reference (``tests/policy_reference.py``: the policies
 as they were, top-k by a full lexsort) over many rounds of error feedback, with ties (values on
-a coarse grid, runs of equal values, zeros), aggregates that push the shared state into
-float32's subnormal range and down to zero, a budget change (density warm-up), a checkpoint
-restore into a fresh instance, and both selection paths (exact partition, and the sampled
+a coarse grid, runs of equal values, zeros; rounds with fewer nonzero entries than k),
+aggregates that push the shared state into float32's subnormal range and down to zero, budget
+changes (down, as in a density warm-up, and up), a checkpoint restore into a fresh instance, and
+both selection paths (exact partition, and the sampled
 threshold used above ``EXACT_BELOW``). Indices must be equal every round; the state (its digest,
 which hashes the bytes) equal at every restore and at the end.
 """
@@ -93,9 +94,10 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
     rng = np.random.default_rng(seed)
     acc = np.zeros(n, np.float32)
     for it in range(rounds):
-        if it == rounds // 3:  # density warm-up: the budget changes
-            fast.set_k(k // 2)
-            ref.set_k(k // 2)
+        if it in (rounds // 3, 3 * rounds // 4):  # the budget changes, down and up again
+            budget = k // 2 if it == rounds // 3 else 2 * k
+            fast.set_k(budget)
+            ref.set_k(budget)
         if it == rounds // 2:  # a checkpoint restored into a fresh policy
             assert fast.state_digest() == ref.state_digest()
             fast = build(name, layout, k // 2, args)
@@ -104,6 +106,8 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
                 fast.set_live([0, 2, 3])
                 ref.set_live([0, 2, 3])
         acc += gradient(rng, n, it)
+        if it % 11 == 5:  # a nearly empty accumulator: fewer nonzero entries than k
+            acc[rng.random(n) > 20 / n] = 0.0
         group = None
         if fast.two_phase:
             proposal = fast.propose(acc, it)
@@ -148,3 +152,23 @@ def test_state_reaches_subnormals():
     core = run_side_by_side("core", {}, MODEL, "model", rounds=48)
     p = core.state_dict()["priority"]
     assert np.count_nonzero((p > 0) & (p < np.finfo(np.float32).tiny)) > 0
+
+
+def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
+    """core keeps the best 2 core_k candidates; a larger budget then needs the whole slice."""
+    fast, ref = (build(c, Layout([200]), 4, {"own": "0"}) for c in ("core", REFERENCES["core"]))
+    acc = np.arange(200, dtype=np.float32)
+    indices = np.arange(0, 200, 5)
+    values = np.linspace(1, 2, indices.size, dtype=np.float32)
+    for it, budget in enumerate([4, 4, 16, 40, 3]):
+        for p in (fast, ref):
+            p.set_k(budget)
+        chosen = fast.select(acc, it)
+        np.testing.assert_array_equal(chosen, ref.select(acc, it))
+        assert chosen.size == budget
+        if it == 2:  # pruned to the best 7 last round, 2 aggregated since: the slice again
+            assert fast._candidates[0].size == indices.size
+        for p in (fast, ref):  # 40 indices, then only 2: the pruned ones are not aggregated
+            p.observe(indices if it == 0 else indices[[3, 9]], values[:40 if it == 0 else 2],
+                      it)
+    assert fast.state_digest() == ref.state_digest()

@@ -14,7 +14,17 @@ Why it keeps accuracy: the own slice lets each worker push what is large for it;
 has seen an index large in the aggregate, it enters everyone's core for a while (gradient
 magnitude is concentrated on few indices over short periods), and error feedback carries every
 entry not yet sent, so nothing is dropped.
+
+Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the selection of the
+rule above. The core is searched among candidates only: the indices aggregated since the last
+search, plus the best 2 * core_k found then; every other index's priority is at most ``bound``,
+which decays with it (x * beta rounds monotonically). When the core's last entry beats the
+bound, the candidates hold the whole core; otherwise the slice is searched again. On a large
+slice the own slice comes from this worker's top k: the best k - |core| entries outside the
+core are all among the k largest |accumulator|, which saves a pass over a masked copy.
 """
+
+import numpy as np
 
 from .. import kernels
 from .base import Param, SelectionPolicy
@@ -34,23 +44,81 @@ class SharedCore(SelectionPolicy):
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
         self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
-        self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)
+        self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
+        self._in_core = self.xp.zeros(layout.numel, dtype=bool)  # scratch, False between calls
+        self._forget()
+
+    def _forget(self):
+        # per slice: candidate indices (sorted, slice-relative; None: search the whole slice)
+        # and the bound on |priority| of every index that is not a candidate
+        self._candidates = [None] * len(self.layout.slices)
+        self._bound = [np.float32(0)] * len(self.layout.slices)
 
     def select_slice(self, acc, k, offset):
         xp = self.xp
-        prio = self.priority[offset:offset + acc.size]
-        if self.signed:
-            prio = xp.abs(prio)
-        core_k = min(k - int(round(self.own * k)), int(xp.count_nonzero(prio)))
-        core = self.topk(prio, core_k, offset) if core_k > 0 else xp.empty(0, xp.int64)
+        core = self._core(offset, acc.size, k - int(round(self.own * k)))
+        if core.size == k:
+            return core
+        if core.size and not self._selectors[self._slice_index(offset)].exact:
+            # a large slice: the own slice is the best k - |core| of this worker's top k
+            # outside the core, so one search of the accumulator serves both
+            top = self.topk(acc, k, offset)
+            in_core = self._in_core[offset:offset + acc.size]
+            in_core[core] = True
+            rest = top[~in_core[top]]  # at least k - |core| of them
+            in_core[core] = False
+            mine, values = kernels.trim(rest, acc[rest], k - core.size)
+            if bool(xp.abs(values).min() > 0):  # else zeros tie with the core: the plain way
+                return xp.sort(xp.concatenate([core, mine]))
         mag = xp.abs(acc, out=self._mag[offset:offset + acc.size])
         mag[core] = 0.0  # the core is sent anyway: spend the own budget elsewhere
         mine = self.topk(mag, k - core.size, offset)
         return kernels.sorted_union([core, mine])
 
+    def _core(self, offset, size, core_k):
+        """The core_k indices of largest |priority| > 0 in a slice (all of them if fewer)."""
+        xp = self.xp
+        if core_k <= 0:
+            return xp.empty(0, dtype=xp.int64)
+        s = self._slice_index(offset)
+        prio = self.priority[offset:offset + size]
+        for search in (False, True):
+            if search or self._candidates[s] is None:  # every nonzero entry is a candidate
+                self._candidates[s] = xp.flatnonzero(prio)
+                self._bound[s] = np.float32(0)
+            candidates, bound = self._candidates[s], self._bound[s]
+            values = xp.abs(prio[candidates])
+            above = int(xp.count_nonzero(values > bound))
+            if above >= core_k:  # the core_k-th beats every non-candidate: exact
+                core = kernels.trim(candidates, values, core_k)[0]
+                break
+            if bound == 0:  # fewer nonzero entries than core_k: all of them
+                core = candidates[values > 0]
+                break
+        # keep the best 2 core_k candidates; what is dropped is at most the new bound
+        if candidates.size > 4 * core_k:
+            cut = float(xp.partition(values, candidates.size - 2 * core_k)
+                        [candidates.size - 2 * core_k])
+            bound = max(bound, np.float32(cut))
+            self._candidates[s], self._bound[s] = candidates[values > bound], bound
+        return core
+
     def observe(self, indices, values, iteration):
         kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
                               magnitude=not self.signed)
+        beta = np.float32(self.beta)
+        for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
+            if self._candidates[s] is None:
+                continue
+            self._bound[s] = self._bound[s] * beta  # rounds as every decayed entry does
+            if hi > lo:
+                offset = self.layout.slices[s][0]
+                self._candidates[s] = kernels.sorted_union([self._candidates[s],
+                                                            indices[lo:hi] - offset])
 
     def state_dict(self):
         return {"priority": self.priority}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._forget()
