@@ -30,11 +30,19 @@ class Frequency(SelectionPolicy):
     def select_slice(self, acc, k, offset):
         pool = min(acc.size, int(np.ceil(self.c * k)))
         candidates = self.topk(acc, pool, offset)
+        if pool <= k:
+            return candidates
         xp = self.xp
-        prio = self.priority[offset + candidates]
-        # highest priority first, then largest magnitude (lexsort: last key is primary)
-        order = xp.lexsort(xp.stack([-xp.abs(acc[candidates]), -prio]))
-        return xp.sort(candidates[order[:k]])
+        # highest priority first, then largest magnitude, then lowest index: the k largest of
+        # one key (non-negative float32 bits order as the values do), by one partition
+        key = self.priority[offset + candidates].view(xp.uint32).astype(xp.uint64) << 32
+        key |= xp.abs(acc[candidates]).view(xp.uint32)
+        kth = xp.partition(key, pool - k)[pool - k]
+        keep = key > kth
+        short = k - int(xp.count_nonzero(keep))
+        if short:  # ties in both: the lowest indices (candidates are sorted)
+            keep[xp.flatnonzero(key == kth)[:short]] = True
+        return candidates[keep]
 
     def observe(self, indices, values, iteration):
         kernels.decay_and_count(self.priority, indices, self.gamma)
