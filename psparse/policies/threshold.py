@@ -9,6 +9,10 @@ more entries pass the threshold, the C·k of largest magnitude are sent and the 
 accumulator.
 """
 
+import numpy as np
+
+from .. import kernels
+from ..sparsify import BLOCK
 from .base import Param, SelectionPolicy
 
 
@@ -21,6 +25,10 @@ class Threshold(SelectionPolicy):
                      lambda v: v >= 0, ">= 0"),
     }
 
+    def __init__(self, layout, k, **kw):
+        super().__init__(layout, k, **kw)
+        self._scratch = np.empty(min(BLOCK, layout.numel), np.float32)
+
     @property
     def max_push(self):
         if self.cap == 0:
@@ -28,8 +36,8 @@ class Threshold(SelectionPolicy):
         return min(self.layout.numel, max(1, int(round(self.cap * self.k))))
 
     def select(self, accumulator, iteration, group=None):
-        xp = self.xp
-        chosen = xp.flatnonzero(xp.abs(accumulator) >= self.lam)
+        # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
+        chosen = kernels.at_least(accumulator, self.lam, self._scratch)
         if chosen.size > self.max_push:  # keep the largest: the rest waits in the accumulator
             chosen = self.per_slice(accumulator, self.layout.split(self.max_push), self.topk)
         return chosen
