@@ -324,6 +324,13 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
     others = ranks[1:]
     split = {k: 1e3 * statistics.mean(r[k] for r in others) / iters
              for k in ("compute_s", "select_s", "wait_s")}
+    if config.get("baseline"):
+        # DDP and PowerSGD: rank 0's median iteration (metrics.jsonl has its split). The other
+        # ranks' totals hold rank 0's evaluation stalls when the model has BatchNorm
+        # (ResNet-20): DDP broadcasts its buffers at every forward, so ranks 1-7 wait in
+        # forward, which the split counts as compute (1.6 s mean against a 1.0 s median).
+        split = {k: 1e3 * statistics.median(m[k] for m in metrics[2:])
+                 for k in ("compute_s", "select_s", "wait_s")}
     steps = [b["time_s"] - a["time_s"] for a, b in zip(metrics, metrics[1:])]
     median_ms = 1e3 * statistics.median(steps)
     # rank 0's evaluations stop every round (4-6 s each on a 2/9-core host, longer in DDP,
@@ -361,12 +368,8 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
         else ("compute_s", "select_s")
     compute = sum(split[k] for k in local) / 1e3
     slowest = max(sum(r[k] for k in local) for r in others) / iters
-    if config.get("baseline"):
-        # DDP and PowerSGD: rank 0's median per iteration (metrics.jsonl has its split). The
-        # other ranks' totals hold rank 0's evaluation stalls when the model has BatchNorm
-        # (ResNet-20): DDP broadcasts its buffers at every forward, so ranks 1-7 wait in
-        # forward, which the split counts as compute (mean 1.6 s against a 1.0 s median).
-        compute = slowest = statistics.median(sum(m[k] for k in local) for m in metrics[2:])
+    if config.get("baseline"):  # no per-rank iterations: rank 0's median split (above)
+        slowest = compute
     s = Setting(numel=summary["numel"], k=summary["k"], workers=WORKERS, union=1.0,
                 compute_s=compute)
     samples = _jsonl(out / "cpu-samples.jsonl")
@@ -412,9 +415,11 @@ def table(model: str, rows: list[dict], commit: str) -> str:
     lines = [f"Commit `{commit}`. Wall times from the first iteration (start-up excluded); ms per "
              "iteration: mean over the run (evaluations included: rank 0's evaluation stops "
              "every round) and median iteration; the split is the mean per iteration over ranks "
-             "1-7 (rank 0 also evaluates; a two-phase policy's proposal round counts as "
-             "select). Link MB: what the host's eth0 received / sent over the run, headers "
-             "included. CPU: CPU ms per iteration between evaluations, the PS server's and a "
+             "1-7 for psparse (rank 0 also evaluates; a two-phase policy's proposal round "
+             "counts as select) and rank 0's median iteration for DDP and PowerSGD (their other "
+             "ranks wait for rank 0's evaluations inside forward when the model has BatchNorm; "
+             "select: the comm hook's synchronous part). Link MB: what the host's eth0 "
+             "received / sent over the run, headers included. CPU: CPU ms per iteration between evaluations, the PS server's and a "
              "worker's for its exchange (its CPU less its compute's). Models against the "
              "median iteration: link only (compute + bytes / rate) and with the CPU terms "
              "(psparse/costmodel.py).", "",
