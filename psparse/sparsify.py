@@ -30,14 +30,16 @@ EXACT_BELOW = 1 << 20
 BLOCK = 1 << 16  # elements per streaming block: 256 KiB of float32, fits in L2 with its scratch
 
 
-def topk_exact(x: np.ndarray, k: int) -> np.ndarray:
-    """Sorted indices of the k largest |x| (exact; ties to the lower index)."""
+def topk_exact(x: np.ndarray, k: int, nonnegative: bool = False, also=None) -> np.ndarray:
+    """Sorted indices of the k largest |x| (exact; ties to the lower index). ``nonnegative``:
+    x is known to be >= 0 (a policy's score), so |x| is x. ``also``: sorted distinct indices
+    to add to the answer (the sorted union of both is returned)."""
     n = x.size
     if k <= 0:
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int64) if also is None else also.astype(np.int64)
     if k >= n:
         return np.arange(n, dtype=np.int64)
-    mag = np.abs(x)
+    mag = x if nonnegative else np.abs(x)
     if not np.isfinite(mag.sum()):
         raise NonFiniteError("the accumulator holds NaN or inf")
     kth = np.partition(mag, n - k)[n - k]
@@ -45,6 +47,8 @@ def topk_exact(x: np.ndarray, k: int) -> np.ndarray:
     short = k - int(np.count_nonzero(keep))
     if short:  # ties at the k-th magnitude: the lowest indices
         keep[np.flatnonzero(mag == kth)[:short]] = True
+    if also is not None:
+        keep[also] = True
     return np.flatnonzero(keep)  # a mask, not union1d: numpy 2's hash-based unique is slow
 
 
@@ -83,7 +87,7 @@ class Selector:
         n = self.n
         if self.exact or is_gpu(full) or k <= 0 or k >= n:
             score(slice(0, n), full)
-            return self.topk(full, k)
+            return topk_exact(full, k, nonnegative=True) if self.exact else self.topk(full, k)
         sample = np.empty(len(range(0, n, kernels.SAMPLE_STRIDE)), np.float32)
         score(slice(0, n, kernels.SAMPLE_STRIDE), sample)
         capacity = 2 * k + 1024

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from policy_reference import REFERENCES
 
+from psparse import kernels, sparsify
 from psparse.kernels import sorted_union
 from psparse.policies import REGISTRY, Layout, base, build_policy
 from psparse.sparsify import Selector
@@ -130,9 +131,12 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
 
 @pytest.fixture(params=["exact", "sampled"])
 def selection_path(request, monkeypatch):
-    """'sampled': slices from 1024 entries up take the sampled-threshold path (as above 1M)."""
+    """'sampled': slices from 1024 entries up take the sampled-threshold path (as above 1M),
+    and the block-by-block passes (selection, threshold) run on 1000-entry blocks, so the
+    tests' 7037 entries span several blocks as 11M entries do."""
     if request.param == "sampled":
         monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
+        monkeypatch.setattr(sparsify, "BLOCK", 1000)
     return request.param
 
 
@@ -172,3 +176,26 @@ def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
             p.observe(indices if it == 0 else indices[[3, 9]], values[:40 if it == 0 else 2],
                       it)
     assert fast.state_digest() == ref.state_digest()
+
+
+def test_state_updates_equal_the_plain_expressions():
+    """decay_and_add / decay_and_count (numpy.add.at) against fancy-index +=, subnormals in."""
+    rng = np.random.default_rng(4)
+    n = 200_017
+    state = (rng.standard_normal(n) * 1e-37).astype(np.float32)  # some decay into subnormals
+    state[::5] = 0.0
+    indices = rng.permutation(rng.choice(n, 5000, replace=False))
+    values = rng.standard_normal(indices.size).astype(np.float32)
+    for magnitude in (True, False):
+        got, want = state.copy(), state.copy()
+        out = np.empty(indices.size, np.float32)
+        kernels.decay_and_add(got, indices, values, 0.9, 0.1, magnitude=magnitude, out=out)
+        want *= np.float32(0.9)
+        want[indices] += np.float32(0.1) * (np.abs(values) if magnitude else values)
+        assert got.tobytes() == want.tobytes()
+        assert out.tobytes() == want[indices].tobytes()
+    got, want = state.copy(), state.copy()
+    kernels.decay_and_count(got, indices, 0.5)
+    want *= np.float32(0.5)
+    want[indices] += np.float32(1.0)
+    assert got.tobytes() == want.tobytes()

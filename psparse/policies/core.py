@@ -21,12 +21,14 @@ search, plus the best 2 * core_k found then; every other index's priority is at 
 which decays with it (x * beta rounds monotonically). When the core's last entry beats the
 bound, the candidates hold the whole core; otherwise the slice is searched again. On a large
 slice the own slice comes from this worker's top k: the best k - |core| entries outside the
-core are all among the k largest |accumulator|, which saves a pass over a masked copy.
+core are all among the k largest |accumulator|, which saves a pass over a masked copy; on a
+small one, one partition of the masked copy, whose answer mask also takes the core.
 """
 
 import numpy as np
 
 from .. import kernels
+from ..sparsify import topk_exact
 from .base import Param, SelectionPolicy
 
 
@@ -59,9 +61,16 @@ class SharedCore(SelectionPolicy):
         core = self._core(offset, acc.size, k - int(round(self.own * k)))
         if core.size == k:
             return core
-        if core.size and not self._selectors[self._slice_index(offset)].exact:
-            # a large slice: the own slice is the best k - |core| of this worker's top k
-            # outside the core, so one search of the accumulator serves both
+        mag = self._mag[offset:offset + acc.size]
+        if xp is np and self._selectors[self._slice_index(offset)].exact:
+            # a small host slice: one partition of |acc| with the core masked out, the core
+            # marked in the same mask (the sorted union for free)
+            np.abs(acc, out=mag)
+            mag[core] = 0.0
+            return topk_exact(mag, k - core.size, nonnegative=True, also=core)
+        if core.size:
+            # the own slice is the best k - |core| of this worker's top k outside the core, so
+            # one search of the accumulator serves both
             top = self.topk(acc, k, offset)
             in_core = self._in_core[offset:offset + acc.size]
             in_core[core] = True
@@ -70,7 +79,7 @@ class SharedCore(SelectionPolicy):
             mine, values = kernels.trim(rest, acc[rest], k - core.size)
             if bool(xp.abs(values).min() > 0):  # else zeros tie with the core: the plain way
                 return xp.sort(xp.concatenate([core, mine]))
-        mag = xp.abs(acc, out=self._mag[offset:offset + acc.size])
+        xp.abs(acc, out=mag)
         mag[core] = 0.0  # the core is sent anyway: spend the own budget elsewhere
         mine = self.topk(mag, k - core.size, offset)
         return kernels.sorted_union([core, mine])
@@ -88,18 +97,22 @@ class SharedCore(SelectionPolicy):
                 self._bound[s] = np.float32(0)
             candidates, bound = self._candidates[s], self._bound[s]
             values = xp.abs(prio[candidates])
-            above = int(xp.count_nonzero(values > bound))
-            if above >= core_k:  # the core_k-th beats every non-candidate: exact
-                core = kernels.trim(candidates, values, core_k)[0]
-                break
-            if bound == 0:  # fewer nonzero entries than core_k: all of them
-                core = candidates[values > 0]
-                break
-        # keep the best 2 core_k candidates; what is dropped is at most the new bound
-        if candidates.size > 4 * core_k:
-            cut = float(xp.partition(values, candidates.size - 2 * core_k)
-                        [candidates.size - 2 * core_k])
-            bound = max(bound, np.float32(cut))
+            n = candidates.size
+            if n > core_k:  # the core_k-th largest, and the 2 core_k-th to prune with
+                cuts = [n - 2 * core_k, n - core_k] if n > 4 * core_k else [n - core_k]
+                part = xp.partition(values, cuts)
+                kth = np.float32(float(part[n - core_k]))
+                if kth > bound:  # it beats every non-candidate: the core is exact
+                    break
+            if bound == 0:  # fewer than core_k nonzero entries, all candidates: all of them
+                return candidates[values > 0]
+        keep = values > kth
+        short = core_k - int(xp.count_nonzero(keep))
+        if short:  # ties at the core_k-th: the lowest indices (candidates are sorted)
+            keep[xp.flatnonzero(values == kth)[:short]] = True
+        core = candidates[keep]
+        if len(cuts) == 2:  # keep the best 2 core_k; what is dropped is at most the new bound
+            bound = max(bound, np.float32(float(part[n - 2 * core_k])))
             self._candidates[s], self._bound[s] = candidates[values > bound], bound
         return core
 

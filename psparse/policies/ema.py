@@ -57,12 +57,14 @@ class EMA(SelectionPolicy):
         return score
 
     def observe(self, indices, values, iteration):
-        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta)
+        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # priority[indices]
+        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
+                              out=updated)
         beta = np.float32(self.beta)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
             top = self._top[s] * beta  # the decayed maximum, rounded as the entries were
             if hi > lo:
-                top = max(top, np.float32(float(self.priority[indices[lo:hi]].max())))
+                top = max(top, np.float32(float(updated[lo:hi].max())))
             self._top[s] = top
 
     def state_dict(self):

@@ -6,9 +6,9 @@
 so a new index must be 1/pi times larger than a shared one to displace it. The previous
 aggregate is identical on every worker, so all workers favour the same indices.
 
-Cost (issue 18, item 3): the factor (1 or pi) is kept per entry, updated at the old and new
-aggregate's indices only, so the score is one multiply (|acc| * 1 is |acc| exactly); on large
-slices it is made and selected a block at a time (``Selector.topk_scored``).
+Cost (issue 18, item 3): on large slices the score is made and selected a block at a time
+(``Selector.topk_scored``), each block's shared entries restored while it is in cache: no
+model-sized score array and no scatter across the model per round.
 """
 
 import numpy as np
@@ -28,8 +28,7 @@ class Penalty(SelectionPolicy):
         super().__init__(layout, k, **kw)
         xp = self.xp
         self.previous = xp.empty(0, dtype=xp.int64)  # sorted indices of the last aggregate
-        self._previous_host = np.empty(0, dtype=np.int64)  # the same, for the state
-        self._factor = xp.full(layout.numel, self.pi, dtype=xp.float32)  # 1 at previous
+        self._previous_host = np.empty(0, dtype=np.int64)  # the same, for searchsorted
         self._score = xp.empty(layout.numel, dtype=xp.float32)
 
     def select_slice(self, acc, k, offset):
@@ -42,18 +41,32 @@ class Penalty(SelectionPolicy):
         return out
 
     def _scorer(self, acc, offset):
-        xp, factor = self.xp, self._factor[offset:offset + acc.size]
+        """A function writing score[sl] into out, for the slice of ``acc`` at ``offset``."""
+        xp = self.xp
+        lo, hi = (int(i) for i in np.searchsorted(self._previous_host,
+                                                  [offset, offset + acc.size]))
+        shared_host = self._previous_host[lo:hi] - offset  # the slice's shared entries
+        shared = self.previous[lo:hi] - offset if xp is not np else shared_host
 
         def score(sl, out):
             xp.abs(acc[sl], out=out)
-            out *= factor[sl]
+            out *= self.pi
+            start, stop, step = sl.indices(acc.size)
+            if step == 1 and start == 0 and stop == acc.size:  # the whole slice
+                local = shared
+            elif step == 1:  # a block
+                a, b = (int(i) for i in np.searchsorted(shared_host, [start, stop]))
+                local = shared[a:b] - start
+            else:  # a strided sample (host only)
+                on = shared_host[(shared_host >= start) & (shared_host < stop) &
+                                 ((shared_host - start) % step == 0)]
+                local = (on - start) // step
+            out[local] = xp.abs(acc[sl][local])  # undo the penalty where the group just sent
         return score
 
     def observe(self, indices, values, iteration):
-        self._factor[self.previous] = self.pi
         self._previous_host = np.array(to_host(indices), dtype=np.int64)
         self.previous = self.xp.asarray(self._previous_host)
-        self._factor[self.previous] = 1.0
 
     def state_dict(self):
         return {"previous": self._previous_host}

@@ -11,8 +11,7 @@ accumulator.
 
 import numpy as np
 
-from .. import kernels
-from ..sparsify import BLOCK
+from .. import kernels, sparsify
 from .base import Param, SelectionPolicy
 
 
@@ -27,7 +26,7 @@ class Threshold(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self._scratch = np.empty(min(BLOCK, layout.numel), np.float32)
+        self._scratch = np.empty(min(sparsify.BLOCK, layout.numel), np.float32)
 
     @property
     def max_push(self):
