@@ -16,11 +16,12 @@ aggregate every worker observes is the union of this worker's push and 7 other w
 pushing where this one does as often as the policy aligns workers: the union's size is the
 policy's union/k measured on LeNet (``UNION``: 6.2 k for top-k, 1.8 k for core). So
 history-based policies carry a realistic state: at LeNet's size, after 1000 rounds of history,
-``core``'s priority has ~14k nonzeros and several hundred subnormal values, as in an 8-worker
-LeNet run (at 11M, 8 rounds of history). Policies run interleaved in blocks of 8 rounds
-(one ``cltk`` leader turn each), so load drift hits all alike; the figure is the median over
-blocks of the mean time per round. What every policy shares (accumulating, gathering the pushed
-values, the server's part) is not timed.
+``core``'s priority has ~12k nonzeros and several hundred subnormal values, as in a simulation
+of 8 workers each running core on such gradients (at 11M, 8 rounds of history). Policies run
+interleaved in blocks of 8 rounds (one ``cltk`` leader turn each), so load drift hits all
+alike; the figure is the median over blocks of the mean time per round, and ``observe``'s part
+of it is shown apart. What every policy shares (accumulating, gathering the pushed values, the
+server's part) is not timed.
 
 ``--part topk`` / ``--part policies`` runs one part; ``--quick`` shortens part 2.
 """
