@@ -107,6 +107,31 @@ def test_core_shares_a_core_and_keeps_an_own_slice():
     assert a.state_digest() == b.state_digest()
 
 
+@pytest.mark.parametrize("world", [2, 8, 16, 32])
+def test_core_private_keeps_the_union_under_twice_k_at_any_n(world):
+    # private=1: all own slices together take k, each worker's own is k / N (issue 18); the
+    # union of N workers that disagree completely is then |core| + N * own * k < 2k
+    k, n = 64, 4096
+    workers = [make("core", k, (n,), private=1.0, rank=r, world=world) for r in range(world)]
+    assert workers[0].own_share == pytest.approx(1 / world)
+    rng = np.random.default_rng(world)
+    for it in range(6):
+        accs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+        chosen = [w.select(a, it) for w, a in zip(workers, accs)]
+        assert all(c.size == k for c in chosen)
+        union = np.unique(np.concatenate(chosen))
+        if it > 0:  # round 0 has no history, so no core: every worker sends its own top k
+            assert union.size <= (1 + 1 - 1 / world) * k + world  # + own * k's rounding
+        mean = np.mean([a[union] for a in accs], axis=0)
+        for w in workers:
+            w.observe(union, mean, it)
+    if world >= 8:  # from the second round on a core exists, and every worker sends it
+        assert np.intersect1d(chosen[0], chosen[1]).size >= k - 2 * round(k / world)
+    # an elastic loss shrinks N: the survivors' own slices grow to keep the private total
+    workers[0].set_live(list(range(world // 2)))
+    assert workers[0].own_share == pytest.approx(2 / world)
+
+
 @pytest.mark.parametrize("name", sorted(set(REGISTRY) - {"threshold", "cltk", "vote"}))
 def test_per_layer_granularity_splits_k_by_layer_size(name):
     sizes = [30, 100, 370]
