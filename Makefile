@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench clean exp-% check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-fast demo data lint bench clean exp-% exp-scaling check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ demo: install data
 # namespaces, tc, cgroups; see experiments/README.md section 6)
 exp-cluster: install data
 	$(PY) -m experiments.cluster
+
+# issue 18: union and broadcast bytes against N = 2..32 workers, and accuracy at N = 16, 32
+exp-scaling: install data
+	$(PY) -m experiments.scaling
 
 exp-%: install data
 	$(PY) -m experiments.run $*
