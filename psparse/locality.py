@@ -1,7 +1,11 @@
 """Locality of large gradient entries (the thesis's section 6.2 observation), measured on a run.
 
 Recording: with ``--record-selections``, every worker saves, per iteration, the top-k indices of
-its raw gradient |g| and the indices it actually sent, to RUN_DIR/selections-rank-R.npz.
+its raw gradient |g| and the indices it actually sent, to RUN_DIR/selections-rank-R.npz, and
+two measures of its error-feedback accumulator a (before the push): ``captured``, the squared
+norm of a at the sent indices over that of a's own k largest entries (1 for top-k: how much of
+what is most due a policy sends), and ``backlog``, ||a|| / ||g|| (the residual carried, in units
+of one gradient: it grows when a policy leaves large entries waiting).
 
 Analysis: ``psparse-locality RUN_DIR`` reads them and reports
   * recurrence: of the top-k gradient indices at iteration t, the fraction that are in the top-k
@@ -32,15 +36,25 @@ class SelectionRecorder:
         self.grad_topk: list[np.ndarray] = []
         self.sent: list[np.ndarray] = []
         self.topk_energy: list[float] = []
+        self.captured: list[float] = []
+        self.backlog: list[float] = []
 
-    def record(self, grad: np.ndarray, grad_topk: np.ndarray, sent: np.ndarray) -> None:
-        """One iteration: the raw gradient, its top-k indices, and the indices sent."""
+    def record(self, grad: np.ndarray, grad_topk: np.ndarray, sent: np.ndarray,
+               accumulator: np.ndarray | None = None) -> None:
+        """One iteration: the raw gradient, its top-k indices, the indices sent, and the
+        accumulator the push was chosen from (None: not recorded)."""
         self.grad_topk.append(np.asarray(grad_topk, dtype=np.int64).copy())
         self.sent.append(np.asarray(sent, dtype=np.int64).copy())
         # "few entries are large": the share of the squared gradient norm in the top-k entries
         total = float(np.dot(grad, grad))
         top = grad[grad_topk]
         self.topk_energy.append(float(np.dot(top, top)) / total if total > 0 else 0.0)
+        if accumulator is not None:
+            energy = accumulator.astype(np.float64) ** 2
+            k = len(grad_topk)
+            due = float(np.partition(energy, energy.size - k)[-k:].sum()) if k else 0.0
+            self.captured.append(float(energy[sent].sum()) / due if due > 0 else 1.0)
+            self.backlog.append(float(np.sqrt(energy.sum() / total)) if total > 0 else 0.0)
 
     def save(self, path: Path) -> None:
         def packed(sets):
@@ -51,6 +65,7 @@ class SelectionRecorder:
         s, s_off = packed(self.sent)
         np.savez_compressed(path, grad_topk=g, grad_offsets=g_off, sent=s, sent_offsets=s_off,
                             topk_energy=np.array(self.topk_energy),
+                            captured=np.array(self.captured), backlog=np.array(self.backlog),
                             layer_sizes=np.array(self.layer_sizes),
                             layer_names=np.array(self.layer_names))
 
@@ -63,6 +78,9 @@ def load(path: Path) -> dict:
         return {"grad_topk": unpack(z["grad_topk"], z["grad_offsets"]),
                 "sent": unpack(z["sent"], z["sent_offsets"]),
                 "topk_energy": z["topk_energy"] if "topk_energy" in z else None,
+                # recorded from the accumulator since issue 16 (empty before)
+                "captured": z["captured"] if "captured" in z else np.empty(0),
+                "backlog": z["backlog"] if "backlog" in z else np.empty(0),
                 "layer_sizes": z["layer_sizes"].tolist(),
                 "layer_names": [str(n) for n in z["layer_names"]]}
 
@@ -136,10 +154,15 @@ def analyse(run_dir: Path, horizon: int = 20) -> dict:
                 for t in range(0, T, max(1, T // 50)) for a, b in pairs]
         per_layer_jaccard.append(float(np.mean(vals)) if vals else None)
     energy = [r["topk_energy"] for r in ranks if r["topk_energy"] is not None]
+    captured = np.concatenate([r["captured"] for r in ranks])
+    backlog = np.concatenate([r["backlog"] for r in ranks])
     return {
         "workers": len(ranks), "iterations": T, "numel": numel, "k": k, "horizon": horizon,
         # mean share of a worker's squared gradient norm held by its top-k entries
         "topk_energy_mean": float(np.mean(np.concatenate(energy))) if energy else None,
+        # the accumulator at each push (None for recordings made before it was recorded)
+        "captured_mean": float(captured.mean()) if captured.size else None,
+        "backlog_mean": float(backlog.mean()) if backlog.size else None,
         "random_recurrence_1": k / numel,
         # the same measure for independent random k-sets: 1 - (1 - k/n)^h, h = 1..horizon
         "random_recurrence": random_recurrence(k, numel, horizon),
@@ -195,6 +218,10 @@ def summary_text(result: dict) -> str:
     if result.get("topk_energy_mean") is not None:
         lines.append(f"share of the squared gradient norm in the top-k entries: "
                      f"{result['topk_energy_mean']:.1%}")
+    if result.get("captured_mean") is not None:
+        lines.append(f"share of the accumulator's top-k energy that the pushes carried: "
+                     f"{result['captured_mean']:.1%}; backlog ||accumulator|| / ||gradient||: "
+                     f"{result['backlog_mean']:.2f}")
     rnd = result.get("random_recurrence") or random_recurrence(
         result["k"], result["numel"], result["horizon"])
     five = min(4, len(rec) - 1)

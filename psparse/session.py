@@ -274,12 +274,14 @@ class Session:
         host_grad = to_host(grad) if self.recorder else None  # read before the next backward
         grad_topk = topk_exact(host_grad, k) if self.recorder else None
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
+        # the push empties the sent entries: keep what the policy chose from
+        host_acc = to_host(acc).copy() if self.recorder else None
         try:
             indices, values = self.outbox.fetch(*self.round.choose(self, it, acc))
         except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
             raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
         if self.recorder:
-            self.recorder.record(host_grad, grad_topk, indices)
+            self.recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
         t2 = time.perf_counter()
 
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None

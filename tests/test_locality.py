@@ -23,6 +23,22 @@ def test_recurrence_and_jaccard_on_crafted_sets():
     assert jaccard(np.array([1, 2, 3]), np.array([2, 3, 4])) == 0.5
 
 
+def test_recorder_measures_what_the_push_captured_and_the_backlog(tmp_path):
+    import numpy as np
+
+    from psparse.locality import SelectionRecorder, load
+
+    rec = SelectionRecorder([4], ["w"])
+    grad = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+    acc = np.array([3.0, 0.0, -1.0, 2.0], np.float32)
+    rec.record(grad, np.array([0, 3]), np.array([0, 2]), acc)  # sent 9 + 1 of the due 9 + 4
+    rec.record(grad, np.array([0, 3]), np.array([0, 3]), acc)  # the top k: all that is due
+    rec.save(tmp_path / "s.npz")
+    z = load(tmp_path / "s.npz")
+    assert z["captured"].tolist() == pytest.approx([10 / 13, 1.0])
+    assert z["backlog"].tolist() == pytest.approx([np.sqrt(14 / 2)] * 2)  # ||acc|| / ||grad||
+
+
 def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
@@ -61,6 +77,8 @@ def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
     png = (out / "locality.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "seen again within" in r.stdout
+    # top-k sends the k largest entries of the accumulator: all of what is most due
+    assert result["captured_mean"] == pytest.approx(1.0) and result["backlog_mean"] > 0
 
 
 def test_locality_without_recordings_says_what_to_do(tmp_path):
