@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench clean exp-% exp-scaling check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-fast demo data lint bench clean exp-% exp-scaling exp-low-density check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -46,6 +46,10 @@ exp-cluster: install data
 # issue 18: union and broadcast bytes against N = 2..32 workers, and accuracy at N = 16, 32
 exp-scaling: install data
 	$(PY) -m experiments.scaling
+
+# issue 16 item 3: why core loses accuracy at density 0.1%, measured, and which rule holds there
+exp-low-density: install data
+	$(PY) -m experiments.low_density
 
 exp-%: install data
 	$(PY) -m experiments.run $*
