@@ -250,3 +250,61 @@ def test_cluster_seed_summary_pairs_seeds_and_uses_sample_sd():
     assert "`vote` ÷ `ddp` = 0.55 ± 0.05 (3)" in text
     assert "3 not reached" in text and "÷ `powersgd-r1`" not in text
     assert cluster.seed_summary("lenet", {k: v[:1] for k, v in by_seed.items()}) == ""
+
+
+def _record(path, sets_per_iteration, numel=100):
+    """A selections file as --record-selections writes it, for one worker."""
+    import numpy as np
+
+    from psparse.locality import SelectionRecorder
+
+    rec = SelectionRecorder([numel], ["w"])
+    grad = np.linspace(1, 2, numel).astype(np.float32)
+    for sent in sets_per_iteration:
+        sent = np.array(sent)
+        rec.record(grad, sent, sent, grad)
+    rec.save(path)
+
+
+def test_scaling_splits_the_union_by_how_many_workers_pushed_each_index(tmp_path):
+    from experiments.scaling import exponents, union_parts
+
+    # 3 workers, k = 2; iteration 0: {0,1},{0,2},{0,3} -> 0 by all, 1,2,3 by one (union 4)
+    # iteration 1: {5,6},{5,6},{6,7} -> 6 by all, 5 by two, 7 by one (union 3)
+    _record(tmp_path / "selections-rank-0.npz", [[0, 1], [5, 6]])
+    _record(tmp_path / "selections-rank-1.npz", [[0, 2], [5, 6]])
+    _record(tmp_path / "selections-rank-2.npz", [[0, 3], [6, 7]])
+    parts = union_parts(tmp_path, 3)
+    assert parts == pytest.approx({"all_k": (0.5 + 0.5) / 2, "several_k": (0 + 0.5) / 2,
+                                   "one_k": (1.5 + 0.5) / 2})
+    with pytest.raises(FileNotFoundError, match="3 selection files for 4 workers"):
+        union_parts(tmp_path, 4)
+    # bytes growing as N^2 from N = 2 to 4, then as N from 4 to 8: fit and neighbour slopes
+    rows = [{"policy": "topk", "workers": n, "b": b} for n, b in ((2, 4.0), (4, 16.0), (8, 32.0))]
+    e = exponents(rows, "b")["topk"]
+    assert e["neighbours"] == pytest.approx([2.0, 1.0]) and 1.0 < e["fit"] < 2.0
+
+
+def test_low_density_measures_the_accumulator_and_the_coverage(tmp_path):
+    from experiments.low_density import accumulator_measures
+
+    # the recorder's accumulator is the gradient itself here: pushing its 2 largest entries
+    # (98, 99) captures all that is due; pushing 0 and 1 captures almost nothing
+    _record(tmp_path / "selections-rank-0.npz", [[98, 99], [98, 99]])
+    _record(tmp_path / "selections-rank-1.npz", [[0, 1], [0, 1]])
+    m = accumulator_measures(tmp_path)
+    assert 0.5 < m["captured"] < 0.8 and m["captured"] == m["captured_last"]
+    assert m["backlog"] == pytest.approx(1.0)  # ||a|| / ||g|| with a = g
+    assert m["coverage"] == pytest.approx(4 / 100)
+
+
+def test_scaling_and_low_density_runs_parse_and_validate():
+    from experiments import low_density, scaling
+
+    configs = [[*scaling.BASE, "--workers", "32", "--iterations", "150", *args]
+               for args in scaling.POLICIES.values()]
+    configs += [["--workers", "8", *low_density.LENET, *args] for args in low_density.RUNS.values()]
+    for args in configs:
+        cfg = resolve_config(build_parser().parse_args(["--out", "x", *args]))
+        build_policy(cfg.policy, cfg.policy_args, Layout([1000]), 10, world_size=cfg.workers)
+    assert set(scaling.ACCURACY_POLICIES) <= set(scaling.POLICIES)
