@@ -161,6 +161,20 @@ SWEEPS: dict[str, dict] = {
         "runs": _resnet20_runs(),
         "target": 0.9,
     },
+    # issue 16, item 2: ResNet-20/CIFAR-10 at length on CPU, run in the background across
+    # sessions: dense, top-k and core at 1%, 30 epochs (5,850 iterations of 8 x 32 images), lr
+    # 0.1 x 0.1 at epochs 20 and 27, DGC warm-up over epoch 1, the whole test set every epoch
+    # and a checkpoint every epoch (a stopped sweep resumes from its last whole epoch). About
+    # 6 min per epoch on the idle 2-core machine (resnet20-cifar10's 2 epochs took ~12 min), so
+    # ~3 h per run, ~9 h for the three.
+    "resnet20-cifar10-long": {
+        "base": RESNET20 + ["--epochs", "30", "--lr-steps", "20,27", "--eval-every", "195",
+                            "--checkpoint-every", "195", "--density-warmup", "1"],
+        "runs": {name: args for name, args in _resnet20_runs().items()
+                 if name in ("dense", "topk-d0.01", "core-d0.01")},
+        "target": 0.8,
+        "progress": True,
+    },
     # issue 16: CIFAR-10 trained to convergence on CPU with the thesis era's small CNN, LeNet-5
     # for 3x32x32 input (62,006 parameters; k = 620 at 1%, 62 at 0.1%). 8 workers x 32 images
     # (195 iterations per epoch) with crop-and-flip augmentation; SGD lr 0.05, momentum 0.9,
