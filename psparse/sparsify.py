@@ -22,7 +22,7 @@ from . import kernels
 from .kernels import NonFiniteError
 from .xp import is_gpu
 
-__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "split_k",
+__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "positions", "split_k",
            "topk_exact"]
 
 # Below this size partition is as fast as anything, so there is no point estimating.
@@ -98,6 +98,20 @@ class Selector:
             score(slice(0, n), full)
             return self.topk(full, k)
         return kernels.trim(idx, val, k)[0]
+
+
+def positions(indices, sl: slice, n: int):
+    """Where sorted distinct ``indices`` of a slice of n entries fall in the part ``sl`` of it
+    that a ``Selector.topk_scored`` score is asked for (the whole slice, one block, or a strided
+    sample): positions into that part. Blocks and samples are asked for on the host only."""
+    start, stop, step = sl.indices(n)
+    if step == 1 and start == 0 and stop == n:
+        return indices
+    if step == 1:
+        a, b = (int(i) for i in np.searchsorted(indices, [start, stop]))
+        return indices[a:b] - start
+    on = indices[(indices >= start) & (indices < stop) & ((indices - start) % step == 0)]
+    return (on - start) // step
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:

@@ -56,7 +56,7 @@ def test_frequency_prefers_recently_aggregated_candidates():
     assert p.select(acc, 0).tolist() == [0, 1]  # no history: magnitude decides
     p.observe(np.array([3, 5]), arr(1, 1), 0)    # the group used 3 and 5
     p.observe(np.array([2, 3]), arr(1, 1), 1)    # priority: 3 -> 1.5, 2 -> 1, 5 -> 0.5
-    assert p.priority[[2, 3, 5]].tolist() == [1.0, 1.5, 0.5]
+    assert p.priority.values()[[2, 3, 5]].tolist() == [1.0, 1.5, 0.5]
     assert p.select(acc, 2).tolist() == [2, 3]   # 5 has history but is not a candidate
 
 

@@ -87,25 +87,52 @@ def group_for(rng, policy, proposals, n, it):
     return np.sort(rng.choice(offered, keep, replace=False)).astype(np.int64)
 
 
+# A lazily decayed state (``kernels.Decaying``: core, ema, frequency) is rounded once per add
+# where the reference rounds once per round as well: after 48 rounds of two roundings of at most
+# 2^-24 each, a relative difference below 6e-6 (3x margin). Values that decayed below float32's
+# smallest normal are flushed to 0 at a renormalisation (the reference keeps subnormals). A
+# signed EMA (core signed=true) cancels, so its error is relative to the terms added, which are
+# at most its largest magnitude, not to the result: there the tolerance is absolute.
+STATE_RTOL = 2e-5
+
+
+def assert_same_state(fast, ref):
+    """Bit-identical state; a ``Decaying`` priority equal within STATE_RTOL (or tiny)."""
+    if isinstance(getattr(fast, "priority", None), kernels.Decaying):
+        atol = STATE_RTOL * float(np.abs(ref.priority).max()) if getattr(fast, "signed", False) \
+            else np.finfo(np.float32).tiny
+        np.testing.assert_allclose(fast.priority.values(), ref.priority, rtol=STATE_RTOL,
+                                   atol=atol)
+    else:
+        assert fast.state_digest() == ref.state_digest()
+
+
 def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
+    """``fast`` against its reference; from the middle on, ``fast`` is a fresh policy restored
+    from the checkpoint of ``whole``, which runs on uninterrupted: they must stay bit-identical
+    (selections and state digests)."""
     layout = Layout(sizes, granularity)
     n = layout.numel
     fast = build(name, layout, k, args)
     ref = build(REFERENCES[name], layout, k, args)
+    whole = None
     rng = np.random.default_rng(seed)
     acc = np.zeros(n, np.float32)
     for it in range(rounds):
+        policies = [p for p in (fast, ref, whole) if p is not None]
         if it in (rounds // 3, 3 * rounds // 4):  # the budget changes, down and up again
             budget = k // 2 if it == rounds // 3 else 2 * k
-            fast.set_k(budget)
-            ref.set_k(budget)
+            for p in policies:
+                p.set_k(budget)
         if it == rounds // 2:  # a checkpoint restored into a fresh policy
-            assert fast.state_digest() == ref.state_digest()
-            fast = build(name, layout, k // 2, args)
-            fast.load_state_dict(ref.state_dict())
+            assert_same_state(fast, ref)
+            whole, fast = fast, build(name, layout, fast.k, args)
+            fast.load_state_dict(whole.state_dict())
+            assert fast.state_digest() == whole.state_digest()
+            policies = [fast, ref, whole]
             if name == "cltk":
-                fast.set_live([0, 2, 3])
-                ref.set_live([0, 2, 3])
+                for p in policies:
+                    p.set_live([0, 2, 3])
         acc += gradient(rng, n, it)
         if it % 11 == 5:  # a nearly empty accumulator: fewer nonzero entries than k
             acc[rng.random(n) > 20 / n] = 0.0
@@ -116,17 +143,23 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
             assert (proposal is None) == (expected is None)
             if proposal is not None:
                 np.testing.assert_array_equal(proposal, expected, err_msg=f"propose {it}")
+            if whole is not None and proposal is not None:
+                np.testing.assert_array_equal(proposal, whole.propose(acc, it))
             group = group_for(rng, fast, proposal, n, it)
         chosen = fast.select(acc, it, group=group)
         np.testing.assert_array_equal(chosen, ref.select(acc, it, group=group),
                                       err_msg=f"{name} {args} round {it}")
+        if whole is not None:
+            np.testing.assert_array_equal(chosen, whole.select(acc, it, group=group),
+                                          err_msg=f"restored {name} {args} round {it}")
         assert chosen.dtype.kind == "i"
         acc[chosen] = 0.0  # error feedback
         indices, values = aggregate(rng, n, chosen, it)
-        fast.observe(indices, values, it)
-        ref.observe(indices, values, it)
-    assert fast.state_digest() == ref.state_digest()
-    return fast
+        for p in policies:
+            p.observe(indices, values, it)
+    assert_same_state(fast, ref)
+    assert fast.state_digest() == whole.state_digest()
+    return fast, ref
 
 
 @pytest.fixture(params=["exact", "sampled"])
@@ -140,21 +173,33 @@ def selection_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["renormalise-rarely", "renormalise-often"])
+def renormalisation(request, monkeypatch):
+    """'often': a lazily decayed state renormalises (rescales, flushes) every few rounds, e.g.
+    every 3rd at beta = 0.5, every 20th at 0.9, so also across the restore; by default (every
+    64th at beta = 0.5) the 48 rounds see none, except at beta = 0."""
+    if request.param == "renormalise-often":
+        monkeypatch.setattr(kernels.Decaying, "RENORMALISE_BELOW", 2.0 ** -3)
+    return request.param
+
+
 @pytest.mark.parametrize("granularity", ["model", "layer"])
 @pytest.mark.parametrize("name, args", CASES,
                          ids=[f"{n}-" + ",".join(f"{a}={v}" for a, v in a.items())
                               for n, a in CASES])
-def test_policy_selects_what_its_reference_selects(name, args, granularity, selection_path):
+def test_policy_selects_what_its_reference_selects(name, args, granularity, selection_path,
+                                                   renormalisation):
     sizes = MODEL if granularity == "model" else LAYERS
-    policy = run_side_by_side(name, args, sizes, granularity)
+    policy, _ = run_side_by_side(name, args, sizes, granularity)
     if selection_path == "sampled":
         assert any(not s.exact for s in policy._selectors)
 
 
 def test_state_reaches_subnormals():
-    """The inputs do what the module docstring says: the decayed state holds subnormal values."""
-    core = run_side_by_side("core", {}, MODEL, "model", rounds=48)
-    p = core.state_dict()["priority"]
+    """The inputs do what the module docstring says: the reference's decayed state holds
+    subnormal values (the lazy state's stored values, scaled up, do not)."""
+    _, ref = run_side_by_side("core", {}, MODEL, "model", rounds=48)
+    p = ref.state_dict()["priority"]
     assert np.count_nonzero((p > 0) & (p < np.finfo(np.float32).tiny)) > 0
 
 
@@ -175,7 +220,7 @@ def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
         for p in (fast, ref):  # 40 indices, then only 2: the pruned ones are not aggregated
             p.observe(indices if it == 0 else indices[[3, 9]], values[:40 if it == 0 else 2],
                       it)
-    assert fast.state_digest() == ref.state_digest()
+    assert_same_state(fast, ref)
 
 
 def test_state_updates_equal_the_plain_expressions():
@@ -199,3 +244,47 @@ def test_state_updates_equal_the_plain_expressions():
     want *= np.float32(0.5)
     want[indices] += np.float32(1.0)
     assert got.tobytes() == want.tobytes()
+
+
+def test_lazy_decay_equals_the_eager_update():
+    """``kernels.Decaying`` against decaying every entry every round: bit-identical for a
+    power-of-two decay while values stay normal, within rounding otherwise; a renormalisation
+    flushes what fell below float32's smallest normal; a restored copy continues bit-identically;
+    a plain (eager) state loads as its values."""
+    rng = np.random.default_rng(5)
+    n, tiny = 5000, np.finfo(np.float32).tiny
+    for decay, exact in ((0.5, True), (0.9, False)):
+        lazy, eager, copy = kernels.Decaying(n), np.zeros(n, np.float32), None
+        for it in range(150):  # 0.5: renormalises at rounds 64 and 128
+            indices = np.sort(rng.choice(n, 300, replace=False))
+            values = rng.standard_normal(300).astype(np.float32)
+            if it == 40:
+                copy = kernels.Decaying(n)
+                copy.load_state_dict(lazy.state_dict())
+            for state in (lazy, copy):
+                if state is not None:
+                    state.decay(decay)
+                    state.add(indices, values, 1 - decay)
+            kernels.decay_and_add(eager, indices, values, decay, 1 - decay)
+        got = lazy.values()
+        normal = eager >= tiny
+        if exact:
+            assert got[normal].tobytes() == eager[normal].tobytes()
+        np.testing.assert_allclose(got, eager, rtol=1e-5, atol=tiny)
+        assert not np.any((lazy.stored != 0) & (np.abs(lazy.stored) < tiny))
+        assert copy.stored.tobytes() == lazy.stored.tobytes()
+        assert copy.scale == lazy.scale
+    plain = kernels.Decaying(n)
+    plain.load_state_dict({"priority": eager})
+    assert plain.scale == 1.0 and plain.values().tobytes() == eager.tobytes()
+
+
+def test_renormalisation_flushes_below_the_smallest_normal():
+    state = kernels.Decaying(4)
+    state.add(np.arange(4), np.array([1e-10, 1e-20, -1e-20, 0.0], np.float32), 1.0,
+              magnitude=False)
+    for _ in range(65):  # the scale 2^-65 is below 2^-64: stored *= 2^-65, scale = 1
+        state.decay(0.5)
+    assert state.scale == 1.0
+    assert state.stored[0] == np.float32(1e-10) * np.float32(2.0 ** -65)  # 2.7e-30: kept
+    assert state.stored[1:].tolist() == [0.0, 0.0, 0.0]  # +-2.7e-40, subnormal: flushed

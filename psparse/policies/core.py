@@ -20,21 +20,23 @@ magnitude is concentrated on few indices over short periods), and error feedback
 entry not yet sent, so nothing is dropped.
 
 Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the selection of the
-rule above. The core is searched among candidates only (a partition of the whole priority
-vector, mostly zeros, was 60x slower than of as many distinct values): the indices aggregated
-since the last search, plus the best 2 * core_k found then; every other index's priority is at
-most ``bound``, which decays with it (x * beta rounds monotonically). When the core's last entry
-beats the bound, the candidates hold the whole core; otherwise the nonzero entries are searched
-again. On a large slice the own slice comes from this worker's top k: the best k - |core|
-entries outside the core are all among the k largest |accumulator|, which saves a pass over a
-masked copy; on a small slice, one partition of the masked copy, whose answer mask also takes
-the core.
+rule above. The priority decays lazily (``kernels.Decaying``: one scale factor, so ``observe``
+touches only the aggregate's entries, and no subnormal is multiplied every round). The core is
+searched among candidates only (a partition of the whole priority vector, mostly zeros, was 60x
+slower than of as many distinct values): the indices aggregated since the last search, plus the
+best 2 * core_k found then; every other index's stored priority is at most ``bound`` (stored
+values that are not aggregated do not change). When the core's last entry beats the bound,
+the candidates hold the whole core; otherwise (and after a renormalisation) the nonzero entries
+are searched again. The own slice is the top k - |core| of |accumulator| with the core masked
+out (the reference rule): on a small host slice one partition, whose answer mask also takes
+the core; on a large one scored and selected a block at a time (``Selector.topk_scored``),
+which finds k - |core| entries instead of a top-k's k.
 """
 
 import numpy as np
 
 from .. import kernels
-from ..sparsify import topk_exact
+from ..sparsify import positions, topk_exact
 from .base import Param, SelectionPolicy
 
 
@@ -55,14 +57,13 @@ class SharedCore(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
+        self.priority = kernels.Decaying(layout.numel, self.xp)
         self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
-        self._in_core = self.xp.zeros(layout.numel, dtype=bool)  # scratch, False between calls
         self._forget()
 
     def _forget(self):
         # per slice: candidate indices (sorted, slice-relative; None: search the whole slice)
-        # and the bound on |priority| of every index that is not a candidate
+        # and the bound on |stored priority| of every index that is not a candidate
         self._candidates = [None] * len(self.layout.slices)
         self._bound = [np.float32(0)] * len(self.layout.slices)
 
@@ -78,20 +79,11 @@ class SharedCore(SelectionPolicy):
             np.abs(acc, out=mag)
             mag[core] = 0.0
             return topk_exact(mag, k - core.size, nonnegative=True, also=core)
-        if core.size:
-            # the own slice is the best k - |core| of this worker's top k outside the core, so
-            # one search of the accumulator serves both
-            top = self.topk(acc, k, offset)
-            in_core = self._in_core[offset:offset + acc.size]
-            in_core[core] = True
-            rest = top[~in_core[top]]  # at least k - |core| of them
-            in_core[core] = False
-            mine, values = kernels.trim(rest, acc[rest], k - core.size)
-            if bool(xp.abs(values).min() > 0):  # else zeros tie with the core: the plain way
-                return xp.sort(xp.concatenate([core, mine]))
-        xp.abs(acc, out=mag)
-        mag[core] = 0.0  # the core is sent anyway: spend the own budget elsewhere
-        mine = self.topk(mag, k - core.size, offset)
+
+        def score(sl, out):  # |acc| with the core masked out: it is sent anyway
+            xp.abs(acc[sl], out=out)
+            out[positions(core, sl, acc.size)] = 0.0
+        mine = self.topk_scored(score, k - core.size, offset, mag)
         return kernels.sorted_union([core, mine])
 
     @property
@@ -105,7 +97,7 @@ class SharedCore(SelectionPolicy):
         if core_k <= 0:
             return xp.empty(0, dtype=xp.int64)
         s = self._slice_index(offset)
-        prio = self.priority[offset:offset + size]
+        prio = self.priority.stored[offset:offset + size]  # ranks as the priority does
         for search in (False, True):
             if search or self._candidates[s] is None:  # every nonzero entry is a candidate
                 self._candidates[s] = xp.flatnonzero(prio != 0)
@@ -131,21 +123,18 @@ class SharedCore(SelectionPolicy):
         return candidates[keep]
 
     def observe(self, indices, values, iteration):
-        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
-                              magnitude=not self.signed)
-        beta = np.float32(self.beta)
+        if self.priority.decay(self.beta):
+            self._forget()  # the stored values were rescaled: the bounds no longer hold
+        self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
-            if self._candidates[s] is None:
-                continue
-            self._bound[s] = self._bound[s] * beta  # rounds as every decayed entry does
-            if hi > lo:
+            if self._candidates[s] is not None and hi > lo:
                 offset = self.layout.slices[s][0]
                 self._candidates[s] = kernels.sorted_union([self._candidates[s],
                                                             indices[lo:hi] - offset])
 
     def state_dict(self):
-        return {"priority": self.priority}
+        return self.priority.state_dict()
 
     def load_state_dict(self, state):
-        super().load_state_dict(state)
+        self.priority.load_state_dict(state)
         self._forget()

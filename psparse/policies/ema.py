@@ -7,10 +7,13 @@ and the k largest scores are sent. An index the group has recently found large g
 (1 + lam) times the weight, so workers lean toward the same indices while a locally huge entry
 still wins. (This is the blended-score variant; the candidate scheme is ``frequency``.)
 
-Cost (issue 18, item 3): max(priority) is kept up to date in ``observe`` (a decayed maximum is
-the maximum decayed, exactly, and only the aggregated entries grow), and on large slices the
-score is made and selected a block at a time (``Selector.topk_scored``), so a round reads the
-accumulator and the priority once and writes no model-sized array.
+Cost (issue 18, item 3): the priority decays lazily (``kernels.Decaying``: one scale factor,
+so ``observe`` touches only the aggregate's entries), and max(priority) is kept up to date there
+(only the aggregated entries grow). The selection ranks by the score divided by the positive
+constant lam / max(priority), |acc_i| * (stored_i + max(stored) / lam), the same order (up to
+rounding) in three operations per entry instead of four; on large slices it is made and
+selected a block at a time (``Selector.topk_scored``), so a round reads the accumulator and the
+priority once and writes no model-sized array.
 """
 
 import numpy as np
@@ -28,49 +31,56 @@ class EMA(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
+        self.priority = kernels.Decaying(layout.numel, self.xp)
         self._score = self.xp.empty(layout.numel, dtype=self.xp.float32)
-        self._top = [np.float32(0)] * len(layout.slices)  # max(priority) per slice
+        self._top = [np.float32(0)] * len(layout.slices)  # max(stored priority) per slice
 
     def select_slice(self, acc, k, offset):
         return self.topk_scored(self._scorer(acc, offset), k, offset,
                                 self._score[offset:offset + acc.size])
 
     def score(self, acc, offset):
+        """The documented score (the selection ranks a multiple of it)."""
         out = self._score[offset:offset + acc.size]
         self._scorer(acc, offset)(slice(0, acc.size), out)
+        top = float(self._top[self._slice_index(offset)])
+        if top > 0 and self.lam > 0:
+            out *= np.float32(self.lam / top)
         return out
 
     def _scorer(self, acc, offset):
-        """A function writing score[sl] into out, for the slice of ``acc`` at ``offset``."""
+        """A function writing score[sl] * max(stored) / lam into out (for the slice of ``acc``
+        at ``offset``; |acc| when there is no priority yet or lam = 0)."""
         xp = self.xp
-        prio = self.priority[offset:offset + acc.size]
+        stored = self.priority.stored[offset:offset + acc.size]
         top = float(self._top[self._slice_index(offset)])
+        if top <= 0 or self.lam == 0:
+            return lambda sl, out: xp.abs(acc[sl], out=out)
+        floor = np.float32(top / self.lam)
 
-        def score(sl, out):
-            if top <= 0:
-                xp.abs(acc[sl], out=out)
-                return
-            xp.multiply(prio[sl], self.lam / top, out=out)
-            out += 1.0
-            out *= xp.abs(acc[sl])
+        def score(sl, out):  # stored + floor > 0, so |acc * (it)| = |acc| * (it), no temporary
+            xp.add(stored[sl], floor, out=out)
+            out *= acc[sl]
+            xp.abs(out, out=out)
         return score
 
     def observe(self, indices, values, iteration):
-        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # priority[indices]
-        kernels.decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,
-                              out=updated)
-        beta = np.float32(self.beta)
+        if self.priority.decay(self.beta):  # rescaled: the maxima too
+            self._top = self._maxima()
+        self.priority.add(indices, values, 1.0 - self.beta)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
-            top = self._top[s] * beta  # the decayed maximum, rounded as the entries were
             if hi > lo:
-                top = max(top, np.float32(float(updated[lo:hi].max())))
-            self._top[s] = top
+                updated = self.priority.stored[indices[lo:hi]]
+                self._top[s] = max(self._top[s], np.float32(float(updated.max())))
+
+    def _maxima(self):
+        stored = self.priority.stored
+        return [np.float32(float(stored[o:o + n].max())) if n else np.float32(0)
+                for o, n in self.layout.slices]
 
     def state_dict(self):
-        return {"priority": self.priority}
+        return self.priority.state_dict()
 
     def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self._top = [np.float32(float(self.priority[o:o + n].max())) if n else np.float32(0)
-                     for o, n in self.layout.slices]
+        self.priority.load_state_dict(state)
+        self._top = self._maxima()

@@ -6,6 +6,10 @@ priority[i] = decayed count of rounds in which index i was in the aggregate:
 c*k entries of largest |accumulator|; of those, the k with the highest priority are sent,
 ties broken by magnitude. Error feedback zeroes what was just sent, so recently aggregated
 indices often drop out of the candidate pool: a larger c keeps them reachable.
+
+Cost (issue 18, item 3): the counts decay lazily (``kernels.Decaying``: one scale factor, so
+``observe`` touches only the aggregate's entries); the ranking reads the stored counts, which
+order as the counts do.
 """
 
 import numpy as np
@@ -25,7 +29,7 @@ class Frequency(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = self.xp.zeros(layout.numel, dtype=self.xp.float32)
+        self.priority = kernels.Decaying(layout.numel, self.xp)
 
     def select_slice(self, acc, k, offset):
         pool = min(acc.size, int(np.ceil(self.c * k)))
@@ -35,7 +39,7 @@ class Frequency(SelectionPolicy):
         xp = self.xp
         # highest priority first, then largest magnitude, then lowest index: the k largest of
         # one key (non-negative float32 bits order as the values do), by one partition
-        key = self.priority[offset + candidates].view(xp.uint32).astype(xp.uint64) << 32
+        key = self.priority.stored[offset + candidates].view(xp.uint32).astype(xp.uint64) << 32
         key |= xp.abs(acc[candidates]).view(xp.uint32)
         kth = xp.partition(key, pool - k)[pool - k]
         keep = key > kth
@@ -45,7 +49,11 @@ class Frequency(SelectionPolicy):
         return candidates[keep]
 
     def observe(self, indices, values, iteration):
-        kernels.decay_and_count(self.priority, indices, self.gamma)
+        self.priority.decay(self.gamma)
+        self.priority.add(indices, None, 1.0)
 
     def state_dict(self):
-        return {"priority": self.priority}
+        return self.priority.state_dict()
+
+    def load_state_dict(self, state):
+        self.priority.load_state_dict(state)

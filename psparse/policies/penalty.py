@@ -13,6 +13,7 @@ model-sized score array and no scatter across the model per round.
 
 import numpy as np
 
+from ..sparsify import positions
 from ..xp import to_host
 from .base import Param, SelectionPolicy
 
@@ -45,22 +46,12 @@ class Penalty(SelectionPolicy):
         xp = self.xp
         lo, hi = (int(i) for i in np.searchsorted(self._previous_host,
                                                   [offset, offset + acc.size]))
-        shared_host = self._previous_host[lo:hi] - offset  # the slice's shared entries
-        shared = self.previous[lo:hi] - offset if xp is not np else shared_host
+        shared = self.previous[lo:hi] - offset  # the slice's shared entries
 
         def score(sl, out):
             xp.abs(acc[sl], out=out)
             out *= self.pi
-            start, stop, step = sl.indices(acc.size)
-            if step == 1 and start == 0 and stop == acc.size:  # the whole slice
-                local = shared
-            elif step == 1:  # a block
-                a, b = (int(i) for i in np.searchsorted(shared_host, [start, stop]))
-                local = shared[a:b] - start
-            else:  # a strided sample (host only)
-                on = shared_host[(shared_host >= start) & (shared_host < stop) &
-                                 ((shared_host - start) % step == 0)]
-                local = (on - start) // step
+            local = positions(shared, sl, acc.size)
             out[local] = xp.abs(acc[sl][local])  # undo the penalty where the group just sent
         return score
 
