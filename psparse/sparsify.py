@@ -107,9 +107,8 @@ def positions(indices, sl: slice, n: int):
     start, stop, step = sl.indices(n)
     if step == 1 and start == 0 and stop == n:
         return indices
-    if step == 1:
-        a, b = (int(i) for i in np.searchsorted(indices, [start, stop]))
-        return indices[a:b] - start
+    if step == 1:  # two scalar searches: a list argument costs a conversion per block
+        return indices[int(indices.searchsorted(start)):int(indices.searchsorted(stop))] - start
     on = indices[(indices >= start) & (indices < stop) & ((indices - start) % step == 0)]
     return (on - start) // step
 

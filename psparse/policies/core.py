@@ -24,7 +24,7 @@ rule above. The priority decays lazily (``kernels.Decaying``: one scale factor, 
 touches only the aggregate's entries, and no subnormal is multiplied every round). The core is
 searched among candidates only (a partition of the whole priority vector, mostly zeros, was 60x
 slower than of as many distinct values): the indices aggregated since the last search, plus the
-best 2 * core_k found then; every other index's stored priority is at most ``bound`` (stored
+best core_k + core_k / 4 found then; every other index's stored priority is at most ``bound`` (stored
 values that are not aggregated do not change). When the core's last entry beats the bound,
 the candidates hold the whole core; otherwise (and after a renormalisation) the nonzero entries
 are searched again. The own slice is the top k - |core| of |accumulator| with the core masked
@@ -105,9 +105,10 @@ class SharedCore(SelectionPolicy):
             candidates, bound = self._candidates[s], self._bound[s]
             values = xp.abs(prio[candidates])
             n = candidates.size
-            prune = n > 4 * core_k  # then also find the 2 core_k-th, to prune with
+            keep_k = core_k + (core_k + 3) // 4  # what a prune keeps: the core and a spare
+            prune = n > keep_k  # then also find the keep_k-th, to prune with
             if n > core_k:
-                part = xp.partition(values, [n - 2 * core_k, n - core_k] if prune else n - core_k)
+                part = xp.partition(values, [n - keep_k, n - core_k] if prune else n - core_k)
                 kth = np.float32(float(part[n - core_k]))
                 if kth > bound:  # it beats every non-candidate: the core is exact
                     break
@@ -117,8 +118,8 @@ class SharedCore(SelectionPolicy):
         short = core_k - int(xp.count_nonzero(keep))
         if short:  # ties at the core_k-th: the lowest indices (candidates are sorted)
             keep[xp.flatnonzero(values == kth)[:short]] = True
-        if prune:  # keep the best 2 core_k; what is dropped is at most the new bound
-            bound = max(bound, np.float32(float(part[n - 2 * core_k])))
+        if prune:  # keep the best keep_k; what is dropped is at most the new bound
+            bound = max(bound, np.float32(float(part[n - keep_k])))
             self._candidates[s], self._bound[s] = candidates[values > bound], bound
         return candidates[keep]
 
