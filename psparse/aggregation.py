@@ -7,7 +7,8 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 * ``Aggregator.mean``: the pushes summed in rank order into one model-sized scratch
   accumulator (host numpy, or CuPy with ``--server-device cuda``), divided by their number, at
   the sorted union of their indices; a dense push covers every index.
-* ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|.
+* ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
+  (``candidates``: the same with their scores, what a key-range shard sends).
 * ``Aggregator.check_budget``: a push or proposal against the step the agreed run sets for its
   iteration; ``BudgetError`` says how it breaks it (the server answers it as a protocol error).
 * ``Aggregator.goes_dense`` / ``densify``: the dense switch at the model's natural index size.
@@ -79,11 +80,20 @@ class Aggregator:
         """The two-phase vote over proposals given in rank order: the sorted ``keep`` proposed
         indices of largest mean |value| (ties: the lower index; all of them if fewer were
         proposed), and how many distinct indices were proposed."""
+        kept, _, proposed = self.candidates(indices, values, keep)
+        return kept, proposed
+
+    def candidates(self, indices: list, values: list,
+                   keep: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """``vote`` with the scores: (the kept indices, their mean |value|, how many distinct
+        indices were proposed). A key-range shard sends these, and the workers keep the best
+        ``keep`` over all shards by the same rule (a global best is among its shard's best)."""
         union, mean_abs = (to_host(a) for a in sparse_mean(
             self.accumulator, list(indices), [np.abs(v) for v in values]))
         if keep >= union.size:
-            return union, int(union.size)
-        return union[topk_exact(mean_abs, keep)], int(union.size)
+            return union, mean_abs, int(union.size)
+        chosen = topk_exact(mean_abs, keep, nonnegative=True)
+        return union[chosen], mean_abs[chosen], int(union.size)
 
     def goes_dense(self, count: int) -> bool:
         """The dense switch: ``count`` (index, value) pairs at the natural index size are larger
@@ -135,13 +145,18 @@ class ServerLimit:
         self.residual = np.zeros(numel, dtype=np.float32)  # in aggregate (mean) units
         self.support = np.empty(0, dtype=np.int64)  # sorted indices where residual != 0
 
-    def entries(self, k: int, world_size: int) -> int:
+    def entries(self, k: int, world_size: int, shard: tuple[int, int] = (0, 1)) -> int:
+        """The round's cap. For shard I of S key-range servers, its part of the whole run's
+        cap L: L * (I + 1) // S - L * I // S entries (the parts sum to L), at least 1."""
         mult, unit = self.spec
         if unit == "entries":
-            return int(mult)
-        if unit == "Nk":
-            return world_size * k
-        return max(1, int(round(mult * k)))
+            total = int(mult)
+        elif unit == "Nk":
+            total = world_size * k
+        else:
+            total = max(1, int(round(mult * k)))
+        index, count = shard
+        return max(1, total * (index + 1) // count - total * index // count)
 
     def apply(self, union: np.ndarray, mean: np.ndarray,
               limit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,9 @@
 Every ``--checkpoint-every`` iterations, at the same iteration boundary, the server and every
 worker write RUN_DIR/checkpoint/<who>-<iteration>.pt (written to a temporary name, then renamed,
 so a file is whole or absent). A run stopped at any moment resumes from the newest iteration for
-which the server and all workers have a file; older files are pruned to the last two.
+which the server and all workers have a file; older files are pruned to the last two. With
+key-range server shards (``--servers S``) each shard keeps its own files in
+RUN_DIR/shard-I/checkpoint/, and a resume needs all S of them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ def iterations(run_dir: Path, who: str) -> list[int]:
     return [int(m.group(1)) for p in folder.iterdir() if (m := pattern.match(p.name))]
 
 
-def latest_common(run_dir: Path, world_size: int) -> int | None:
-    """Newest iteration saved by the server and by every worker rank, or None."""
-    common = set(iterations(run_dir, "server"))
+def latest_common(run_dir: Path, world_size: int, shards: int = 1) -> int | None:
+    """Newest iteration saved by the server (every one of ``shards`` key-range servers, whose
+    files are in RUN_DIR/shard-I/checkpoint/) and by every worker rank, or None."""
+    if shards > 1:
+        common = set(iterations(Path(run_dir) / "shard-0", "server"))
+        for index in range(1, shards):
+            common &= set(iterations(Path(run_dir) / f"shard-{index}", "server"))
+    else:
+        common = set(iterations(run_dir, "server"))
     for rank in range(world_size):
         common &= set(iterations(run_dir, f"rank-{rank}"))
     return max(common) if common else None

@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
-from . import protocol
+from . import keyranges, protocol
 from .codec import KeyCache
 from .protocol import ProtocolError
+from .sparsify import topk_exact
 from .transport import Channel, PeerGone, TransportTimeout
 
 
@@ -66,8 +67,10 @@ class PSClient:
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, numel: int,
                  timeout: float = 30.0, max_message_bytes: int = 1 << 30,
-                 curve_keys: str | None = None, run_token: str | None = None):
+                 curve_keys: str | None = None, run_token: str | None = None,
+                 shard: tuple[int, int] | None = None):
         self.host, self.port = host, port
+        self.shard = shard  # [I, S] in the register when the server is a key-range shard
         self.rank, self.world_size, self.numel = rank, world_size, numel
         self.timeout = timeout
         self.curve_keys = curve_keys
@@ -124,13 +127,21 @@ class PSClient:
     def register(self, run: dict, checksum: str, start: int) -> protocol.Message:
         """Register (proving the run token if there is one), wait for ``ready``, start the
         heartbeat; returns ``ready`` (it carries the agreed run)."""
+        self.send_register(run, checksum, start)
+        return self.await_ready()
+
+    def send_register(self, run: dict, checksum: str, start: int) -> None:
         proof = {}
         if self.run_token:
             nonce = secrets.token_hex(16)
             proof = {"nonce": nonce, "proof": protocol.register_proof(
                 self.run_token, self.rank, self.world_size, nonce)}
+        if self.shard is not None:
+            proof["shard"] = list(self.shard)
         self.send(protocol.encode("register", rank=self.rank, world_size=self.world_size,
                                   run=run, checksum=checksum, start=start, **proof))
+
+    def await_ready(self) -> protocol.Message:
         ready = self.expect("ready", "the ready signal (all workers registered)")
         if ready["heartbeat_s"] > 0:
             self.heartbeat = Heartbeat(self.host, self.port, self.rank, ready["token"],
@@ -152,6 +163,22 @@ class PSClient:
              checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
         """Send this round's (index, value) pairs, dense when that is smaller (SparCML's
         switch, into ``dense_buffer``); returns the aggregate."""
+        self.send_push(it, indices, values, loss, checksum, dense_buffer)
+        return self.await_aggregate(it)
+
+    def send_propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> None:
+        self.sent_bytes += self.send(protocol.encode(
+            "propose", indices.astype(self.index_dtype, copy=False), values,
+            model_size=self.numel, cache=self.cache, iter=it, rank=self.rank))
+
+    def await_candidates(self, it: int) -> protocol.Message:
+        """A key-range shard's answer to a proposal: its best indices with their scores."""
+        msg = self.expect("candidates", f"the shard's candidates of iteration {it}", it)
+        self.received_bytes += msg.extra["nbytes"]
+        return msg
+
+    def send_push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
+                  checksum: str | None, dense_buffer: np.ndarray | None = None) -> None:
         extra = {"checksum": checksum} if checksum else {}
         if loss is not None:
             extra["loss"] = loss
@@ -167,6 +194,8 @@ class PSClient:
                                      model_size=self.numel, cache=self.cache, iter=it,
                                      rank=self.rank, **extra)
         self.sent_bytes += self.send(frames)
+
+    def await_aggregate(self, it: int) -> protocol.Message:
         agg = self.expect("aggregate", f"the aggregate of iteration {it}", it)
         self.received_bytes += agg.extra["nbytes"]
         return agg
@@ -179,7 +208,16 @@ class PSClient:
     def finish(self, it: int, values: dict, checksum: str) -> None:
         """The final report, then the server's end-of-run shutdown."""
         self.report(it, {**values, "final": True}, checksum)
+        self.await_shutdown()
+
+    def await_shutdown(self) -> None:
         self.expect("shutdown", "the end-of-run shutdown")
+
+    def cache_state(self):
+        return self.cache.state()
+
+    def restore_cache(self, state) -> None:
+        self.cache.restore(state)
 
     def give_up(self, cause: str) -> None:
         """Tell the server why this worker stops, and wait (briefly) for its acknowledging
@@ -204,3 +242,139 @@ class PSClient:
             self.heartbeat.stop()
             self.heartbeat = None
         self.channel.close()
+
+
+class ShardedClient:
+    """One worker's connections to S key-range server shards (``psparse.keyranges``), with
+    ``PSClient``'s interface: the session sees one server and the whole flat vector.
+
+    A push is split by range (one searchsorted of the sorted indices), each part sent to its
+    shard in shard-relative indices, and the S aggregates are concatenated back into global
+    indices (the ranges are disjoint and ordered, so the merged union is sorted and equals a
+    one-server run's). Every message goes to every shard first, then the answers are awaited,
+    so the shards work in parallel. In a two-phase round each shard answers a proposal with
+    its best indices and their scores (``candidates``); every worker keeps the ``keep`` of
+    largest score over all shards, ties to the lower index (the server's vote rule), so all
+    workers keep the same set, and the one a single server would keep.
+    """
+
+    def __init__(self, addresses: list[tuple[str, int]], rank: int, world_size: int, *,
+                 numel: int, **options):
+        self.rank, self.world_size, self.numel = rank, world_size, numel
+        self.count = len(addresses)
+        self.edges = keyranges.bounds(numel, self.count)
+        self.shards: list[PSClient] = []
+        try:
+            for index, (host, port) in enumerate(addresses):
+                self.shards.append(PSClient(
+                    host, port, rank, world_size, numel=int(self.edges[index + 1]
+                                                            - self.edges[index]),
+                    shard=(index, self.count), **options))
+        except BaseException:
+            self.close()
+            raise
+        self.timeout = self.shards[0].timeout
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(c.sent_bytes for c in self.shards)
+
+    @sent_bytes.setter
+    def sent_bytes(self, value) -> None:  # restored from a checkpoint: the total, on shard 0
+        for n, c in enumerate(self.shards):
+            c.sent_bytes = value if n == 0 else 0
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(c.received_bytes for c in self.shards)
+
+    @received_bytes.setter
+    def received_bytes(self, value) -> None:
+        for n, c in enumerate(self.shards):
+            c.received_bytes = value if n == 0 else 0
+
+    def _parts(self, indices: np.ndarray):
+        """(shard client, slice of ``indices``, the shard's first key) per shard."""
+        return [(c, part, int(self.edges[n]))
+                for n, (c, part) in enumerate(zip(self.shards, keyranges.split_sorted(
+                    indices, self.edges)))]
+
+    def register(self, run: dict, checksum: str, start: int) -> protocol.Message:
+        for c in self.shards:
+            c.send_register(run, checksum, start)
+        readies = [c.await_ready() for c in self.shards]
+        self.run = readies[0]["run"]  # the agreed run: its steps say how many indices to keep
+        return readies[0]
+
+    def propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+        indices = np.asarray(indices, dtype=np.int64)
+        for c, part, lo in self._parts(indices):
+            c.send_propose(it, indices[part] - lo, values[part])
+        got = [c.await_candidates(it) for c in self.shards]
+        keys = np.concatenate([m.indices.astype(np.int64) + int(self.edges[n])
+                               for n, m in enumerate(got)])
+        scores = np.concatenate([m.values for m in got])
+        keep = protocol.step_at(self.run, it)[1]  # the push cap: what the group keeps
+        if keep >= keys.size:
+            return keys
+        return keys[topk_exact(scores, keep, nonnegative=True)]
+
+    def push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
+             checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
+        indices = np.asarray(indices, dtype=np.int64)
+        for c, part, lo in self._parts(indices):
+            hi = lo + c.numel
+            c.send_push(it, indices[part] - lo, values[part], loss, checksum,
+                        None if dense_buffer is None else dense_buffer[lo:hi])
+        got = [c.await_aggregate(it) for c in self.shards]
+        return merge_aggregates(got, self.edges)
+
+    def report(self, it: int, values: dict, checksum: str | None = None) -> None:
+        for c in self.shards:
+            c.report(it, values, checksum)
+
+    def finish(self, it: int, values: dict, checksum: str) -> None:
+        for c in self.shards:
+            c.report(it, {**values, "final": True}, checksum)
+        for c in self.shards:
+            c.await_shutdown()
+
+    def give_up(self, cause: str) -> None:
+        for c in self.shards:
+            c.give_up(cause)
+
+    def cache_state(self):
+        return [c.cache.state() for c in self.shards]
+
+    def restore_cache(self, state) -> None:
+        for c, part in zip(self.shards, state):
+            c.cache.restore(part)
+
+    def close(self) -> None:
+        for c in self.shards:
+            c.close()
+
+
+def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protocol.Message:
+    """The S shards' aggregates of one round as one message over the whole vector: global
+    indices, concatenated in shard order. If any shard sent its part dense, the merged one is
+    dense (every index, zeros where nothing was aggregated), as a single server sends it."""
+    header = dict(parts[0].header)
+    header["workers"] = parts[0]["workers"]
+    numel = int(edges[-1])
+    if any(m.get("dense") for m in parts):
+        values = np.zeros(numel, dtype=np.float32)
+        for n, m in enumerate(parts):
+            lo = int(edges[n])
+            if m.get("dense"):
+                values[lo:lo + m.values.size] = m.values
+            else:
+                values[m.indices.astype(np.int64) + lo] = m.values
+        header.update(dense=True, count=numel)
+        return protocol.Message("aggregate", header, None, values)
+    indices = np.concatenate([m.indices.astype(np.int64) + int(edges[n])
+                              for n, m in enumerate(parts)])
+    values = np.concatenate([m.values for m in parts])
+    header.update(count=int(indices.size))
+    header.pop("dense", None)
+    return protocol.Message("aggregate", header, indices, values)

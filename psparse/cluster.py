@@ -132,6 +132,19 @@ def srun_command(cfg: RunConfig, server: str, out: str) -> list[str]:
     return [*srun_prefix(cfg), *worker_argv(cfg, server, out)]
 
 
+def parse_servers(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT`` or, for key-range server shards, ``HOST:PORT,HOST:PORT,...`` in shard
+    order -> [(host, port), ...] (brackets around an IPv6 host are dropped)."""
+    out = []
+    for item in str(text).split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"server must be HOST:PORT (several, comma-separated, for server "
+                             f"shards), got {text!r}")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
 def rank_from_env(environ=os.environ) -> int | None:
     """This process's rank from torchrun, SLURM, PMI or Open MPI variables."""
     for var in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):

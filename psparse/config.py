@@ -68,6 +68,7 @@ class RunConfig:
     threads: int | None = None
     device: str = "cpu"
     # Server and robustness.
+    servers: int = 1
     server_limit: str | None = None
     server_device: str = "cpu"
     bandwidth: str | None = None
@@ -146,6 +147,15 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         need(self.max_message_mb > 0, "max-message-mb must be > 0")
+        need(isinstance(self.servers, int) and self.servers >= 1,
+             f"servers must be >= 1 (key-range server shards), got {self.servers!r}")
+        if self.servers > 1:
+            try:
+                from .keyranges import check_shardable
+
+                check_shardable(self)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         return self
 
     def _check_model_args(self) -> None:
@@ -183,7 +193,7 @@ class RunConfig:
 
     # Options that only place or guard a process: they may differ between workers.
     LOCAL_OPTIONS = ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                     "server_limit", "server_device", "bandwidth", "curve_keys", "elastic",
+                     "servers", "server_limit", "server_device", "bandwidth", "curve_keys", "elastic",
                      "register_timeout", "checkpoint_every")
 
     def agreed(self) -> dict:
@@ -261,8 +271,12 @@ HELP = {
     "device": "cpu, cuda (one GPU per worker: local rank modulo the visible devices; "
               "CUDA_VISIBLE_DEVICES respected) or auto",
     "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
+    "servers": "key-range server shards S: the flat parameter vector is split into S "
+               "contiguous ranges of about equal size, each served by its own server process "
+               "(psparse-launch starts them; by hand: psparse-server --shard I/S)",
     "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
-                    "the rest is held in a server residual and sent later (default: no limit)",
+                    "the rest is held in a server residual and sent later; with --servers S "
+                    "each shard gets its part, L*(I+1)//S - L*I//S (default: no limit)",
     "server_device": "where the server sums the pushes: cpu, or cuda (one scatter-add on the "
                      "GPU; pays off for large unions)",
     "bandwidth": "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "

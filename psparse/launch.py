@@ -1,7 +1,7 @@
 """psparse-launch: one server and N workers on this host, with live progress and clean failure.
 
 Writes RUN_DIR/config.json (the resolved configuration every process reads), starts the server
-and N worker processes (the same ``main`` functions as ``psparse-server`` / ``psparse-worker``)
+(or ``--servers S`` key-range shards, psparse/keyranges.py) and N worker processes (the same ``main`` functions as ``psparse-server`` / ``psparse-worker``)
 with their output in RUN_DIR/logs/, prints a progress line while the run goes, and a summary table
 at the end. If any process fails, the others are stopped (SIGTERM, then SIGKILL) and the launcher
 exits non-zero: no orphans, no hang.
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import cluster, plugin
+from . import cluster, keyranges, plugin
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .provenance import provenance
@@ -132,8 +132,10 @@ class Launch:
         # "port", "bind", "rsh", "gpus_per_node"}
         self.cluster = cluster
         self.procs: dict[str, ForkedProcess] = {}
-        self._offsets = {METRICS_FILE: 0, EVAL_FILE: 0}
+        self.shards = cfg.servers  # key-range server shards (one server process each)
+        self._offsets: dict[Path, int] = {}
         self._last = {"metrics": None, "eval": None}
+        self._pending: dict[int, list] = {}  # iteration -> its shards' records so far
         self._bytes = [0, 0]
         self._unions: list[int] = []
 
@@ -162,6 +164,8 @@ class Launch:
             (PORT_FILE, SUMMARY_FILE, METRICS_FILE, EVAL_FILE)
         for name in stale:
             (self.out / name).unlink(missing_ok=True)
+            for index in range(self.shards if self.shards > 1 else 0):
+                (keyranges.shard_dir(self.out, index) / name).unlink(missing_ok=True)
         config_path = self.out / "config.json"
         if not self.resume:  # the options, and which code (and baseline) made the run
             record = {**json.loads(cfg.to_json()), "provenance": provenance()}
@@ -193,17 +197,19 @@ class Launch:
             if self.cluster:
                 self._start_cluster(config_path, again)
                 return self._monitor()
-            self._spawn("server", ["psparse.server", "--config", str(config_path), "--port", "0",
-                                   "--out", str(self.out), *again])
-            port = self._wait_for_port()
+            for index in range(self.shards):
+                self._spawn(self.server_name(index), [
+                    "psparse.server", "--config", str(config_path), "--port", "0", "--out",
+                    str(self.out), *self._shard_flag(index), *again])
+            server = ",".join(f"127.0.0.1:{port}" for port in self._wait_for_ports())
             for r in range(cfg.workers):
                 if self.script:
                     self._spawn_script(f"rank-{r}", self.script_env(
-                        r, r, f"127.0.0.1:{port}", {"PSPARSE_CONFIG": str(config_path.resolve()),
-                                                    "PSPARSE_CONFIG_JSON": ""}))
+                        r, r, server, {"PSPARSE_CONFIG": str(config_path.resolve()),
+                                       "PSPARSE_CONFIG_JSON": ""}))
                     continue
                 self._spawn(f"rank-{r}", ["psparse.worker", "--config", str(config_path),
-                                          "--rank", str(r), "--connect", f"127.0.0.1:{port}",
+                                          "--rank", str(r), "--connect", server,
                                           "--out", str(self.out), *again])
             return self._monitor()
         except KeyboardInterrupt:
@@ -216,13 +222,17 @@ class Launch:
             return 1
 
     def _start_cluster(self, config_path: Path, again: list[str]) -> None:
-        """Server here, workers through ssh (hostfile) or one srun (SLURM)."""
+        """Server here (S key-range shards: all here, at ports PORT .. PORT + S - 1), workers
+        through ssh (hostfile) or one srun (SLURM)."""
         c, cfg = self.cluster, self.cfg
-        self._spawn("server", ["psparse.server", "--config", str(config_path), "--bind",
-                               c["bind"], "--port", str(c["port"]), "--out", str(self.out),
-                               *again])
-        self._wait_for_port()
-        server = f"{c['server_host']}:{c['port']}"
+        for index in range(self.shards):
+            self._spawn(self.server_name(index), [
+                "psparse.server", "--config", str(config_path), "--bind", c["bind"], "--port",
+                str(c["port"] + index), "--out", str(self.out), *self._shard_flag(index),
+                *again])
+        self._wait_for_ports()
+        server = ",".join(f"{c['server_host']}:{c['port'] + index}"
+                          for index in range(self.shards))
         out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
         inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(config_path.read_text()),
@@ -298,16 +308,36 @@ class Launch:
         self.procs[name] = proc
         return proc
 
-    def _wait_for_port(self) -> int:
+    def server_name(self, index: int) -> str:
+        """The process (and log) name of server shard ``index``: "server" for a single one."""
+        return "server" if self.shards == 1 else f"server-{index}"
+
+    def _shard_flag(self, index: int) -> list[str]:
+        return [] if self.shards == 1 else ["--shard", f"{index}/{self.shards}"]
+
+    def _server_dir(self, index: int) -> Path:
+        return self.out if self.shards == 1 else keyranges.shard_dir(self.out, index)
+
+    def _wait_for_ports(self) -> list[int]:
+        """Each server shard's port, once it listens (from its server.port file)."""
         deadline = time.monotonic() + self.cfg.timeout
-        port_file = self.out / PORT_FILE
-        while time.monotonic() < deadline:
-            if port_file.is_file():
-                return int(port_file.read_text())
-            if self.procs["server"].poll() is not None:
-                raise RuntimeError("the server exited before listening:\n" + self._tail("server"))
-            time.sleep(0.05)
-        raise RuntimeError(f"the server did not start listening within {self.cfg.timeout:g} s")
+        ports = []
+        for index in range(self.shards):
+            name = self.server_name(index)
+            port_file = self._server_dir(index) / PORT_FILE
+            while not port_file.is_file():
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited before listening:\n" + self._tail(name))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start listening within "
+                                       f"{self.cfg.timeout:g} s")
+                time.sleep(0.05)
+            ports.append(int(port_file.read_text()))
+        return ports
+
+    @staticmethod
+    def is_server(name: str) -> bool:
+        return name == "server" or name.startswith("server-")
 
     def _monitor(self) -> int:
         last_print, shown = 0.0, None
@@ -317,27 +347,31 @@ class Launch:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0}
             self._read_progress()
-            if failed and set(failed) == {"server"}:
+            if failed and all(self.is_server(n) for n in failed):
                 # The server ends the run at once when a worker's connection closes, so it can
                 # exit before the launcher has reaped that worker: the worker is the cause.
                 failed = self._worker_failures_within(1.0) or failed
             if failed and first_failure is None:
                 first_failure = sorted(failed.items())[0]
-                server = self.procs.get("server")
-                if server is not None and "server" not in failed and server.poll() is None:
-                    # a worker failed: give the server a moment to record its cause in
-                    # summary.json and end the run itself before it is stopped
-                    try:
-                        server.wait(self.grace_s)
-                    except subprocess.TimeoutExpired:
-                        pass
+                servers = [p for n, p in self.procs.items() if self.is_server(n)]
+                if not any(self.is_server(n) for n in failed):
+                    # a worker failed: give the servers a moment to record its cause in
+                    # summary.json and end the run themselves before they are stopped
+                    deadline = time.monotonic() + self.grace_s
+                    for server in servers:
+                        try:
+                            server.wait(max(0.0, deadline - time.monotonic()))
+                        except subprocess.TimeoutExpired:
+                            pass
             if failed:
                 name, code = first_failure
                 self._print(f"\npsparse-launch: {name} exited with code {code}; stopping the "
                             f"others\n{self._tail(name)}")
                 self.stop_all()
+                self._merge_shards()
                 return code if code > 0 else 1
             if len(finished) == len(self.procs):
+                self._merge_shards()
                 self._progress(final=True)
                 self._print_summary()
                 return 0
@@ -352,7 +386,7 @@ class Launch:
         deadline = time.monotonic() + seconds
         while True:
             failed = {n: p.returncode for n, p in self.procs.items()
-                      if n != "server" and p.poll() is not None and p.returncode != 0}
+                      if not self.is_server(n) and p.poll() is not None and p.returncode != 0}
             if failed or time.monotonic() >= deadline:
                 return failed
             time.sleep(0.02)
@@ -369,20 +403,41 @@ class Launch:
                 p.kill()
                 p.wait()
 
+    def _merge_shards(self) -> None:
+        """A sharded run's metrics.jsonl, eval.jsonl and summary.json from the shards' own
+        (each shard also does it when it finishes; this covers a run that failed)."""
+        if self.shards > 1 and not self.baseline:
+            keyranges.merge_run_dir(self.out, self.shards)
+
     # -------------------------------------------------------------------------------- progress
-    def _read_lines(self, name: str) -> list[dict]:
-        path = self.out / name
+    def _read_lines(self, path: Path) -> list[dict]:
         if not path.is_file():
             return []
         with open(path, "rb") as fh:
-            fh.seek(self._offsets[name])
+            fh.seek(self._offsets.get(path, 0))
             chunk = fh.read()
         end = chunk.rfind(b"\n") + 1  # only whole lines; the writer may be mid-line
-        self._offsets[name] += end
+        self._offsets[path] = self._offsets.get(path, 0) + end
         return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
 
+    def _metrics_records(self) -> list[dict]:
+        """New per-iteration records: the run's, or for S shards each iteration's merged record
+        once every shard has written its own."""
+        if self.shards == 1 or self.baseline:
+            return self._read_lines(self.out / METRICS_FILE)
+        for index in range(self.shards):
+            for rec in self._read_lines(keyranges.shard_dir(self.out, index) / METRICS_FILE):
+                self._pending.setdefault(rec["iter"], []).append(rec)
+        done = sorted(it for it, recs in self._pending.items() if len(recs) == self.shards)
+        merged = []
+        for it in done:
+            recs = self._pending.pop(it)
+            merged.append({**recs[0], **{k: sum(r[k] for r in recs)
+                                         for k in ("union", "upload_bytes", "broadcast_bytes")}})
+        return merged
+
     def _read_progress(self) -> None:
-        for rec in self._read_lines(METRICS_FILE):
+        for rec in self._metrics_records():
             self._last["metrics"] = rec
             if "allreduce_bytes" in rec:  # the DDP baseline: a ring moves half each way
                 self._bytes[0] += rec["allreduce_bytes"] / 2
@@ -391,7 +446,7 @@ class Launch:
             self._bytes[0] += rec["upload_bytes"]
             self._bytes[1] += rec["broadcast_bytes"]
             self._unions.append(rec["union"] / max(1, rec["budget"]))
-        for rec in self._read_lines(EVAL_FILE):
+        for rec in self._read_lines(self._server_dir(0) / EVAL_FILE):
             self._last["eval"] = rec
 
     def _progress(self, final: bool = False) -> None:
@@ -603,6 +658,9 @@ def main(argv=None) -> int:
                         "gpus_per_node": args.gpus_per_node}
     if args.baseline and (args.slurm or args.resume):
         p.error("--baseline runs on this host or with --hostfile, without --resume")
+    if args.baseline and cfg.servers > 1:
+        p.error("--baseline trains with torch DDP, which has no parameter server: --servers "
+                "does not apply")
     if args.powersgd_rank < 1:
         p.error("--powersgd-rank must be at least 1")
     launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,

@@ -51,6 +51,10 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
                 "value_dtype": (str,)},
     # two-phase rounds only, server -> every worker: the proposed indices the group keeps.
     "indices": {"iter": _INT, "count": _INT, "index_dtype": (str,)},
+    # two-phase rounds of a sharded run (S > 1 key-range servers), instead of "indices": the
+    # shard's best proposed indices with their scores (mean |value|); the workers pick the
+    # group's indices across the shards (docs/protocol.md, "Server shards").
+    "candidates": {"iter": _INT, "count": _INT, "index_dtype": (str,), "value_dtype": (str,)},
     # server -> every worker, once per iteration: the mean of the pushes at their index union.
     "aggregate": {"iter": _INT, "count": _INT, "index_dtype": (str,), "value_dtype": (str,),
                   "workers": _INT},
@@ -69,7 +73,7 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     # initial weights (absent: this worker opts out of replica comparison); start: resume
     # point; nonce + proof: the run-token HMAC (required when the server has a run token).
     "register": {"run": _MAP, "checksum": (str,), "start": _INT, "nonce": (str,),
-                 "proof": (str,)},
+                 "proof": (str,), "shard": _LIST},
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
     "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,)},
@@ -77,11 +81,13 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
+    "candidates": {"index_format": (str,)},
     "error": {"iter": _INT, "rank": _INT},
     "metrics": {"checksum": (str,)},
     "heartbeat": {"rank": _INT, "token": (str,)},
 }
-SPARSE_TYPES = frozenset({"push", "aggregate", "propose"})  # frames: header, indices, values
+# frames: header, indices, values
+SPARSE_TYPES = frozenset({"push", "aggregate", "propose", "candidates"})
 INDEX_TYPES = frozenset({"indices"})  # frames: header, indices
 FRAME_COUNTS = {t: 3 if t in SPARSE_TYPES else 2 if t in INDEX_TYPES else 1 for t in SCHEMAS}
 
@@ -238,6 +244,12 @@ def _check_fields(msg_type: str, header: dict) -> None:
     if "live" in header and not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
                                     for r in header["live"]):
         raise ProtocolError(f"{msg_type} field 'live' must be a list of non-negative ints")
+    if "shard" in header:
+        shard = header["shard"]
+        if not (len(shard) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                        for x in shard) and 0 <= shard[0] < shard[1]):
+            raise ProtocolError(f"{msg_type} field 'shard' must be [I, S], two ints with "
+                                "0 <= I < S")
 
 
 def _check_type(msg_type: str, name: str, value, types: tuple) -> None:

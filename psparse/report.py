@@ -4,7 +4,8 @@
 
 Prints one row per run (final and best test accuracy, union/k mean and p95, mean entries a worker
 pushed per iteration ("k sent"), MB uploaded and broadcast, how much less than dense exchange,
-iterations/s) and writes PNG plots to DIR
+iterations/s), for runs with key-range server shards (--servers S) each shard's MB up and
+down, and writes PNG plots to DIR
 (default ./report): send cost per iteration, union/k per iteration, test accuracy against
 iterations and against wall time -- one line per run.
 """
@@ -18,10 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .keyranges import merge_run_dir, shard_dir
 from .rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
 
 
 def load_run(run_dir: Path) -> dict:
+    if not (run_dir / SUMMARY_FILE).is_file() and shard_dir(run_dir, 0).is_dir():
+        # shards started by hand on hosts without a shared run directory: merge their files
+        # once they are all here
+        shards = sum(1 for p in run_dir.glob("shard-*") if p.is_dir())
+        merge_run_dir(run_dir, shards)
     if not (run_dir / SUMMARY_FILE).is_file():
         raise FileNotFoundError(f"{run_dir} has no {SUMMARY_FILE} (not a finished psparse run)")
     summary = read_json(run_dir, SUMMARY_FILE)
@@ -57,6 +64,9 @@ def row(run: dict) -> dict:
         "broadcast_mb": s["broadcast_mb"],
         "vs_dense": s["dense_mb"] / sent if sent else None,
         "iterations_per_s": s["iterations_per_s"],
+        # key-range server shards: each one's share of the bytes (absent with one server)
+        "shards": [{k: x[k] for k in ("shard", "key_range", "upload_mb", "broadcast_mb")}
+                   for x in s.get("shards", [])],
     }
 
 
@@ -75,6 +85,13 @@ def format_table(rows: list[dict]) -> str:
                      f"{f(r['pushed_k_mean'], '.0f'):>8}"
                      f"{r['upload_mb']:>9.1f}{r['broadcast_mb']:>10.1f}"
                      f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}")
+    sharded = [r for r in rows if r["shards"]]
+    if sharded:
+        lines += ["", "per server shard (keys, MB up, MB down):"]
+        for r in sharded:
+            lines.append(f"{r['run'][:31]:<32}" + "  ".join(
+                f"#{x['shard']} [{x['key_range'][0]}, {x['key_range'][1]}) "
+                f"{x['upload_mb']:.3g} / {x['broadcast_mb']:.3g}" for x in r["shards"]))
     return "\n".join(lines)
 
 

@@ -63,9 +63,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write so that a reader never sees half a file: to a temporary name, then rename."""
+    """Write so that a reader never sees half a file: to a temporary name, then rename (the
+    name holds the process id: several server shards may write a sharded run's merged files
+    at once, the same content)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

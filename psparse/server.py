@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, protocol
+from . import checkpoint, keyranges, protocol
 from .aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from .codec import KeyCache
 from .config import add_config_arguments, parse_limit, parse_with_config
@@ -64,8 +64,13 @@ class Server:
                  curve_keys: str | None = None, elastic: bool = False,
                  register_timeout: float = 120.0, checkpoint_every: int = 0,
                  resume: bool = False, device: str = "cpu", run_token: str | None = None,
-                 log=None):
+                 shard: tuple[int, int] = (0, 1), log=None):
         self.world_size = world_size
+        # key-range shard I of S (psparse/keyranges.py): this server holds [lo, hi) of the flat
+        # vector, speaks in shard-relative indices, and keeps its files in RUN_DIR/shard-I/
+        self.shard = shard
+        self.sharded = shard[1] > 1
+        self.key_range = (0, 0)
         self.xp = array_module_for(device)  # cuda: sum the pushes on the GPU (CuPy)
         self.checkpoint_every = checkpoint_every
         self.start = 0  # first iteration to serve (> 0 when resuming)
@@ -81,8 +86,11 @@ class Server:
         self.timeout = timeout
         self.channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
                                       send_timeout_s=timeout, curve_keys=curve_keys)
-        self.out_dir = Path(out_dir) if out_dir else None
-        self.log = log or (lambda msg: print(f"[server] {msg}", file=sys.stderr, flush=True))
+        self.run_dir = Path(out_dir) if out_dir else None
+        self.out_dir = keyranges.shard_dir(self.run_dir, shard[0]) \
+            if self.run_dir and self.sharded else self.run_dir  # this server's own files
+        name = f"server {shard[0]}/{shard[1]}" if self.sharded else "server"
+        self.log = log or (lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
         # who is in the run; it probes a peer's connection through the server's socket
         self.members = Membership(world_size, reachable=self._reachable, run_token=run_token,
                                   timeout=timeout, elastic=elastic, log=self.log)
@@ -118,7 +126,9 @@ class Server:
             write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
         elif self.resume:
             raise ValueError("resuming needs the run directory (--out)")
-        self.log(f"listening on port {self.port} for {self.world_size} workers")
+        self.log(f"listening on port {self.port} for {self.world_size} workers"
+                 + (f" (key-range shard {self.shard[0]} of {self.shard[1]})"
+                    if self.sharded else ""))
         try:
             self.register_workers()
             if self.resume:
@@ -181,10 +191,11 @@ class Server:
 
     # ---------------------------------------------------------------------- checkpoint, resume
     def _resume_point(self) -> int:
-        it = checkpoint.latest_common(self.out_dir, self.world_size)
+        it = checkpoint.latest_common(self.run_dir, self.world_size, self.shard[1])
         if it is None:
-            raise ValueError(f"no checkpoint in {self.out_dir} that the server and all "
-                             f"{self.world_size} workers saved")
+            raise ValueError(f"no checkpoint in {self.run_dir} that the server"
+                             + (f" shards (all {self.shard[1]})" if self.sharded else "")
+                             + f" and all {self.world_size} workers saved")
         self.start = it
         return it
 
@@ -229,11 +240,20 @@ class Server:
             peer, frames, _ = self._wait(f"workers to register (missing ranks "
                                          f"{members.missing()})", deadline)
             try:
-                members.register(peer, protocol.decode(frames))
+                msg = protocol.decode(frames)
+                self._check_shard(msg)
+                members.register(peer, msg)
             except ProtocolError as exc:
                 self.reject(peer, exc)
         self.run_description = run = members.agree(self.start)
-        self.numel, self.iterations = run["numel"], run["iterations"]
+        try:
+            edges = keyranges.bounds(run["numel"], self.shard[1])
+        except ValueError as exc:
+            raise RunAborted(str(exc)) from None
+        self.key_range = (int(edges[self.shard[0]]), int(edges[self.shard[0] + 1]))
+        # a shard's messages index its own range: the model it serves has hi - lo entries
+        self.numel = self.key_range[1] - self.key_range[0]
+        self.iterations = run["iterations"]
         self.two_phase = run["two_phase"]
         self.k = run["steps"][-1][1]  # the configured k (density x numel), the unit of union/k
         self.aggregator = Aggregator(self.numel, self.xp)  # the only model-sized buffers
@@ -246,8 +266,25 @@ class Server:
                 "ready", world_size=self.world_size, start=self.start, run=run,
                 token=members.tokens[rank], heartbeat_s=self.heartbeat_s), it=self.start)
         self.log(f"{self.world_size} workers registered: numel={self.numel}, "
-                 f"iterations={self.iterations}")
+                 f"iterations={self.iterations}"
+                 + (f", keys [{self.key_range[0]}, {self.key_range[1]}) of {run['numel']}"
+                    if self.sharded else ""))
         self._t0 = time.perf_counter()
+
+    def _check_shard(self, msg: protocol.Message) -> None:
+        """A register names the shard it is meant for (``shard`` = [I, S]); a one-server run
+        accepts none or [0, 1]: a worker cannot push one shard's keys to another."""
+        if msg.type != "register":
+            return
+        claimed = msg.get("shard", [0, 1] if not self.sharded else None)
+        if claimed is None:
+            raise ProtocolError(f"this server is key-range shard {self.shard[0]} of "
+                                f"{self.shard[1]}: a register must carry shard "
+                                f"[{self.shard[0]}, {self.shard[1]}] (docs/protocol.md, Server "
+                                "shards)")
+        if list(claimed) != list(self.shard):
+            raise ProtocolError(f"register for shard {claimed[0]} of {claimed[1]}, but this "
+                                f"server is shard {self.shard[0]} of {self.shard[1]}")
 
     def _reachable(self, peer: bytes) -> bool:
         """Whether a peer's connection is still open (ROUTER_MANDATORY refuses a send to a peer
@@ -271,9 +308,19 @@ class Server:
             # `select` indices of largest mean |value| and every worker pushes there.
             proposals, upload = self._collect(it, "propose")
             self._pace(upload)
-            chosen, proposed = self.vote([proposals[r] for r in sorted(proposals)], it)
-            broadcast += self._broadcast("indices", chosen.astype(agg.index_dtype, copy=False),
-                                         None, iter=it)
+            ordered = [proposals[r] for r in sorted(proposals)]
+            if self.sharded:  # the shard's best with their scores; workers pick across shards
+                keep = protocol.step_at(self.run_description, it)[1]
+                chosen, scores, proposed = agg.candidates(
+                    [m.indices for m in ordered], [m.values for m in ordered], keep)
+                broadcast += self._broadcast("candidates",
+                                             chosen.astype(agg.index_dtype, copy=False),
+                                             scores, iter=it)
+            else:
+                chosen, proposed = self.vote(ordered, it)
+                broadcast += self._broadcast("indices",
+                                             chosen.astype(agg.index_dtype, copy=False),
+                                             None, iter=it)
         pushes, push_bytes = self._collect(it, "push")
         upload += push_bytes
         self._pace(push_bytes)
@@ -287,8 +334,8 @@ class Server:
         union, mean = self.aggregate([pushes[r] for r in ranks])
         sent_idx, sent_val = union, mean
         if self.limit is not None:
-            sent_idx, sent_val = self.limit.apply(union, mean,
-                                                  self.limit.entries(budget, len(ranks)))
+            sent_idx, sent_val = self.limit.apply(
+                union, mean, self.limit.entries(budget, len(ranks), self.shard))
         dense = agg.goes_dense(sent_idx.size)
         # after a loss in an elastic run every aggregate names the ranks still in the run
         active = self.members.active
@@ -484,6 +531,8 @@ class Server:
                      values=self.limit.residual[self.limit.support])
         self._write_summary("ok")
         self._broadcast_shutdown(True, "training complete")
+        if self.sharded and self.run_dir:  # the last shard to finish writes the merged view
+            keyranges.merge_run_dir(self.run_dir, self.shard[1])
         self.log(f"done: {self.iterations} iterations in "
                  f"{time.perf_counter() - self._t0:.1f} s")
 
@@ -565,6 +614,9 @@ class Server:
             {"spec": "".join(str(x) for x in self.limit.spec), "held_back": int(
                 self.limit.support.size)},
         }
+        if self.sharded:
+            summary["shard"] = list(self.shard)
+            summary["key_range"] = list(self.key_range)
         write_json(self.out_dir / SUMMARY_FILE, summary)
 
 
@@ -592,12 +644,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit only workers that prove this secret in their register (HMAC; "
                         "default: $PSPARSE_TOKEN; none: any peer that reaches the port may "
                         "register). psparse-launch generates one per run")
+    p.add_argument("--shard", default="0/1", metavar="I/S",
+                   help="serve key range I of S (0-based; default 0/1, the whole model): "
+                        "[I*numel//S, (I+1)*numel//S) of the flat parameter vector, files in "
+                        "OUT/shard-I/; start one server per shard and give the workers every "
+                        "shard's address, in order (docs/protocol.md, Server shards)")
     return p
 
 
 def main(argv=None) -> int:
     args, cfg = parse_with_config(build_parser(), argv)
     run_token = args.run_token or os.environ.get("PSPARSE_TOKEN") or None
+    try:
+        shard = keyranges.parse_shard(args.shard)
+        if shard[1] > 1:
+            keyranges.check_shardable(cfg)
+    except ValueError as exc:
+        build_parser().error(str(exc))
     if not is_loopback(args.bind) and not cfg.curve_keys:
         warn(f"binding {args.bind}: traffic is not encrypted and "
              + ("only the run token guards admission" if run_token else
@@ -609,7 +672,7 @@ def main(argv=None) -> int:
                         limit=cfg.server_limit, curve_keys=cfg.curve_keys,
                         elastic=cfg.elastic, register_timeout=cfg.register_timeout,
                         checkpoint_every=cfg.checkpoint_every, resume=args.resume,
-                        device=cfg.server_device, run_token=run_token)
+                        device=cfg.server_device, run_token=run_token, shard=shard)
         if cfg.bandwidth:
             server.link = Pacer(parse_rate(cfg.bandwidth))
     except (OSError, ValueError) as exc:

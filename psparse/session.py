@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint, cluster
-from .client import PSClient, ServerGone, WorkerError
+from . import checkpoint, cluster, keyranges
+from .client import PSClient, ServerGone, ShardedClient, WorkerError
 from .config import ConfigError, RunConfig, config_from_json, load_config_file
 from .device import FlatModel, HostBuffers, gpu_array_module
 from .locality import SelectionRecorder
@@ -98,7 +98,8 @@ class Session:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 cfg: RunConfig, *, rank: int, server: tuple[str, int], iterations: int,
+                 cfg: RunConfig, *, rank: int,
+                 server: tuple[str, int] | list[tuple[str, int]], iterations: int,
                  batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
                  run_token: str | None = None, resume: bool = False, device=None, say=None):
         if not 0 <= rank < cfg.workers:
@@ -140,10 +141,26 @@ class Session:
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
             if cfg.record_selections else None
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
-        self.client = PSClient(server[0], server[1], rank, cfg.workers, numel=self.net.numel,
-                               timeout=cfg.timeout,
-                               max_message_bytes=int(cfg.max_message_mb * 1e6),
-                               curve_keys=cfg.curve_keys, run_token=run_token)
+        # one server, or S key-range shards (a list of addresses, in shard order)
+        servers = server if isinstance(server, list) else [server]
+        self.servers = len(servers)
+        if cfg.servers > 1 and self.servers != cfg.servers:
+            raise ConfigError(f"the run has {cfg.servers} server shards (--servers) but this "
+                              f"worker was given {self.servers} server address(es): give "
+                              "every shard's HOST:PORT, comma-separated, in shard order")
+        client_options = dict(timeout=cfg.timeout,
+                              max_message_bytes=int(cfg.max_message_mb * 1e6),
+                              curve_keys=cfg.curve_keys, run_token=run_token)
+        if self.servers > 1:
+            try:
+                keyranges.check_shardable(cfg)
+                self.client = ShardedClient(servers, rank, cfg.workers, numel=self.net.numel,
+                                            **client_options)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        else:
+            self.client = PSClient(servers[0][0], servers[0][1], rank, cfg.workers,
+                                   numel=self.net.numel, **client_options)
         self._times = {"compute_s": 0.0, "select_s": 0.0, "wait_s": 0.0}
         self.start = self.iteration = 0
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
@@ -398,7 +415,7 @@ class Session:
             "memory": {name: to_host(a) for name, a in self.memory.state_dict().items()},
             "policy": {name: to_host(v) if hasattr(v, "shape") else v
                        for name, v in self.policy.state_dict().items()},
-            "cache": self.client.cache.state(),
+            "cache": self.client.cache_state(),
             "stats": self.stats,
             "last_report": self.last_report,
         }
@@ -411,7 +428,7 @@ class Session:
         for name, array in state["memory"].items():
             getattr(self.memory, name)[...] = self.xp.asarray(array)
         self.policy.load_state_dict(state["policy"])
-        self.client.cache.restore(state["cache"])
+        self.client.restore_cache(state["cache"])
         stats = state["stats"]
         self.client.sent_bytes = stats["push_bytes"]
         self.client.received_bytes = stats["aggregate_bytes"]
@@ -430,7 +447,7 @@ class Session:
     def _restore(self) -> None:
         if not self.out_dir:
             raise WorkerError("resume needs the run directory (--out)")
-        start = checkpoint.latest_common(self.out_dir, self.cfg.workers)
+        start = checkpoint.latest_common(self.out_dir, self.cfg.workers, self.servers)
         if start is None:
             raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
                               f"{self.cfg.workers} workers saved")
@@ -505,16 +522,18 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
                               "(or batches_per_epoch=len(loader) with the epochs option, or "
                               "psparse-launch --iterations/--epochs)")
     address = server or cluster.server_from_env() or "127.0.0.1:5555"
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"server must be HOST:PORT, got {address!r}")
+    try:
+        servers = cluster.parse_servers(address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if out is None and os.environ.get("PSPARSE_OUT"):
         out = os.environ["PSPARSE_OUT"]
     if resume is None:
         resume = os.environ.get("PSPARSE_RESUME") == "1"
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    session = Session(model, optimizer, cfg, rank=rank, server=(host.strip("[]"), int(port)),
+    session = Session(model, optimizer, cfg, rank=rank,
+                      server=servers if len(servers) > 1 else servers[0],
                       iterations=iterations, batches_per_epoch=batches_per_epoch, out_dir=out,
                       run_token=run_token or os.environ.get("PSPARSE_TOKEN") or None,
                       resume=resume)
@@ -529,7 +548,7 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 # options the server acts on too (checkpoints at the same iterations, the broadcast limit, ...):
 # they come from the launcher's configuration, never from one worker's connect()
 SERVER_OPTIONS = ("checkpoint_every", "server_limit", "server_device", "bandwidth", "elastic",
-                  "register_timeout", "workers")
+                  "register_timeout", "workers", "servers")
 
 
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:

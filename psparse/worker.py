@@ -112,12 +112,12 @@ def setup(cfg: RunConfig, rank: int):
     return data, shard, model, optimizer, device
 
 
-def run_worker(cfg: RunConfig, rank: int, host: str, port: int, out_dir: Path | None = None,
+def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
                save_weights: Path | None = None, resume: bool = False,
                run_token: str | None = None) -> int:
     data, shard, model, optimizer, device = setup(cfg, rank)
     iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
-    session = Session(model, optimizer, cfg, rank=rank, server=(host, port),
+    session = Session(model, optimizer, cfg, rank=rank, server=server,
                       iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
                       out_dir=out_dir, run_token=run_token, resume=resume, device=device)
     try:
@@ -132,11 +132,14 @@ def run_worker(cfg: RunConfig, rank: int, host: str, port: int, out_dir: Path | 
     return 0
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--connect must be HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+def parse_endpoint(text: str) -> tuple[str, int] | list[tuple[str, int]]:
+    """``--connect``: one HOST:PORT, or a list of them (key-range server shards, in order)."""
+    try:
+        servers = cluster.parse_servers(text)
+    except ValueError:
+        raise ValueError(f"--connect must be HOST:PORT (or HOST:PORT,HOST:PORT,... for server "
+                         f"shards, in shard order), got {text!r}") from None
+    return servers[0] if len(servers) == 1 else servers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this worker's rank, 0..workers-1 (default: from RANK, SLURM_PROCID, "
                         "PMI_RANK or OMPI_COMM_WORLD_RANK)")
     p.add_argument("--connect", default=None,
-                   help="server address HOST:PORT (default: $PSPARSE_SERVER, else "
+                   help="server address HOST:PORT, or every key-range server shard's, "
+                        "comma-separated in shard order (default: $PSPARSE_SERVER, else "
                         "$MASTER_ADDR:$PSPARSE_PORT (5555), else 127.0.0.1:5555)")
     p.add_argument("--out", type=Path, default=None,
                    help="run directory: writes rank-R.json (bytes, timings, final checksum)")
@@ -178,12 +182,12 @@ def main(argv=None) -> int:
         args.workers = cluster.world_size_from_env()
     try:
         cfg = resolve_config(args)
-        host, port = parse_endpoint(args.connect or cluster.server_from_env() or
-                                    "127.0.0.1:5555")
+        server = parse_endpoint(args.connect or cluster.server_from_env() or
+                                "127.0.0.1:5555")
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))
     try:
-        return run_worker(cfg, args.rank, host, port, args.out, args.save_weights, args.resume,
+        return run_worker(cfg, args.rank, server, args.out, args.save_weights, args.resume,
                           run_token=args.run_token or os.environ.get("PSPARSE_TOKEN") or None)
     except (WorkerError, DataError, PolicyError, ConfigError) as exc:
         print(f"psparse-worker[{args.rank}]: error: {exc}", file=sys.stderr, flush=True)

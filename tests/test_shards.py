@@ -1,0 +1,278 @@
+"""Key-range server shards (--servers S, psparse-server --shard I/S): real server and worker
+processes on loopback. The same run gives the same results with 1, 2 and 4 shards, timing and
+bytes aside; the per-shard bytes add up to the totals; a sharded run resumes from its
+checkpoints; bad values and features that do not work with shards yet are refused clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from conftest import python_module, read_jsonl
+
+from psparse import cluster, keyranges, protocol
+from psparse.config import RunConfig
+
+RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "40",
+       "--eval-every", "10", "--seed", "1", "--quiet"]
+# what may differ between shard counts: timing, the bytes on the wire (one header per shard),
+# and the per-shard breakdown itself
+NOT_COMPARED = ("round_s", "time_s", "upload_bytes", "broadcast_bytes", "shards")
+FAKE_RSH = Path(__file__).resolve().parent / "fake_rsh.sh"
+
+
+def launch(out: Path, *args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if k not in NOT_COMPARED} for r in rows]
+
+
+def check_shard_bytes(run: Path, shards: int) -> None:
+    """Per-shard bytes (merged metrics.jsonl's "shards", the shards' own files, summary) sum to
+    the totals, and the servers' counts equal what the workers counted."""
+    merged = read_jsonl(run / "metrics.jsonl")
+    own = [read_jsonl(keyranges.shard_dir(run, i) / "metrics.jsonl") for i in range(shards)]
+    for t, rec in enumerate(merged):
+        assert len(rec["shards"]) == shards
+        for key in ("upload_bytes", "broadcast_bytes", "union"):
+            assert rec[key] == sum(s[key] for s in rec["shards"]), (t, key)
+            assert [s[key] for s in rec["shards"]] == [o[t][key] for o in own], (t, key)
+    ranks = [json.loads((run / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert sum(r["push_bytes"] for r in ranks) == sum(m["upload_bytes"] for m in merged)
+    assert sum(r["aggregate_bytes"] for r in ranks) == sum(m["broadcast_bytes"] for m in merged)
+    summary = json.loads((run / "summary.json").read_text())
+    assert [s["shard"] for s in summary["shards"]] == list(range(shards))
+    assert summary["upload_mb"] == pytest.approx(sum(s["upload_mb"] for s in summary["shards"]))
+    assert summary["upload_mb"] == pytest.approx(sum(m["upload_bytes"] for m in merged) / 1e6,
+                                                 abs=1e-3)
+    ranges = [s["key_range"] for s in summary["shards"]]
+    assert ranges[0][0] == 0 and ranges[-1][1] == summary["numel"]
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in order
+
+
+@pytest.mark.parametrize("policy", ["topk", "core", "vote", "cltk"])
+def test_results_are_identical_with_1_2_and_4_server_shards(tmp_path, policy):
+    runs = {}
+    for shards in (1, 2, 4):
+        runs[shards] = tmp_path / f"s{shards}"
+        r = launch(runs[shards], *RUN, "--policy", policy, "--servers", str(shards))
+        assert r.returncode == 0, r.stdout + r.stderr
+    one = runs[1]
+    for shards in (2, 4):
+        run = runs[shards]
+        assert comparable(read_jsonl(run / "metrics.jsonl")) == \
+            comparable(read_jsonl(one / "metrics.jsonl")), shards
+        assert comparable(read_jsonl(run / "eval.jsonl")) == \
+            comparable(read_jsonl(one / "eval.jsonl")), shards
+        for r in range(3):  # bit-identical final weights and policy state
+            a = json.loads((run / f"rank-{r}.json").read_text())
+            b = json.loads((one / f"rank-{r}.json").read_text())
+            assert (a["checksum"], a["policy_state"]) == (b["checksum"], b["policy_state"])
+        sa = json.loads((run / "summary.json").read_text())
+        sb = json.loads((one / "summary.json").read_text())
+        for key in ("status", "numel", "k", "iterations", "union_over_k_mean",
+                    "union_over_k_max", "pushed_k_mean", "final_loss", "test_acc", "dense_mb"):
+            assert sa[key] == pytest.approx(sb[key]), key
+        check_shard_bytes(run, shards)
+        if policy in ("vote", "cltk"):  # two-phase: the proposal counts add up too
+            assert all(m["proposed"] is not None for m in read_jsonl(run / "metrics.jsonl"))
+
+
+def test_a_sharded_run_resumes_from_its_checkpoints(tmp_path):
+    run = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
+           "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet",
+           "--servers", "2", "--policy", "vote", "--server-limit", "1.5k"]
+    whole = launch(tmp_path / "whole", *run)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), *run),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (all((keyranges.shard_dir(cut, i) / "checkpoint" / "server-200.pt").is_file()
+                   for i in range(2))
+               and len(read_jsonl(keyranges.shard_dir(cut, 0) / "metrics.jsonl")) >= 230):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # stop everything mid-run
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert len(read_jsonl(keyranges.shard_dir(cut, 0) / "metrics.jsonl")) < 400
+
+    resumed = launch(cut, "--resume", str(cut), "--quiet")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    for i in range(2):
+        assert "resumed at iteration 200" in (cut / "logs" / f"server-{i}.log").read_text()
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        assert comparable(read_jsonl(cut / name)) == \
+            comparable(read_jsonl(tmp_path / "whole" / name)), name
+    for r in range(3):
+        a = json.loads((cut / f"rank-{r}.json").read_text())
+        b = json.loads((tmp_path / "whole" / f"rank-{r}.json").read_text())
+        assert a["checksum"] == b["checksum"] and a["push_bytes"] == b["push_bytes"]
+    sa = json.loads((cut / "summary.json").read_text())
+    sb = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    for key in ("union_over_k_mean", "upload_mb", "broadcast_mb", "test_acc", "server_limit",
+                "shards"):
+        assert sa[key] == sb[key], key
+
+
+def _start_shard(out: Path, index: int, count: int, workers: int = 2, *extra):
+    proc = subprocess.Popen(python_module(
+        "psparse.server", "--workers", str(workers), "--port", "0", "--out", str(out),
+        "--shard", f"{index}/{count}", "--timeout", "20", *extra),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port_file = keyranges.shard_dir(out, index) / "server.port"
+    deadline = time.monotonic() + 30
+    while not port_file.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    return proc, int(port_file.read_text())
+
+
+def test_shards_started_by_hand_write_the_merged_run_files(tmp_path):
+    """psparse-server --shard I/S by hand, psparse-worker --connect with every shard's address:
+    the last shard to finish writes the run's merged metrics.jsonl and summary.json."""
+    servers = [_start_shard(tmp_path, i, 2) for i in range(2)]
+    try:
+        connect = ",".join(f"127.0.0.1:{port}" for _, port in servers)
+        workers = [subprocess.Popen(python_module(
+            "psparse.worker", "--rank", str(r), "--workers", "2", "--model", "mlp",
+            "--dataset", "digits", "--iterations", "10", "--connect", connect, "--out",
+            str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(2)]
+        outs = [w.communicate(timeout=120)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outs
+        assert [p.wait(timeout=30) for p, _ in servers] == [0, 0]
+    finally:
+        for p, _ in servers:
+            if p.poll() is None:
+                p.kill()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "ok" and len(summary["shards"]) == 2
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 10
+    # psparse-report shows the per-shard bytes, merging the shards' files itself if needed
+    (tmp_path / "summary.json").unlink()
+    (tmp_path / "metrics.jsonl").unlink()
+    r = subprocess.run(python_module("psparse.report", str(tmp_path), "--no-plots", "--out",
+                                     str(tmp_path / "report")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "per server shard" in r.stdout and "#1 [" in r.stdout
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [x["shard"] for x in rows[0]["shards"]] == [0, 1]
+
+
+def test_a_shard_refuses_registers_meant_for_another_or_for_no_shard(tmp_path):
+    proc, port = _start_shard(tmp_path, 1, 2, workers=1)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        def answer(**fields):
+            sock.send_multipart(protocol.encode("register", rank=0, world_size=1, **fields))
+            while True:  # skip the server's heartbeats
+                assert sock.poll(10_000), "no answer from the server"
+                header = msgpack.unpackb(sock.recv_multipart()[0])
+                if header["type"] != "heartbeat":
+                    return header
+
+        reply = answer()
+        assert reply["type"] == "error" and "must carry shard [1, 2]" in reply["message"]
+        reply = answer(shard=[0, 2])
+        assert reply["type"] == "error" and "this server is shard 1 of 2" in reply["message"]
+        reply = answer(shard=[2, 2])
+        assert reply["type"] == "error" and "0 <= I < S" in reply["message"]
+    finally:
+        sock.close()
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shard", "2/2"], "the shard index I must be in 0..1"),
+    (["--shard", "0/0"], "the number of shards S must be at least 1"),
+    (["--shard", "two"], "expected I/S"),
+    (["--shard", "0/2", "--elastic"], "--elastic does not work with several server shards"),
+])
+def test_bad_shard_values_are_refused_by_the_server(tmp_path, args, message):
+    r = subprocess.run(python_module("psparse.server", "--workers", "2", "--port", "0",
+                                     "--out", str(tmp_path), *args),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--servers", "0"], "servers must be >= 1"),
+    (["--servers", "2", "--elastic"], "--elastic does not work with several server shards"),
+    (["--servers", "2", "--curve-keys", "keys"], "--curve-keys does not work with several"),
+    (["--servers", "2", "--baseline", "ddp"], "--servers does not apply"),
+])
+def test_bad_servers_values_are_refused_by_the_launcher(tmp_path, args, message):
+    r = launch(tmp_path / "run", *RUN, *args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_a_worker_needs_every_shards_address(tmp_path):
+    r = subprocess.run(python_module("psparse.worker", "--rank", "0", "--workers", "1",
+                                     "--model", "mlp", "--dataset", "digits", "--servers", "2",
+                                     "--connect", "127.0.0.1:1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "2 server shards (--servers) but this worker was given 1 server address" in r.stderr
+
+
+def test_hostfile_launch_with_two_server_shards(tmp_path):
+    """--hostfile through the fake remote shell: the shards run here at PORT and PORT + 1,
+    the workers get both addresses on their command line."""
+    (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=1\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "FAKE_RSH_LOG": str(tmp_path / "rsh.log")}
+    r = subprocess.run(python_module(
+        "psparse.launch", "--out", str(tmp_path / "run"), "--hostfile", str(tmp_path / "hosts"),
+        "--rsh", f"bash {FAKE_RSH}", "--server-host", "127.0.0.1", "--bind", "127.0.0.1",
+        "--port", str(port), "--workers", "3", "--model", "mlp", "--dataset", "digits",
+        "--iterations", "20", "--timeout", "20", "--servers", "2"),
+        capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "rsh.log").read_text().splitlines()
+    assert len(calls) == 3
+    assert all(f"127.0.0.1:{port},127.0.0.1:{port + 1}" in c for c in calls)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and len(summary["shards"]) == 2
+    assert "broadcast (server)" in r.stdout  # the merged summary table
+
+
+def test_slurm_workers_get_every_shards_address():
+    cfg = RunConfig(workers=4, servers=2).validate()
+    cmd = cluster.srun_command(cfg, "node-a:5555,node-a:5556", "/runs/x")
+    assert cmd[cmd.index("--connect") + 1] == "node-a:5555,node-a:5556"
+    assert cmd[cmd.index("--servers") + 1] == "2"
+
+
+def test_key_ranges_split_and_cover_the_vector():
+    import numpy as np
+
+    edges = keyranges.bounds(10, 4)
+    assert edges.tolist() == [0, 2, 5, 7, 10]  # [i * numel // S]: sizes within one entry
+    indices = np.array([0, 1, 4, 5, 9])
+    parts = [indices[s].tolist() for s in keyranges.split_sorted(indices, edges)]
+    assert parts == [[0, 1], [4], [5], [9]]
+    with pytest.raises(ValueError, match="every shard needs at least one"):
+        keyranges.bounds(3, 4)
