@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from conftest import python_module, read_jsonl
@@ -267,8 +268,6 @@ def test_slurm_workers_get_every_shards_address():
 
 
 def test_key_ranges_split_and_cover_the_vector():
-    import numpy as np
-
     edges = keyranges.bounds(10, 4)
     assert edges.tolist() == [0, 2, 5, 7, 10]  # [i * numel // S]: sizes within one entry
     indices = np.array([0, 1, 4, 5, 9])
@@ -276,3 +275,108 @@ def test_key_ranges_split_and_cover_the_vector():
     assert parts == [[0, 1], [4], [5], [9]]
     with pytest.raises(ValueError, match="every shard needs at least one"):
         keyranges.bounds(3, 4)
+
+
+def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):
+    """docs/protocol.md, Server shards: a client built on tests/test_conformance.py's SpecWorker
+    (pyzmq, msgpack, numpy; nothing from psparse) registers with both shards naming each, splits
+    its pushes and proposals by key range in shard-relative indices, keeps the group's indices
+    from both shards' candidates, beside a real psparse-worker."""
+    from test_conformance import SpecWorker
+
+    class ShardWorker(SpecWorker):
+        def __init__(self, *args, shard, **kw):
+            super().__init__(*args, **kw)
+            self.shard = shard
+
+        def send(self, header, *frames):
+            if header["type"] == "register":
+                header = {**header, "shard": list(self.shard)}
+            super().send(header, *frames)
+
+        def check(self, frames):
+            h = msgpack.unpackb(frames[0], raw=False)
+            if h.get("type") == "candidates":  # header, indices, scores
+                assert len(frames) == 3 and set(h) <= {"v", "type", "iter", "count",
+                                                       "index_dtype", "value_dtype",
+                                                       "index_format"}, h
+                return h
+            return super().check(frames)
+
+    for policy in ("topk", "vote"):
+        out = tmp_path / policy
+        servers = [_start_shard(out, i, 2) for i in range(2)]
+        connect = ",".join(f"127.0.0.1:{port}" for _, port in servers)
+        real = subprocess.Popen(python_module(
+            "psparse.worker", "--rank", "1", "--workers", "2", "--model", "mlp", "--dataset",
+            "digits", "--iterations", "12", "--density", "0.05", "--policy", policy,
+            "--connect", connect, "--out", str(out), "--servers", "2", "--timeout", "20"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        shards = [ShardWorker(f"tcp://127.0.0.1:{port}", rank=0, world=2, token=None,
+                              shard=(i, 2)) for i, (_, port) in enumerate(servers)]
+        try:
+            readies = [w.join() for w in shards]
+            numel = readies[0]["run"]["numel"]
+            edges = [i * numel // 2 for i in range(3)]  # shard I: [I*numel//S, (I+1)*numel//S)
+            for i, w in enumerate(shards):
+                w.numel = edges[i + 1] - edges[i]  # a shard's indices are relative to its range
+            acc = np.random.default_rng(0).normal(0, 1e-3, numel).astype(np.float32)
+            for t in range(shards[0].iterations):
+                _, push_max, propose_max = shards[0].step(t)
+                if shards[0].two_phase:
+                    prop = np.sort(np.argsort(-np.abs(acc), kind="stable")[:propose_max])
+                    for i, w in enumerate(shards):
+                        part = prop[(prop >= edges[i]) & (prop < edges[i + 1])]
+                        w.send_indexed("propose", t, part - edges[i], acc[part])
+                    keys, scores = [], []
+                    for i, w in enumerate(shards):
+                        h, frames = w.recv({"candidates"})
+                        keys.append(w.decode_indices(h, frames[1]) + edges[i])
+                        scores.append(np.frombuffer(frames[2], "<f4"))
+                    keys, scores = np.concatenate(keys), np.concatenate(scores)
+                    # the push_max of largest score, ties to the lower key (stable sort)
+                    top = np.sort(keys[np.argsort(-scores, kind="stable")[:push_max]])
+                else:
+                    top = np.sort(np.argsort(-np.abs(acc), kind="stable")[:push_max])
+                for i, w in enumerate(shards):
+                    part = top[(top >= edges[i]) & (top < edges[i + 1])]
+                    w.send_indexed("push", t, part - edges[i], acc[part])
+                acc[top] = 0.0
+                for w in shards:
+                    h, _ = w.recv({"aggregate"})
+                    assert h["iter"] == t and h["workers"] == 2
+            assert all(w.finish()["ok"] for w in shards)
+            assert real.wait(timeout=60) == 0, real.communicate()[0]
+            assert [p.wait(timeout=30) for p, _ in servers] == [0, 0]
+        finally:
+            for w in shards:
+                w.close()
+            for p in [real, *(p for p, _ in servers)]:
+                if p.poll() is None:
+                    p.kill()
+        summary = json.loads((out / "summary.json").read_text())
+        # SpecWorker sends one heartbeat with a wrong token on purpose, to each shard
+        assert summary["status"] == "ok" and summary["rejected_messages"] == 2, summary
+        merged = read_jsonl(out / "metrics.jsonl")
+        assert len(merged) == 12 and all(m["workers"] == 2 for m in merged)
+        if policy == "vote":  # both workers kept the same group: the union is exactly k
+            assert all(m["union"] == m["budget"] for m in merged), merged
+
+
+def test_merged_aggregate_is_dense_when_a_shard_went_dense():
+    """A shard that sent its part dense covers its whole range: the worker then takes the
+    merged aggregate as dense, as from one server that went dense."""
+    from psparse.client import merge_aggregates
+
+    edges = keyranges.bounds(10, 2)
+    sparse = protocol.Message("aggregate", {"iter": 0, "workers": 2, "count": 1},
+                              np.array([3]), np.array([0.5], np.float32))
+    dense = protocol.Message("aggregate", {"iter": 0, "workers": 2, "count": 5, "dense": True},
+                             None, np.arange(5, dtype=np.float32))
+    merged = merge_aggregates([sparse, dense], edges)
+    assert merged.get("dense") and merged["count"] == 10
+    assert merged.values.tolist() == [0, 0, 0, 0.5, 0, 0, 1, 2, 3, 4]
+    both = merge_aggregates([sparse, protocol.Message(
+        "aggregate", {"iter": 0, "workers": 2, "count": 2}, np.array([0, 4]),
+        np.array([1.0, 2.0], np.float32))], edges)
+    assert not both.get("dense") and both.indices.tolist() == [3, 5, 9]
