@@ -204,8 +204,8 @@ def test_state_reaches_subnormals():
 
 
 def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
-    """core keeps the best core_k + core_k / 4 candidates; a larger budget then needs the whole
-    slice searched again."""
+    """core's candidates are the entries at or above its last core's smallest priority (and those
+    aggregated up to it since); a larger budget then needs the whole slice searched again."""
     fast, ref = (build(c, Layout([200]), 4, {"own": "0"}) for c in ("core", REFERENCES["core"]))
     acc = np.arange(200, dtype=np.float32)
     indices = np.arange(0, 200, 5)
@@ -216,10 +216,10 @@ def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
         chosen = fast.select(acc, it)
         np.testing.assert_array_equal(chosen, ref.select(acc, it))
         assert chosen.size == budget
-        if it == 2:  # at most 4 + 2 candidates (those above the 5th, 2 aggregated since)
-            # cannot hold a core of 16: all 40 nonzero entries searched, those above the 20th kept
-            assert fast._candidates[0].size == 19
-        for p in (fast, ref):  # 40 indices, then only 2: the pruned ones are not aggregated
+        if it == 2:  # at most 4 + 2 candidates (the last core, 2 aggregated since) cannot hold
+            # a core of 16: all 40 nonzero entries searched, the 16 at or above the 16th kept
+            assert fast._candidates[0].size == 16
+        for p in (fast, ref):  # 40 indices, then only 2: the others are not aggregated
             p.observe(indices if it == 0 else indices[[3, 9]], values[:40 if it == 0 else 2],
                       it)
     assert_same_state(fast, ref)

@@ -23,14 +23,15 @@ Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the sel
 rule above. The priority decays lazily (``kernels.Decaying``: one scale factor, so ``observe``
 touches only the aggregate's entries, and no subnormal is multiplied every round). The core is
 searched among candidates only (a partition of the whole priority vector, mostly zeros, was 60x
-slower than of as many distinct values): the indices aggregated since the last search, plus the
-best core_k + core_k / 4 found then; every other index's stored priority is at most ``bound`` (stored
-values that are not aggregated do not change). When the core's last entry beats the bound,
-the candidates hold the whole core; otherwise (and after a renormalisation) the nonzero entries
-are searched again. The own slice is the top k - |core| of |accumulator| with the core masked
-out (the reference rule): on a small host slice one partition, whose answer mask also takes
-the core; on a large one scored and selected a block at a time (``Selector.topk_scored``),
-which finds k - |core| entries instead of a top-k's k.
+slower than of as many distinct values): the entries at or above the last core's smallest
+stored priority, plus those aggregated up to it since; every other entry is below that floor
+(stored values that are not aggregated do not change). When the new core's smallest value
+reaches the floor the candidates hold the whole core; otherwise (a larger budget, a signed
+priority that fell, a renormalisation) the nonzero entries are searched again. The own slice is
+the top k - |core| of |accumulator| with the core masked out (the reference rule): on a small
+host slice one partition, whose answer mask also takes the core; on a large one scored and
+selected a block at a time (``Selector.topk_scored``), which finds k - |core| entries instead of
+a top-k's k.
 """
 
 import numpy as np
@@ -63,9 +64,9 @@ class SharedCore(SelectionPolicy):
 
     def _forget(self):
         # per slice: candidate indices (sorted, slice-relative; None: search the whole slice)
-        # and the bound on |stored priority| of every index that is not a candidate
+        # and the floor every other entry's |stored priority| is below (or it is zero)
         self._candidates = [None] * len(self.layout.slices)
-        self._bound = [np.float32(0)] * len(self.layout.slices)
+        self._floor = [np.float32(0)] * len(self.layout.slices)
 
     def select_slice(self, acc, k, offset):
         xp = self.xp
@@ -100,38 +101,46 @@ class SharedCore(SelectionPolicy):
         prio = self.priority.stored[offset:offset + size]  # ranks as the priority does
         for search in (False, True):
             if search or self._candidates[s] is None:  # every nonzero entry is a candidate
-                self._candidates[s] = xp.flatnonzero(prio != 0)
-                self._bound[s] = np.float32(0)
-            candidates, bound = self._candidates[s], self._bound[s]
-            values = xp.abs(prio[candidates])
+                self._candidates[s], self._floor[s] = xp.flatnonzero(prio), np.float32(0)
+            candidates, floor = self._candidates[s], self._floor[s]
+            values = self._magnitude(prio[candidates])
             n = candidates.size
-            keep_k = core_k + (core_k + 3) // 4  # what a prune keeps: the core and a spare
-            prune = n > keep_k  # then also find the keep_k-th, to prune with
-            if n > core_k:
-                part = xp.partition(values, [n - keep_k, n - core_k] if prune else n - core_k)
-                kth = np.float32(float(part[n - core_k]))
-                if kth > bound:  # it beats every non-candidate: the core is exact
-                    break
-            if bound == 0:  # fewer than core_k nonzero entries, all candidates: all of them
+            if n < core_k and floor == 0:  # fewer than core_k nonzero entries: all of them
                 return candidates[values > 0]
+            if n >= core_k:
+                kth = np.float32(float(xp.partition(values, n - core_k)[n - core_k]))
+                if kth >= floor:  # every other entry is below floor: the core is exact
+                    break
+        # the next search's candidates: those at or above the core's smallest value
+        self._candidates[s], self._floor[s] = candidates[values >= kth], kth
+        return candidates[self._best(values, kth, core_k)]
+
+    def _best(self, values, kth, k):
+        """Mask of the k largest values, whose k-th is kth; ties at kth to the lowest indices
+        (candidates are sorted)."""
+        xp = self.xp
         keep = values > kth
-        short = core_k - int(xp.count_nonzero(keep))
-        if short:  # ties at the core_k-th: the lowest indices (candidates are sorted)
+        short = k - int(xp.count_nonzero(keep))
+        if short:
             keep[xp.flatnonzero(values == kth)[:short]] = True
-        if prune:  # keep the best keep_k; what is dropped is at most the new bound
-            bound = max(bound, np.float32(float(part[n - keep_k])))
-            self._candidates[s], self._bound[s] = candidates[values > bound], bound
-        return candidates[keep]
+        return keep
 
     def observe(self, indices, values, iteration):
         if self.priority.decay(self.beta):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
         self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
-            if self._candidates[s] is not None and hi > lo:
+            if self._candidates[s] is not None and hi > lo:  # those that reached the floor
+                aggregated = indices[lo:hi]
+                grown = aggregated[self._magnitude(self.priority.stored[aggregated]) >=
+                                   self._floor[s]]
                 offset = self.layout.slices[s][0]
                 self._candidates[s] = kernels.sorted_union([self._candidates[s],
-                                                            indices[lo:hi] - offset])
+                                                            grown - offset if offset else grown])
+
+    def _magnitude(self, stored):
+        """|stored priority| (unsigned: it is >= 0 already)."""
+        return self.xp.abs(stored) if self.signed else stored
 
     def state_dict(self):
         return self.priority.state_dict()
