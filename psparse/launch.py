@@ -492,10 +492,15 @@ class Launch:
                 ("broadcast (server)", f"{s['broadcast_mb']:.2f} MB"),
                 ("dense exchange", f"{s['dense_mb']:.2f} MB  ({ratio:.1f}x more than sparse)"),
             ]
+        for shard in s.get("shards", []):  # --servers S: each key range's share of the bytes
+            lo, hi = shard["key_range"]
+            rows.append((f"server shard {shard['shard']}",
+                         f"keys [{lo}, {hi}): up {shard['upload_mb']:.2f} MB, broadcast "
+                         f"{shard['broadcast_mb']:.2f} MB"))
         width = max(len(r[0]) for r in rows)
         print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
         print(f"\nfiles: {self.out}/{{config.json, metrics.jsonl, eval.jsonl, summary.json, "
-              "logs/}")
+              "logs/" + (", shard-I/" if s.get("shards") else "") + "}")
 
     def _tail(self, name: str, lines: int = 15) -> str:
         path = self.out / "logs" / f"{name}.log"

@@ -257,7 +257,21 @@ def test_hostfile_launch_with_two_server_shards(tmp_path):
     assert all(f"127.0.0.1:{port},127.0.0.1:{port + 1}" in c for c in calls)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and len(summary["shards"]) == 2
-    assert "broadcast (server)" in r.stdout  # the merged summary table
+    assert "broadcast (server)" in r.stdout and "server shard 1" in r.stdout  # summary table
+
+
+def test_a_user_script_runs_with_server_shards(tmp_path):
+    """psparse.connect reads every shard's address from PSPARSE_SERVER; same weights as one
+    server."""
+    script = str(Path(__file__).resolve().parent / "user_train.py")
+    checksums = []
+    for shards in (1, 2):
+        r = launch(tmp_path / f"s{shards}", "--workers", "2", "--policy", "vote", "--servers",
+                   str(shards), "--quiet", script, "--iterations", "15")
+        assert r.returncode == 0, r.stdout + r.stderr
+        checksums.append(json.loads((tmp_path / f"s{shards}" / "rank-0.json").read_text())
+                         ["checksum"])
+    assert checksums[0] == checksums[1]
 
 
 def test_slurm_workers_get_every_shards_address():
