@@ -14,7 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields
 
-from .config import RunConfig
+from .config import SERVER_CONFIG, RunConfig
 
 # Forwarded to remote workers when set here (the rest of the environment stays on this host).
 FORWARD_ENV = re.compile(r"^(PSPARSE_|PYTHONPATH$|OMP_NUM_THREADS$|CUDA_VISIBLE_DEVICES$|"
@@ -64,10 +64,13 @@ def place(hosts: list[Host], workers: int) -> list[tuple[int, str, int]]:
     return out
 
 
-def config_flags(cfg: RunConfig) -> list[str]:
-    """The configuration as command-line flags (what a remote worker needs to know)."""
+def config_flags(cfg: RunConfig, only: tuple[str, ...] | None = None) -> list[str]:
+    """The configuration as command-line flags (what a remote worker needs to know; ``only``:
+    just these options, e.g. a server's)."""
     args = []
     for f in fields(RunConfig):
+        if only is not None and f.name not in only:
+            continue
         value = getattr(cfg, f.name)
         if value is None or value is False:
             continue
@@ -87,6 +90,14 @@ def worker_argv(cfg: RunConfig, server: str, out: str, rank: int | None = None,
     argv = [python, "-m", "psparse.worker", *config_flags(cfg), "--connect", server,
             "--out", out]
     return argv + (["--rank", str(rank)] if rank is not None else [])
+
+
+def server_argv(cfg: RunConfig, bind: str, port: int, out: str, shard: tuple[int, int],
+                python: str = sys.executable) -> list[str]:
+    """A server shard's command line on another host (its options as flags: no shared
+    filesystem is assumed for config.json)."""
+    return [python, "-m", "psparse.server", *config_flags(cfg, SERVER_CONFIG), "--bind", bind,
+            "--port", str(port), "--out", out, "--shard", f"{shard[0]}/{shard[1]}"]
 
 
 def remote_command(rsh: list[str], host: str, argv: list[str], cwd: str,

@@ -295,6 +295,10 @@ HELP = {
 }
 
 
+# The options psparse-server takes (its other flags are its own: --bind, --port, --shard, ...).
+SERVER_CONFIG = ("workers", "timeout", "max_message_mb", "server_limit", "server_device",
+                 "bandwidth", "curve_keys", "elastic", "register_timeout", "checkpoint_every")
+
 NOT_FLAGS = ("script",)  # set by psparse-launch's positional argument, not by a flag
 
 

@@ -222,18 +222,28 @@ class Launch:
             return 1
 
     def _start_cluster(self, config_path: Path, again: list[str]) -> None:
-        """Server here (S key-range shards: all here, at ports PORT .. PORT + S - 1), workers
-        through ssh (hostfile) or one srun (SLURM)."""
+        """Server here (S key-range shards: at ports PORT .. PORT + S - 1, here or, with
+        --server-hosts, shard I on the I-th host through --rsh), workers through ssh
+        (hostfile) or one srun (SLURM)."""
         c, cfg = self.cluster, self.cfg
+        out = str(self.out.resolve())
+        placed = c.get("server_hosts")  # None: every shard here
         for index in range(self.shards):
+            port = c["port"] + index
+            if placed:
+                argv = cluster.server_argv(cfg, c["bind"], port, out,
+                                           (index, self.shards)) + again
+                self._spawn_piped(self.server_name(index), cluster.remote_command(
+                    c["rsh"], placed[index], argv, os.getcwd(), cluster.forwarded_env()),
+                    prefix=f"{self.server_name(index)}| ")
+                continue
             self._spawn(self.server_name(index), [
                 "psparse.server", "--config", str(config_path), "--bind", c["bind"], "--port",
-                str(c["port"] + index), "--out", str(self.out), *self._shard_flag(index),
-                *again])
-        self._wait_for_ports()
-        server = ",".join(f"{c['server_host']}:{c['port'] + index}"
+                str(port), "--out", str(self.out), *self._shard_flag(index), *again])
+        if not placed:  # a remote shard's port file is on its host: the workers just connect
+            self._wait_for_ports()
+        server = ",".join(f"{placed[index] if placed else c['server_host']}:{c['port'] + index}"
                           for index in range(self.shards))
-        out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
         inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(config_path.read_text()),
                                                     separators=(",", ":")),
@@ -555,7 +565,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server-host", default=None,
                    help="address the workers use to reach this host's server (default: this "
                         "host's name)")
-    g.add_argument("--port", type=int, default=5555, help="server port in cluster modes")
+    g.add_argument("--port", type=int, default=5555,
+                   help="server port in cluster modes (shard I of --servers S: this + I)")
+    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...",
+                   help="with --servers S in cluster modes: start shard I on the I-th host "
+                        "through --rsh (S names, in shard order; each writes RUN_DIR/shard-I/ "
+                        "on its host) instead of all shards here")
     g.add_argument("--bind", default="0.0.0.0",
                    help="server bind address in cluster modes (default 0.0.0.0)")
     g.add_argument("--rsh", default="ssh -o BatchMode=yes",
@@ -648,6 +663,12 @@ def main(argv=None) -> int:
         if args.hostfile and args.slurm:
             p.error("--hostfile and --slurm exclude each other")
         try:
+            if args.server_hosts is not None:
+                server_hosts = [h.strip() for h in args.server_hosts.split(",")]
+                if len(server_hosts) != cfg.servers or not all(server_hosts):
+                    raise ValueError(f"--server-hosts names {len(server_hosts)} host(s) for "
+                                     f"{cfg.servers} server shard(s) (--servers): give one "
+                                     "host per shard, comma-separated, in shard order")
             if args.slurm:
                 hosts = [cluster.Host(h, 1) for h in cluster.slurm_nodes()]
                 if args.workers is None:
@@ -660,7 +681,11 @@ def main(argv=None) -> int:
         cluster_mode = {"mode": "slurm" if args.slurm else "hostfile", "hosts": hosts,
                         "server_host": args.server_host or socket.gethostname(),
                         "port": args.port, "bind": args.bind, "rsh": shlex.split(args.rsh),
-                        "gpus_per_node": args.gpus_per_node}
+                        "gpus_per_node": args.gpus_per_node,
+                        "server_hosts": server_hosts if args.server_hosts else None}
+    elif args.server_hosts is not None:
+        p.error("--server-hosts places server shards in cluster modes: use it with --hostfile "
+                "or --slurm")
     if args.baseline and (args.slurm or args.resume):
         p.error("--baseline runs on this host or with --hostfile, without --resume")
     if args.baseline and cfg.servers > 1:

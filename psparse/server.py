@@ -31,7 +31,7 @@ import numpy as np
 from . import checkpoint, keyranges, protocol
 from .aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from .codec import KeyCache
-from .config import add_config_arguments, parse_limit, parse_with_config
+from .config import SERVER_CONFIG, add_config_arguments, parse_limit, parse_with_config
 from .kernels import sparse_mean  # noqa: F401 (benchmarks/bench_server.py imports it from here)
 from .membership import Membership, RunAborted
 from .protocol import ProtocolError
@@ -634,10 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="run directory for metrics files")
     p.add_argument("--world-size", type=int, dest="workers", default=None,
                    help="alias of --workers")
-    add_config_arguments(p, only=("workers", "timeout", "max_message_mb", "server_limit",
-                                  "server_device",
-                                  "bandwidth", "curve_keys", "elastic", "register_timeout",
-                                  "checkpoint_every"))
+    add_config_arguments(p, only=SERVER_CONFIG)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
     p.add_argument("--run-token", default=None, metavar="SECRET",

@@ -237,27 +237,49 @@ def test_a_worker_needs_every_shards_address(tmp_path):
     assert "2 server shards (--servers) but this worker was given 1 server address" in r.stderr
 
 
-def test_hostfile_launch_with_two_server_shards(tmp_path):
-    """--hostfile through the fake remote shell: the shards run here at PORT and PORT + 1,
-    the workers get both addresses on their command line."""
+@pytest.mark.parametrize("placed", [False, True], ids=["shards-here", "server-hosts"])
+def test_hostfile_launch_with_two_server_shards(tmp_path, placed):
+    """--hostfile through the fake remote shell: the shards listen at PORT and PORT + 1, here
+    or (--server-hosts) started through the remote shell on the named hosts; the workers get
+    both addresses on their command line."""
     (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=1\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "FAKE_RSH_LOG": str(tmp_path / "rsh.log")}
+    where = ["--server-hosts", "localhost,127.0.0.1"] if placed else []
     r = subprocess.run(python_module(
         "psparse.launch", "--out", str(tmp_path / "run"), "--hostfile", str(tmp_path / "hosts"),
         "--rsh", f"bash {FAKE_RSH}", "--server-host", "127.0.0.1", "--bind", "127.0.0.1",
         "--port", str(port), "--workers", "3", "--model", "mlp", "--dataset", "digits",
-        "--iterations", "20", "--timeout", "20", "--servers", "2"),
+        "--iterations", "20", "--timeout", "20", "--servers", "2", *where),
         capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = (tmp_path / "rsh.log").read_text().splitlines()
-    assert len(calls) == 3
-    assert all(f"127.0.0.1:{port},127.0.0.1:{port + 1}" in c for c in calls)
+    calls = [line.split("\t") for line in (tmp_path / "rsh.log").read_text().splitlines()]
+    servers = [c for c in calls if "psparse.server" in c[1]]
+    workers = [c for c in calls if "psparse.worker" in c[1]]
+    assert len(workers) == 3
+    if placed:
+        assert [(h, f"--shard {i}/2" in c) for i, (h, c) in enumerate(servers)] == \
+            [("localhost", True), ("127.0.0.1", True)]
+        assert all(f"--port {port + i}" in c for i, (_, c) in enumerate(servers))
+        connect = f"localhost:{port},127.0.0.1:{port + 1}"
+    else:
+        assert not servers
+        connect = f"127.0.0.1:{port},127.0.0.1:{port + 1}"
+    assert all(connect in c for _, c in workers)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and len(summary["shards"]) == 2
     assert "broadcast (server)" in r.stdout and "server shard 1" in r.stdout  # summary table
+
+
+def test_server_hosts_needs_a_cluster_mode_and_one_host_per_shard(tmp_path):
+    r = launch(tmp_path / "run", *RUN, "--servers", "2", "--server-hosts", "a,b", timeout=60)
+    assert r.returncode == 2 and "use it with --hostfile or --slurm" in r.stderr, r.stderr
+    (tmp_path / "hosts").write_text("localhost slots=3\n")
+    r = launch(tmp_path / "run", *RUN, "--servers", "2", "--server-hosts", "a",
+               "--hostfile", str(tmp_path / "hosts"), timeout=60)
+    assert r.returncode == 2 and "names 1 host(s) for 2 server shard(s)" in r.stderr, r.stderr
 
 
 def test_a_user_script_runs_with_server_shards(tmp_path):
