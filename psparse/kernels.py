@@ -34,6 +34,7 @@ from .xp import array_module
 SAMPLE_STRIDE = 97  # prime stride: ~1% sample, no aliasing with layer shapes (powers of two)
 MARGIN = 1.25  # aim for 25% more candidates than k, so an unlucky sample rarely falls short
 THREADS = 256  # CUDA threads per block
+SCATTER_CHUNK = 1 << 14  # entries read, added and written back at a time (their lines stay in L2)
 
 
 class NonFiniteError(ValueError):
@@ -239,9 +240,7 @@ def decay_and_add(priority, indices, values, decay: float, weight: float,
     (The built-in policies keep their state in a ``Decaying`` vector, which decays lazily.)
     """
     priority *= np.float32(decay)
-    scatter_add(priority, indices, values, weight, magnitude)
-    if out is not None:
-        out[...] = priority[indices]
+    scatter_add(priority, indices, values, weight, magnitude, out)
     return priority
 
 
@@ -252,29 +251,42 @@ def decay_and_count(priority, indices, decay: float):
     return priority
 
 
-def scatter_add(target, indices, values, weight: float, magnitude: bool = True) -> None:
-    """target[indices] += weight * (|values| or values); ``values`` None: += weight.
+def scatter_add(target, indices, values, weight: float, magnitude: bool = True,
+                out=None) -> None:
+    """target[indices] += weight * (|values| or values); ``values`` None: += weight. ``out``
+    (optional, indices.size floats) receives the updated values.
 
     The aggregate's indices are distinct, so the scatter needs no atomics (on the host,
     ``numpy.add.at``'s fast path: 1.5-2x faster than ``target[indices] += ...``, the same
-    sums; on the GPU the products round as numpy's do, so the state is bit-identical).
+    sums; on the GPU the products round as numpy's do, so the state is bit-identical). With
+    ``out`` the host reads, adds and writes back SCATTER_CHUNK entries at a time, so each
+    entry's cache line is fetched once (add.at and then a gather fetched it twice: a model-sized
+    target is not in cache, and the aggregate touches a line per entry).
     """
     xp = array_module(target)
     if not indices.size:
         return
-    if values is None:
-        if xp is np:
-            np.add.at(target, indices, np.float32(weight))
-        else:
+    if xp is not np:
+        if values is None:
             target[indices] += np.float32(weight)
-    elif xp is np:
-        np.add.at(target, indices,
-                  np.float32(weight) * (np.abs(values) if magnitude else values))
-    else:
-        values = xp.ascontiguousarray(values, dtype=xp.float32)
-        _cupy_kernels()("psparse_scatter_add_weighted", indices.size, indices, values,
-                        np.int64(indices.size), np.float32(weight), np.int32(magnitude),
-                        target)
+        else:
+            values = xp.ascontiguousarray(values, dtype=xp.float32)
+            _cupy_kernels()("psparse_scatter_add_weighted", indices.size, indices, values,
+                            np.int64(indices.size), np.float32(weight), np.int32(magnitude),
+                            target)
+        if out is not None:
+            out[...] = target[indices]
+        return
+    add = np.float32(weight) if values is None else \
+        np.float32(weight) * (np.abs(values) if magnitude else values)
+    if out is None:
+        np.add.at(target, indices, add)
+        return
+    for start in range(0, indices.size, SCATTER_CHUNK):
+        part = slice(start, start + SCATTER_CHUNK)
+        updated = np.take(target, indices[part], out=out[part])
+        updated += add if values is None else add[part]
+        target[indices[part]] = updated
 
 
 class Decaying:
@@ -316,9 +328,10 @@ class Decaying:
         self.scale = 1.0
         return True
 
-    def add(self, indices, values, weight: float, magnitude: bool = True) -> None:
-        """value[indices] += weight * (|values| or values); ``values`` None: += weight."""
-        scatter_add(self.stored, indices, values, weight / self.scale, magnitude)
+    def add(self, indices, values, weight: float, magnitude: bool = True, out=None) -> None:
+        """value[indices] += weight * (|values| or values); ``values`` None: += weight.
+        ``out`` (optional, indices.size floats) receives the updated stored values."""
+        scatter_add(self.stored, indices, values, weight / self.scale, magnitude, out)
 
     def values(self):
         """The values themselves (a new array; for inspection and tests)."""

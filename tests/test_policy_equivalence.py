@@ -290,3 +290,31 @@ def test_renormalisation_flushes_below_the_smallest_normal():
     assert state.scale == 1.0
     assert state.stored[0] == np.float32(1e-10) * np.float32(2.0 ** -65)  # 2.7e-30: kept
     assert state.stored[1:].tolist() == [0.0, 0.0, 0.0]  # +-2.7e-40, subnormal: flushed
+
+
+def test_frequency_streams_a_large_pool(monkeypatch):
+    """frequency on a large slice with a large pool: one pass with sampled bounds (the pool's
+    edge within a few percent, a key the k-th best reaches) answers as the reference does,
+    with ties at the edge (the gradient's 1/8 grid), first with counts mostly zero (the key is a
+    magnitude), then with most entries counted (the key is a count)."""
+    monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
+    monkeypatch.setattr(sparsify, "BLOCK", 30_000)
+    n, k = 300_000, 3000
+    fast, ref = (build(c, Layout([n]), k, {}) for c in ("frequency", REFERENCES["frequency"]))
+    answered = []
+    streamed = fast._streamed
+    monkeypatch.setattr(fast, "_streamed",
+                        lambda *a: answered.append(streamed(*a)) or answered[-1])
+    rng = np.random.default_rng(2)
+    acc = np.zeros(n, np.float32)
+    for it in range(12):
+        acc += gradient(rng, n, it)
+        chosen = fast.select(acc, it)
+        np.testing.assert_array_equal(chosen, ref.select(acc, it), err_msg=f"round {it}")
+        acc[chosen] = 0.0
+        others = np.sort(rng.choice(n, 300 if it < 6 else n // 3, replace=False))
+        indices = sorted_union([chosen, others])
+        for p in (fast, ref):
+            p.observe(indices, np.ones(indices.size, np.float32), it)
+    assert sum(a is not None for a in answered) >= 10  # the pass answered, not the fallback
+    assert_same_state(fast, ref)

@@ -128,12 +128,12 @@ class SharedCore(SelectionPolicy):
     def observe(self, indices, values, iteration):
         if self.priority.decay(self.beta):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
-        self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed)
+        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # stored[indices]
+        self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed,
+                          out=updated)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
             if self._candidates[s] is not None and hi > lo:  # those that reached the floor
-                aggregated = indices[lo:hi]
-                grown = aggregated[self._magnitude(self.priority.stored[aggregated]) >=
-                                   self._floor[s]]
+                grown = indices[lo:hi][self._magnitude(updated[lo:hi]) >= self._floor[s]]
                 offset = self.layout.slices[s][0]
                 self._candidates[s] = kernels.sorted_union([self._candidates[s],
                                                             grown - offset if offset else grown])

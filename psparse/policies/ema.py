@@ -67,11 +67,11 @@ class EMA(SelectionPolicy):
     def observe(self, indices, values, iteration):
         if self.priority.decay(self.beta):  # rescaled: the maxima too
             self._top = self._maxima()
-        self.priority.add(indices, values, 1.0 - self.beta)
+        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # stored[indices]
+        self.priority.add(indices, values, 1.0 - self.beta, out=updated)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
             if hi > lo:
-                updated = self.priority.stored[indices[lo:hi]]
-                self._top[s] = max(self._top[s], np.float32(float(updated.max())))
+                self._top[s] = max(self._top[s], np.float32(float(updated[lo:hi].max())))
 
     def _maxima(self):
         stored = self.priority.stored
