@@ -112,7 +112,10 @@ class SharedCore(SelectionPolicy):
                 if kth >= floor:  # every other entry is below floor: the core is exact
                     break
         # the next search's candidates: those at or above the core's smallest value
-        self._candidates[s], self._floor[s] = candidates[values >= kth], kth
+        reached = candidates[values >= kth]
+        self._candidates[s], self._floor[s] = reached, kth
+        if reached.size == core_k:  # no ties beyond the core: it is the core
+            return reached
         return candidates[self._best(values, kth, core_k)]
 
     def _best(self, values, kth, k):
