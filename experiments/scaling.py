@@ -4,6 +4,7 @@ is shared by all workers and which is private.
     python -m experiments.scaling                    # make exp-scaling: both parts
     python -m experiments.scaling --part union       # only the N sweep (about 30 min here)
     python -m experiments.scaling --part accuracy    # only the accuracy runs at N = 16, 32
+    python -m experiments.scaling --part report      # tables and figure from scaling.json
 
 Part ``union`` (the issue's measurement, extended): LeNet/MNIST, density 1% (k = 617), 32
 images per worker per iteration, 150 iterations, seed 0, at N = 2, 4, 8, 16 and 32 workers, for
@@ -193,6 +194,7 @@ def figure(rows: list[dict], path: Path) -> Path:
               title="Union size, and the part every worker pushed")
     for ax in (left, right):
         ax.set_xticks(WORKERS, [str(n) for n in WORKERS])
+        ax.tick_params(axis="x", which="minor", labelbottom=False)  # only the N ticks
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("LeNet/MNIST, density 1% (k = 617), 150 iterations, seed 0", fontsize=9)
@@ -205,7 +207,9 @@ def figure(rows: list[dict], path: Path) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("union", "accuracy", "both"), default="both")
+    p.add_argument("--part", choices=("union", "accuracy", "both", "report"), default="both",
+                   help="which runs to make (finished runs are reused); report: only rewrite "
+                        "the tables and the figure from results/scaling.json")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
