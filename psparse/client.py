@@ -4,7 +4,8 @@
 registration (with the run token's proof), heartbeats on their own connection, the messages of
 a round (``propose`` → ``indices``, ``push`` → ``aggregate``), evaluation reports, the final
 report and the error report of a worker that gives up. It knows nothing of models, policies or
-training: ``psparse.session`` drives it. Transport failures arrive here as ``TransportTimeout``
+training: ``psparse.session`` drives it (``ShardedClient`` with the same interface when the run
+has S key-range server shards). Transport failures arrive here as ``TransportTimeout``
 / ``PeerGone`` and leave as ``ServerGone``; nothing above this module sees ZeroMQ.
 """
 

@@ -11,6 +11,11 @@ write summary.json, tell the workers to stop.
 Every wait is bounded by ``timeout``; a bad message is answered with an ``error`` message and
 otherwise ignored, so a misbehaving peer cannot stop or corrupt the run of well-behaved workers.
 
+With ``--shard I/S`` the server is one of S key-range shards (psparse/keyranges.py): it serves
+keys [I*numel//S, (I+1)*numel//S) in shard-relative indices, answers proposals with
+``candidates`` (its best indices with their scores) instead of ``indices``, and keeps its files in
+RUN_DIR/shard-I/; the last shard to finish merges the run's files.
+
 This module keeps the socket, the round sequence, accounting, checkpoints and the summary; who is
 in the run (admission, agreement, liveness, losses) is ``membership.Membership``, and the round
 arithmetic (sparse mean, vote, budgets, dense switch, size limit) is ``aggregation``.
