@@ -129,6 +129,8 @@ class Server:
                                             lambda n, rec: saved is not None
                                             and rec["iter"] < saved - 1)
             write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
+            if self.sharded:  # the merge waits for every shard's summary of this run
+                (self.out_dir / SUMMARY_FILE).unlink(missing_ok=True)
         elif self.resume:
             raise ValueError("resuming needs the run directory (--out)")
         self.log(f"listening on port {self.port} for {self.world_size} workers"
