@@ -225,6 +225,21 @@ def test_core_searches_again_when_its_candidates_cannot_hold_the_core():
     assert_same_state(fast, ref)
 
 
+def test_core_with_fewer_nonzero_priorities_than_its_core():
+    """Fewer nonzero priorities than core_k, and aggregated entries whose priority stays 0:
+    the core is the nonzero ones only, as the reference's."""
+    fast, ref = (build(c, Layout([50]), 10, {"own": "0"}) for c in ("core", REFERENCES["core"]))
+    acc = np.linspace(1, 2, 50, dtype=np.float32)
+    rounds = [(np.arange(6), [1, 2, 0, 0, 3, 0]), (np.arange(10, 30), [0] * 20),
+              (np.arange(30, 45), [1] * 15), (np.arange(0, 50, 7), [0] * 8)]
+    for it, (indices, values) in enumerate(rounds):
+        chosen = fast.select(acc, it)
+        np.testing.assert_array_equal(chosen, ref.select(acc, it), err_msg=f"round {it}")
+        for p in (fast, ref):
+            p.observe(indices, np.array(values, np.float32), it)
+    assert_same_state(fast, ref)
+
+
 def test_state_updates_equal_the_plain_expressions():
     """decay_and_add / decay_and_count (numpy.add.at) against fancy-index +=, subnormals in."""
     rng = np.random.default_rng(4)

@@ -105,12 +105,15 @@ class SharedCore(SelectionPolicy):
             candidates, floor = self._candidates[s], self._floor[s]
             values = self._magnitude(prio[candidates])
             n = candidates.size
-            if n < core_k and floor == 0:  # fewer than core_k nonzero entries: all of them
-                return candidates[values > 0]
             if n >= core_k:
                 kth = np.float32(float(xp.partition(values, n - core_k)[n - core_k]))
                 if kth >= floor:  # every other entry is below floor: the core is exact
                     break
+            elif floor == 0:  # every other entry is zero
+                kth = np.float32(0)
+                break
+        if kth == 0:  # fewer than core_k nonzero entries (floor 0: all candidates): all of them
+            return candidates[values > 0]
         # the next search's candidates: those at or above the core's smallest value
         reached = candidates[values >= kth]
         self._candidates[s], self._floor[s] = reached, kth
