@@ -322,11 +322,16 @@ class Decaying:
         self.scale *= factor
         if self.scale >= self.RENORMALISE_BELOW:
             return False
+        self.renormalise()
+        return True
+
+    def renormalise(self) -> None:
+        """stored *= scale, scale = 1 (the same values); what falls below float32's smallest
+        normal becomes 0. A pass over the vector."""
         stored = self.stored
         stored *= np.float32(self.scale)
         stored[self.xp.abs(stored) < np.finfo(np.float32).tiny] = 0.0
         self.scale = 1.0
-        return True
 
     def add(self, indices, values, weight: float, magnitude: bool = True, out=None) -> None:
         """value[indices] += weight * (|values| or values); ``values`` None: += weight.

@@ -21,7 +21,7 @@ from policy_reference import REFERENCES
 
 from psparse import kernels, sparsify
 from psparse.kernels import sorted_union
-from psparse.policies import REGISTRY, Layout, base, build_policy
+from psparse.policies import REGISTRY, Layout, base, build_policy, ema
 from psparse.sparsify import Selector
 
 MODEL = [7037]
@@ -176,10 +176,12 @@ def selection_path(request, monkeypatch):
 @pytest.fixture(params=["renormalise-rarely", "renormalise-often"])
 def renormalisation(request, monkeypatch):
     """'often': a lazily decayed state renormalises (rescales, flushes) every few rounds, e.g.
-    every 3rd at beta = 0.5, every 20th at 0.9, so also across the restore; by default (every
-    64th at beta = 0.5) the 48 rounds see none, except at beta = 0."""
+    every 3rd at beta = 0.5, every 20th at 0.9 (ema: whenever its stored maximum passes 4), so
+    also across the restore; by default (every 65th at beta = 0.5) the 48 rounds see none,
+    except at beta = 0."""
     if request.param == "renormalise-often":
         monkeypatch.setattr(kernels.Decaying, "RENORMALISE_BELOW", 2.0 ** -3)
+        monkeypatch.setattr(ema, "STORED_LIMIT", 4.0)
     return request.param
 
 

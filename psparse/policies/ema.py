@@ -21,6 +21,8 @@ import numpy as np
 from .. import kernels
 from .base import Param, SelectionPolicy
 
+STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum exceeds this
+
 
 class EMA(SelectionPolicy):
     name = "ema"
@@ -72,6 +74,11 @@ class EMA(SelectionPolicy):
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
             if hi > lo:
                 self._top[s] = max(self._top[s], np.float32(float(updated[lo:hi].max())))
+        if max(self._top) > STORED_LIMIT and self.priority.scale < 1:
+            # the score multiplies |acc| by about max(stored) * (1 + 1 / lam): keep that far
+            # from float32's range (the priority itself, at scale 1, is what was aggregated)
+            self.priority.renormalise()
+            self._top = self._maxima()
 
     def _maxima(self):
         stored = self.priority.stored
