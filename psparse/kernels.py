@@ -284,7 +284,8 @@ def scatter_add(target, indices, values, weight: float, magnitude: bool = True,
         return
     for start in range(0, indices.size, SCATTER_CHUNK):
         part = slice(start, start + SCATTER_CHUNK)
-        updated = np.take(target, indices[part], out=out[part])
+        # mode="clip": the indices are in range, and the default "raise" buffers ``out``
+        updated = np.take(target, indices[part], out=out[part], mode="clip")
         updated += add if values is None else add[part]
         target[indices[part]] = updated
 
