@@ -335,3 +335,17 @@ def test_frequency_streams_a_large_pool(monkeypatch):
             p.observe(indices, np.ones(indices.size, np.float32), it)
     assert sum(a is not None for a in answered) >= 10  # the pass answered, not the fallback
     assert_same_state(fast, ref)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_frequency_refuses_a_non_finite_accumulator(bad):
+    """frequency's small-slice path checks only the pool's magnitudes: argpartition orders NaN
+    and inf above every number, so one anywhere (or more of them than the pool holds) is in
+    the pool and refused, as top-k refuses it."""
+    n, k = 7037, 70
+    policy = build("frequency", Layout([n]), k, {})
+    for where in (0, 3000, n - 1, slice(0, 1000)):
+        acc = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+        acc[where] = bad
+        with pytest.raises(kernels.NonFiniteError):
+            policy.select(acc, 0)

@@ -18,6 +18,7 @@ entries near the pool's edge, which fix that edge exactly; listing the c*k = 4k 
 ranked by one more over 64-bit keys written in place, ties settled by index as the plain way.
 """
 
+import math
 import sys
 
 import numpy as np
@@ -71,22 +72,24 @@ class Frequency(SelectionPolicy):
         ``argpartition`` (its indices come out listed: ``flatnonzero`` of a mask mispredicts a
         branch per pool entry, 4k of them), each pool entry's key written straight into place
         (two gathers into the halves of 64-bit words), the k best by a second one, sorted.
-        When an edge is tied (the value just outside equals the value just inside), the ties
-        are settled by index as the plain way does."""
+        ``argpartition`` orders NaN above everything and inf above every number, so the pool
+        holds any there are: its magnitudes are the ones checked. When an edge is tied (the
+        value just outside equals the value just inside), ties are settled by index as the
+        plain way does."""
         n = acc.size
         mag = self._buffer(n)
         np.abs(acc, out=mag)
-        if not np.isfinite(mag.sum()):
-            raise kernels.NonFiniteError("the accumulator holds NaN or inf")
-        order = np.argpartition(mag, n - pool)  # one k-th: several cost 6x here
+        order = np.argpartition(mag, n - pool - 1)  # one k-th: several cost 6x here
         candidates = order[n - pool:]
-        edge = mag[candidates[0]]  # the pool's smallest magnitude
-        at_edge = np.count_nonzero(mag == edge)
-        if at_edge > 1 and np.count_nonzero(mag[candidates] == edge) < at_edge:
-            # ties at the pool's smallest magnitude, some left out: the lowest indices
-            candidates = sparsify.topk_exact(mag, pool, nonnegative=True)
         halves = np.empty(2 * pool, np.uint32)  # little-endian: the low word, then the high
-        np.take(mag.view(np.uint32), candidates, out=halves[0::2], mode="clip")
+        low = halves[0::2]
+        np.take(mag.view(np.uint32), candidates, out=low, mode="clip")
+        in_pool = low.view(np.float32)  # the pool's magnitudes
+        if not math.isfinite(in_pool.max()):  # NaN if any is, else inf if any is
+            raise kernels.NonFiniteError("the accumulator holds NaN or inf")
+        if mag[order[n - pool - 1]] == in_pool.min():  # ties across the pool's edge
+            candidates = sparsify.topk_exact(mag, pool, nonnegative=True)  # the lowest indices
+            np.take(mag.view(np.uint32), candidates, out=low, mode="clip")
         np.take(stored.view(np.uint32), candidates, out=halves[1::2], mode="clip")
         key = halves.view(np.uint64)
         best = np.argpartition(key, pool - k)
