@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from common import interleaved_medians  # noqa: E402
 
 from psparse.aggregation import Aggregator  # noqa: E402
+from psparse.transport import parse_rate  # noqa: E402
 
 RESULTS = HERE / "bench_scale.json"
 FIGURE = HERE / "bench_scale.png"
@@ -234,7 +235,11 @@ def exponents(rows: list, key: str = "server_max_b") -> dict:
     return out
 
 
-def grid_table(rows: list) -> str:
+def grid_table(rows: list, bandwidth: str | None = BANDWIDTH) -> str:
+    """The grid as a markdown table; with ``bandwidth``, also the time the busiest shard's
+    paced link needs per iteration (its bytes x 8 / rate: what --bandwidth holds the round for,
+    a floor under ms/iter that does not depend on the CPU)."""
+    rate = parse_rate(bandwidth) if bandwidth else None
     ok = [r for r in rows if "failed" not in r]
     one = {(r["size"], r["policy"], r["workers"]): r for r in ok if r["servers"] == 1}
     body = []
@@ -246,12 +251,46 @@ def grid_table(rows: list) -> str:
         speed = f"{base['ms_per_iter'] / r['ms_per_iter']:.2f}x" if base else "-"
         body.append([r["size"], r["policy"], r["workers"], r["servers"], f"{r['union_k']:.2f}",
                      f"{r['total_b'] / 1e3:,.1f}", f"{r['server_max_b'] / 1e3:,.1f}",
-                     f"{r['server_mean_b'] / 1e3:,.1f}", frac, f"{r['ms_per_iter']:.0f}", speed])
+                     f"{r['server_mean_b'] / 1e3:,.1f}", frac]
+                    + ([f"{r['server_max_b'] * 8e3 / rate:.0f}"] if rate else [])
+                    + [f"{r['ms_per_iter']:.0f}", speed])
     text = md_table(body, ["model", "policy", "N", "S", "union/k", "all shards KB/iter",
                            "busiest server link KB/iter", "mean server link KB/iter",
-                           "busiest / S=1", "ms/iter", "speed-up vs S=1"])
+                           "busiest / S=1"]
+                    + ([f"busiest link ms/iter at {bandwidth}"] if rate else [])
+                    + ["ms/iter", "speed-up vs S=1"])
     failed = [f"{r['run']}: {r['failed'][-200:]}" for r in rows if "failed" in r]
     return text + ("\n\nFailed: " + "; ".join(failed) if failed else "")
+
+
+def summary_table(rows: list, bandwidth: str | None = BANDWIDTH) -> str:
+    """One row per (model, policy, N): the busiest (and mean) server link at S = 1, 2, 4, the
+    paced link time of the busiest shard, and ms/iteration."""
+    rate = parse_rate(bandwidth) if bandwidth else None
+    ok = {(r["size"], r["policy"], r["workers"], r["servers"]): r for r in rows
+          if "failed" not in r}
+    groups = sorted({k[:3] for k in ok}, key=lambda g: (
+        list(SIZES).index(g[0]), list(POLICIES).index(g[1]), g[2]))
+    servers = sorted({k[3] for k in ok})
+    body = []
+    for g in groups:
+        got = [ok.get((*g, s)) for s in servers]
+        one = ok.get((*g, 1))
+
+        def each(fmt, got=got):
+            return " / ".join(fmt(r) if r else "-" for r in got)
+        body.append([g[0], g[1], g[2], f"{next(r for r in got if r)['union_k']:.2f}",
+                     each(lambda r: f"{r['server_max_b'] / 1e3:,.0f}"),
+                     each(lambda r: f"{r['server_mean_b'] / 1e3:,.0f}"),
+                     each(lambda r: f"{r['server_max_b'] / one['server_max_b']:.2f}"
+                          if one else "-")]
+                    + ([each(lambda r: f"{r['server_max_b'] * 8e3 / rate:.0f}")] if rate else [])
+                    + [each(lambda r: f"{r['ms_per_iter']:.0f}")])
+    s = "/".join(map(str, servers))
+    return md_table(body, ["model", "policy", "N", "union/k", f"busiest link KB/iter, S = {s}",
+                           f"mean link KB/iter, S = {s}", f"busiest / S=1, S = {s}"]
+                    + ([f"busiest link ms/iter at {bandwidth}, S = {s}"] if rate else [])
+                    + [f"measured ms/iter, S = {s}"])
 
 
 def exponent_table(rows: list) -> str:
@@ -344,10 +383,18 @@ def report(results: dict) -> str:
                      "(medians; ratio measured in this run)\n\n"
                      + aggregation_table(results["aggregation"]))
     if results.get("grid"):
-        codes = sorted({r.get("code") or "?" for r in results["grid"] if "failed" not in r})
-        parts.append("Bytes per server link and time per iteration (code: "
-                     + ", ".join(c[:12] for c in codes) + ")\n\n"
-                     + grid_table(results["grid"]))
+        codes = [r.get("code") or "?" for r in results["grid"] if "failed" not in r]
+        commits = sorted({c.split("+")[0][:10] for c in codes})
+        dirty = sum("+dirty" in c for c in codes)
+        parts.append("Bytes per server link and time per iteration (runs made by commit "
+                     + ", ".join(commits)
+                     + (f"; {dirty} of {len(codes)} with uncommitted edits" if dirty else "")
+                     + ")\n\n"
+                     + grid_table(results["grid"],
+                                  results.get("grid_setup", {}).get("bandwidth", BANDWIDTH)))
+        parts.append("The same, one row per model, policy and N\n\n"
+                     + summary_table(results["grid"],
+                                     results.get("grid_setup", {}).get("bandwidth", BANDWIDTH)))
         parts.append("Fitted exponents against N\n\n" + exponent_table(results["grid"]))
     return "\n\n".join(parts)
 
