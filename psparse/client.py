@@ -78,6 +78,8 @@ class PSClient:
         self.run_token = run_token  # proves this worker belongs to the run (register's HMAC)
         self.index_dtype = np.dtype(protocol.index_dtype_for(numel))
         self.cache = KeyCache()  # index sets this worker and the server both hold
+        self.parts: np.ndarray | None = None  # a round in parts: the key ranges' boundaries
+        self.part_caches: list[KeyCache] = []  # ... and one key cache per part
         self.heartbeat: Heartbeat | None = None
         self.sent_bytes = 0  # wire bytes of pushes and proposals (the worker's upload)
         self.received_bytes = 0  # wire bytes of aggregates and index messages
@@ -106,7 +108,8 @@ class PSClient:
                                  "(server gone or stalled)")
             _, frames, nbytes = got
             try:
-                msg = protocol.decode(frames, numel=self.numel, cache=self.cache)
+                msg = protocol.decode(frames, numel=self.numel, cache=self.cache) \
+                    if self.parts is None else protocol.decode(frames, scope=self._part_scope)
             except ProtocolError as exc:
                 raise WorkerError(f"malformed message from the server: {exc}") from None
             if msg.type == "heartbeat":  # the server is alive, just waiting for others
@@ -123,6 +126,57 @@ class PSClient:
                                   f"{msg.get('iter', '')}".rstrip())
             msg.extra["nbytes"] = nbytes
             return msg
+
+    # -------------------------------------------------------------------------------- parts
+    def use_parts(self, edges) -> None:
+        """Exchange every round in parts (docs/protocol.md, Parts): part p holds keys
+        [edges[p], edges[p + 1]), in part-relative indices, with its own key cache."""
+        self.parts = np.asarray(edges, dtype=np.int64)
+        self.part_caches = [KeyCache() for _ in range(len(edges) - 1)]
+
+    def _part_scope(self, header):
+        """decode's scope: an aggregate's part sets its size and key cache."""
+        if header.get("type") != "aggregate":
+            return self.numel, None
+        part = header.get("part")
+        if part is None or part >= len(self.part_caches):
+            raise ProtocolError(f"aggregate of part {part}, the run has "
+                                f"{len(self.part_caches)} parts")
+        return int(self.parts[part + 1] - self.parts[part]), self.part_caches[part]
+
+    def send_part(self, it: int, part: int, indices: np.ndarray, values: np.ndarray,
+                  loss: float | None = None, checksum: str | None = None) -> None:
+        """Push part ``part`` of iteration ``it``: ``indices`` are global keys in its range."""
+        lo, hi = int(self.parts[part]), int(self.parts[part + 1])
+        size = hi - lo
+        extra = {"checksum": checksum} if checksum else {}
+        if loss is not None:
+            extra["loss"] = loss
+        local = (np.asarray(indices, dtype=np.int64) - lo).astype(
+            protocol.index_dtype_for(size), copy=False)
+        if protocol.dense_is_smaller(local.size, size, protocol.index_dtype_for(size)):
+            dense = np.zeros(size, dtype=np.float32)
+            dense[local] = values
+            frames = protocol.encode("push", None, dense, iter=it, rank=self.rank, part=part,
+                                     dense=True, **extra)
+        else:
+            frames = protocol.encode("push", local, values, model_size=size,
+                                     cache=self.part_caches[part], iter=it, rank=self.rank,
+                                     part=part, **extra)
+        self.sent_bytes += self.send(frames)
+
+    def await_parts(self, it: int) -> protocol.Message:
+        """Every part's aggregate of iteration ``it`` (they come in the order the server
+        completes them), merged into one aggregate over the whole vector, global indices."""
+        got: dict[int, protocol.Message] = {}
+        while len(got) < len(self.part_caches):
+            msg = self.await_aggregate(it)
+            if msg["part"] in got:
+                raise WorkerError(f"the server sent part {msg['part']} of iteration {it} twice")
+            got[msg["part"]] = msg
+        merged = merge_aggregates([got[p] for p in range(len(got))], self.parts)
+        merged.header.pop("part", None)
+        return merged
 
     # ------------------------------------------------------------------------- registration
     def register(self, run: dict, checksum: str, start: int) -> protocol.Message:
@@ -215,9 +269,19 @@ class PSClient:
         self.expect("shutdown", "the end-of-run shutdown")
 
     def cache_state(self):
+        if self.parts is not None:
+            return {"parts": [c.state() for c in self.part_caches]}
         return self.cache.state()
 
     def restore_cache(self, state) -> None:
+        if self.parts is not None:
+            if not (isinstance(state, dict) and "parts" in state
+                    and len(state["parts"]) == len(self.part_caches)):
+                raise WorkerError("the checkpoint's key caches are not for this run's buckets "
+                                  "(resume with the same --overlap / --bucket-mb)")
+            for c, part in zip(self.part_caches, state["parts"]):
+                c.restore(part)
+            return
         self.cache.restore(state)
 
     def give_up(self, cause: str) -> None:

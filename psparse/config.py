@@ -25,6 +25,14 @@ MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the 
 DATASETS = ("mnist", "cifar10", "digits")
 
 
+# Policies with a proposal phase (policies.*.two_phase); names only, like MODELS (a test keeps
+# them equal). --overlap refuses them.
+TWO_PHASE_POLICIES = ("cltk", "vote")
+# --overlap without --bucket-mb: buckets of about this many MB of gradients (DDP's default is
+# 25 MB, for models of 100M parameters; psparse's are 60k (LeNet-5) to 0.27M (ResNet-20))
+DEFAULT_BUCKET_MB = 0.1
+
+
 # Keys psparse-launch adds to config.json beside the options (which code made the run, which
 # baseline it trained); reading a config.json back skips them.
 RECORD_ONLY = ("provenance", "baseline", "powersgd_rank")
@@ -45,6 +53,9 @@ class RunConfig:
     # How much to send: k = round(density * numel) entries per worker per iteration.
     density: float = 0.01
     granularity: str = "model"
+    # Communication in buckets of layers (DDP-style), pushed as they are ready in backward.
+    overlap: bool = False
+    bucket_mb: float | None = None
     policy: str = "topk"
     policy_args: list[str] | None = None
     memory: str = "residual"
@@ -113,6 +124,7 @@ class RunConfig:
              f"policy-arg entries must be key=value, got {self.policy_args!r}")
         need(self.granularity in ("model", "layer"),
              f"granularity must be 'model' or 'layer', got {self.granularity!r}")
+        self._check_buckets()
         need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         need(self.iterations is None or self.iterations >= 1, "iterations must be >= 1")
         need(self.batch_size >= 1, "batch-size must be >= 1")
@@ -157,6 +169,37 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         return self
+
+    def _check_buckets(self) -> None:
+        """--overlap / --bucket-mb: buckets of layers exchanged as parts of a round (docs/api.md,
+        Overlap). What they do not work with is refused here, naming the option."""
+        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float))
+                                               and self.bucket_mb > 0):
+            raise ConfigError(f"bucket-mb must be > 0 (MB of float32 gradients per bucket), "
+                              f"got {self.bucket_mb!r}")
+        if not (self.overlap or self.bucket_mb is not None):
+            return
+        what = "--overlap" if self.overlap else "--bucket-mb"
+        refusals = [
+            (self.granularity != "layer", "needs --granularity layer (whole-model selection "
+             "needs the whole gradient, so it keeps one round per iteration)"),
+            (self.density >= 1, "needs a density below 1 (a dense exchange has no selection "
+             "to split by bucket)"),
+            (self.policy in TWO_PHASE_POLICIES, f"does not work with the two-phase policy "
+             f"{self.policy!r} (its proposal round needs every layer's accumulator; it keeps "
+             "one round per iteration)"),
+            (self.memory == "scalecom", "does not work with --memory scalecom (its memory "
+             "update after a push covers the whole vector)"),
+            (self.clip_norm is not None, "does not work with --clip-norm (clipping needs the "
+             "whole gradient's norm before any bucket is accumulated)"),
+            (self.servers > 1, "does not work with --servers > 1 yet (use one server)"),
+            (self.server_limit is not None, "does not work with --server-limit (the limit "
+             "cuts the whole round's aggregate)"),
+            (self.elastic, "does not work with --elastic yet"),
+        ]
+        for broken, why in refusals:
+            if broken:
+                raise ConfigError(f"{what} {why}")
 
     def _check_model_args(self) -> None:
         """key=value entries, for a model that takes them, with keys it knows (the values are
@@ -238,6 +281,12 @@ HELP = {
     "density": "fraction of the model's entries each worker pushes per iteration (k = density x "
                "numel; 1.0 is dense)",
     "granularity": "select over the whole model, or per layer with k split by layer size",
+    "overlap": "with --granularity layer: push each bucket of layers (--bucket-mb) from "
+               "backward as soon as its gradients are ready, so communication overlaps the "
+               "rest of backward (same results as without; docs/api.md, Overlap)",
+    "bucket_mb": "with --granularity layer: exchange the gradient in buckets of layers of "
+                 "about this many MB, in reverse layer order, as parts of each round "
+                 f"(default: {DEFAULT_BUCKET_MB} with --overlap, else one round)",
     "policy": "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, core, "
               "vote, or package.module:ClassName",
     "policy_args": "policy parameter key=value (repeatable; default: the policy's defaults)",

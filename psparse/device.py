@@ -80,6 +80,27 @@ class FlatModel:
             self.host_grad.copy_(self.grad)
         return self.host_grad.numpy()
 
+    def gather_layers(self, first: int, end: int) -> None:
+        """``gather_grad`` for the parameters of layers [first, end) only (one bucket)."""
+        for p, view in zip(self.parameters[first:end], self.grad_views[first:end]):
+            if p.grad is view:
+                continue
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def grad_range(self, lo: int, hi: int, xp=np):
+        """``grad_array``'s entries [lo, hi) (one bucket), copying only those to the host."""
+        if xp is not np:
+            return from_torch(self.grad[lo:hi])
+        if self.host_grad is None:
+            self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
+        if self.host_grad is not self.grad:
+            self.host_grad[lo:hi].copy_(self.grad[lo:hi])
+        return self.host_grad.numpy()[lo:hi]
+
     def set_grad(self, indices: np.ndarray | None, values: np.ndarray) -> None:
         """The aggregate into .grad: dense values, or values at indices (zeros elsewhere)."""
         for p, view in zip(self.parameters, self.grad_views):

@@ -691,6 +691,9 @@ def main(argv=None) -> int:
     if args.baseline and cfg.servers > 1:
         p.error("--baseline trains with torch DDP, which has no parameter server: --servers "
                 "does not apply")
+    if args.baseline and (cfg.overlap or cfg.bucket_mb is not None):
+        p.error("--baseline trains with torch DDP, which buckets and overlaps on its own: "
+                "--overlap and --bucket-mb do not apply")
     if args.powersgd_rank < 1:
         p.error("--powersgd-rank must be at least 1")
     launch = Launch(cfg, out, quiet=args.quiet, resume=args.resume is not None,

@@ -90,6 +90,17 @@ class Memory:
             return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
         return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
 
+    def add_range(self, grad: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``add`` for the entries [lo, hi) alone (one bucket of layers, ``--overlap``), the
+        same arithmetic per entry; returns the whole accumulator. Not for clipping (it needs
+        the whole gradient's norm) or ``scalecom`` (its update covers the whole vector)."""
+        if self.clip_norm is not None or self.filtered is not None:
+            raise ValueError("a gradient in buckets cannot be clipped or folded into the "
+                             "scalecom memory bucket by bucket")
+        velocity = None if self.velocity is None else self.velocity[lo:hi]
+        kernels.accumulate(self.accumulator[lo:hi], grad, velocity, self.momentum)
+        return self.accumulator
+
     def take(self, indices):
         """Values at ``indices`` (to push), then zero them there (and the velocity, for DGC).
 

@@ -76,9 +76,12 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
                  "proof": (str,), "shard": _LIST},
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
-    "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,)},
+    # part: in a run with parts (the run's "parts"), which key range this push holds.
+    "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,),
+             "part": _INT},
     # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
-    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST},
+    # part: in a run with parts, which key range this aggregate holds.
+    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
     "candidates": {"index_format": (str,)},
@@ -95,6 +98,9 @@ FRAME_COUNTS = {t: 3 if t in SPARSE_TYPES else 2 if t in INDEX_TYPES else 1 for 
 # must agree on, in a form any language can build and compare.
 RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": _LIST,
               "config": _MAP}
+# parts: the boundaries of the key ranges a round is exchanged in (buckets of layers,
+# --bucket-mb / --overlap); absent: one part, the whole vector.
+RUN_OPTIONAL = {"parts": _LIST}
 CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
 REGISTER_PROOF_PREFIX = "psparse-register-v2"
 
@@ -177,14 +183,16 @@ def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: Ke
 
 
 def decode(frames, numel: int | None = None, max_count: int | None = None,
-           cache: KeyCache | None = None, remember: bool = True) -> Message:
+           cache: KeyCache | None = None, remember: bool = True, scope=None) -> Message:
     """Parse and validate one received message.
 
     ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
     count (defaults to ``numel``); ``cache`` resolves key-cached index sets and, with
     ``remember``, records the received set (a receiver that may still refuse the message for
-    other reasons records it itself on acceptance: refused sets are not remembered). Raises
-    ProtocolError on anything malformed.
+    other reasons records it itself on acceptance: refused sets are not remembered).
+    ``scope(header)``, when given, returns the (numel, cache) that apply to this message once
+    its header is validated (a run with parts: each part has its own size and key cache), or
+    raises ProtocolError. Raises ProtocolError on anything malformed.
     """
     if not frames:
         raise ProtocolError("empty message")
@@ -211,6 +219,8 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
         raise ProtocolError(f"{msg_type} message has {len(frames)} frames, expected "
                             f"{expected_frames}")
     msg = Message(msg_type, header)
+    if scope is not None:
+        numel, cache = scope(header)
     limit = max_count if max_count is not None else numel
     if header.get("dense"):
         msg.values = _decode_dense(header, frames[1], frames[2], numel)
@@ -236,7 +246,7 @@ def _check_fields(msg_type: str, header: dict) -> None:
         if name not in optional:
             raise ProtocolError(f"{msg_type} header has unknown field {name!r}")
         _check_type(msg_type, name, value, optional[name])
-    for name in ("iter", "rank", "count", "start", "workers"):
+    for name in ("iter", "rank", "count", "start", "workers", "part"):
         if name in header and header[name] < 0:
             raise ProtocolError(f"{msg_type} field {name!r} is negative ({header[name]})")
     if "world_size" in header and header["world_size"] < 1:
@@ -379,12 +389,21 @@ def check_run(run: dict) -> dict:
         if name not in run:
             raise ProtocolError(f"run lacks field {name!r}")
         _check_type("run", name, run[name], types)
-    unknown = sorted(set(run) - set(RUN_FIELDS))
+    unknown = sorted(set(run) - set(RUN_FIELDS) - set(RUN_OPTIONAL))
     if unknown:
         raise ProtocolError(f"run has unknown field {unknown[0]!r}")
     numel, iterations = run["numel"], run["iterations"]
     if numel < 1 or iterations < 1:
         raise ProtocolError("run fields 'numel' and 'iterations' must be >= 1")
+    if "parts" in run:
+        parts = run["parts"]
+        _check_type("run", "parts", parts, RUN_OPTIONAL["parts"])
+        if not (len(parts) >= 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                        for x in parts)
+                and parts[0] == 0 and parts[-1] == numel
+                and all(a < b for a, b in zip(parts, parts[1:]))):
+            raise ProtocolError("run field 'parts' must be strictly increasing ints from 0 to "
+                                f"numel ({numel}): the boundaries of the key ranges")
     steps = run["steps"]
     if not steps:
         raise ProtocolError("run field 'steps' is empty")

@@ -16,6 +16,11 @@ keys [I*numel//S, (I+1)*numel//S) in shard-relative indices, answers proposals w
 ``candidates`` (its best indices with their scores) instead of ``indices``, and keeps its files in
 RUN_DIR/shard-I/; the last shard to finish merges the run's files.
 
+A run whose description has ``parts`` (buckets of layers, ``--bucket-mb`` / ``--overlap``) is
+served part by part: every rank pushes each part, and each part is averaged and broadcast as
+soon as every rank has pushed it (``serve_parts``), so workers get the later layers' aggregate
+while backward still runs; docs/protocol.md, Parts.
+
 This module keeps the socket, the round sequence, accounting, checkpoints and the summary; who is
 in the run (admission, agreement, liveness, losses) is ``membership.Membership``, and the round
 arithmetic (sparse mean, vote, budgets, dense switch, size limit) is ``aggregation``.
@@ -100,6 +105,7 @@ class Server:
         self.members = Membership(world_size, reachable=self._reachable, run_token=run_token,
                                   timeout=timeout, elastic=elastic, log=self.log)
         self.aggregator: Aggregator | None = None  # from registration on (numel is known then)
+        self.parts: list[int] | None = None  # a run in parts: the boundaries of its key ranges
         self.numel = 0
         self.iterations = 0
         self.rejected = 0
@@ -263,10 +269,20 @@ class Server:
         self.iterations = run["iterations"]
         self.two_phase = run["two_phase"]
         self.k = run["steps"][-1][1]  # the configured k (density x numel), the unit of union/k
-        self.aggregator = Aggregator(self.numel, self.xp)  # the only model-sized buffers
         self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
-        # per worker: the index sets both ends of that connection hold (protocol key caching)
-        self.caches = {r: KeyCache() for r in range(self.world_size)}
+        # a round in parts (buckets of layers, docs/protocol.md "Parts"): part p holds keys
+        # [parts[p], parts[p + 1]) and is aggregated and broadcast as soon as every rank pushed it
+        self.parts = run.get("parts")
+        if self.parts is not None:
+            self._check_parts_allowed()
+            self.part_aggregators = [Aggregator(hi - lo, self.xp)
+                                     for lo, hi in zip(self.parts, self.parts[1:])]
+        self.aggregator = Aggregator(self.numel, self.xp) if self.parts is None \
+            else self.part_aggregators[0]  # the only model-sized buffers (or the parts')
+        # per worker (per worker and part): the index sets both ends hold (key caching)
+        self.caches = {r: KeyCache() for r in range(self.world_size)} if self.parts is None \
+            else {(r, p): KeyCache() for r in range(self.world_size)
+                  for p in range(len(self.parts) - 1)}
         members.start_training(self.iterations)
         for rank in range(self.world_size):
             self._send(members.rank_peer[rank], protocol.encode(
@@ -277,6 +293,32 @@ class Server:
                  + (f", keys [{self.key_range[0]}, {self.key_range[1]}) of {run['numel']}"
                     if self.sharded else ""))
         self._t0 = time.perf_counter()
+
+    def _check_parts_allowed(self) -> None:
+        """What a run in parts does not combine with (the workers refuse these options too)."""
+        for broken, what in ((self.two_phase, "a two-phase policy"),
+                             (self.limit is not None, "--server-limit"),
+                             (self.members.elastic, "--elastic"),
+                             (self.sharded, "key-range server shards")):
+            if broken:
+                raise RunAborted(f"the run is exchanged in parts (buckets, --overlap / "
+                                 f"--bucket-mb), which does not work with {what}")
+
+    def _part_scope(self, rank: int | None):
+        """decode's scope for a run in parts: a push's part sets its size and key cache."""
+        def scope(header):
+            if header.get("type") not in ("push",):
+                return self.numel, None
+            part = header.get("part")
+            if part is None:
+                raise ProtocolError("this run is exchanged in parts (its run has 'parts'): "
+                                    "a push must carry 'part'")
+            if part >= len(self.parts) - 1:
+                raise ProtocolError(f"push for part {part}, the run has "
+                                    f"{len(self.parts) - 1} parts")
+            cache = self.caches[(rank, part)] if rank is not None else None
+            return self.parts[part + 1] - self.parts[part], cache
+        return scope
 
     def _check_shard(self, msg: protocol.Message) -> None:
         """A register names the shard it is meant for (``shard`` = [I, S]); a one-server run
@@ -306,6 +348,8 @@ class Server:
 
     # --------------------------------------------------------------------------------- rounds
     def serve_round(self, it: int) -> None:
+        if self.parts is not None:
+            return self.serve_parts(it)
         t_start = time.perf_counter()
         agg = self.aggregator
         upload = broadcast = 0
@@ -373,14 +417,106 @@ class Server:
         }
         self._account(record)
 
-    def _broadcast(self, msg_type: str, indices, values, **fields) -> int:
+    def serve_parts(self, it: int) -> None:
+        """A round in parts: each part's pushes (one per rank, in any order of parts) are
+        averaged and broadcast as soon as every rank has pushed that part, so the workers
+        receive the first parts' aggregates while they still compute the others. One
+        metrics.jsonl record per iteration, summed over the parts."""
+        t_start = time.perf_counter()
+        count = len(self.parts) - 1
+        got: list[dict[int, protocol.Message]] = [{} for _ in range(count)]
+        pushed: dict[int, int] = {}  # rank -> entries pushed this iteration (all parts)
+        upload = broadcast = union = sent = 0
+        dense_any = False
+        budget, push_max, _ = protocol.step_at(self.run_description, it)
+        deadline = self._deadline()
+        done = 0
+        while done < count:
+            waiting = {p: sorted(self.members.active - set(got[p])) for p in range(count)
+                       if self.members.active - set(got[p])}
+            missing = sorted({r for ranks in waiting.values() for r in ranks})
+            what = f"push messages of iteration {it} (parts {sorted(waiting)})"
+            received = self._wait(f"{what} from ranks {missing}", deadline, missing, it)
+            if received is None:
+                continue  # cannot happen without --elastic, which parts refuse
+            peer, frames, nbytes = received
+            msg = self._accept(peer, frames)
+            if msg is None or not self._wanted(peer, msg, what, it, "push"):
+                continue
+            rank, part = msg["rank"], msg["part"]
+            if rank in got[part]:
+                self.reject(peer, ProtocolError(f"rank {rank} already sent part {part} of "
+                                                f"iteration {it}"))
+                continue
+            agg = self.part_aggregators[part]
+            try:
+                agg.check_budget("push", it, (budget, push_max, 0), msg["count"],
+                                 msg.values if msg.get("dense") else None)
+                entries = int(np.count_nonzero(msg.values)) if msg.get("dense") \
+                    else int(msg["count"])
+                if pushed.get(rank, 0) + entries > push_max:
+                    raise BudgetError(f"rank {rank}'s pushes of iteration {it} have "
+                                      f"{pushed.get(rank, 0) + entries} entries in all, more "
+                                      f"than the push cap of {push_max}")
+            except BudgetError as exc:
+                self.reject(peer, ProtocolError(str(exc)))
+                continue
+            pushed[rank] = pushed.get(rank, 0) + entries
+            got[part][rank] = msg
+            upload += nbytes
+            self._pace(nbytes)
+            if msg.indices is not None:
+                self.caches[(rank, part)].remember(msg.indices, sent=False)
+            if self.members.active - set(got[part]):
+                continue
+            # every rank pushed this part: its mean, broadcast now
+            ranks = sorted(got[part])
+            idx, mean = agg.mean([None if got[part][r].get("dense") else got[part][r].indices
+                                  for r in ranks], [got[part][r].values for r in ranks])
+            union += int(idx.size)
+            sent += int(idx.size)
+            fields = dict(iter=it, workers=len(ranks), part=part)
+            if agg.goes_dense(idx.size):
+                dense_any = True
+                broadcast += self._broadcast("aggregate", None, agg.densify(idx, mean),
+                                             dense=True, **fields)
+            else:
+                broadcast += self._broadcast("aggregate", idx.astype(agg.index_dtype, copy=False),
+                                             mean, model_size=agg.numel, **fields)
+            done += 1
+        pushes = [m for part in got for m in part.values()]
+        checksums: dict[int, str | None] = {}
+        for m in pushes:  # one checksum per rank and iteration (any part may carry it)
+            if m.get("checksum") is not None:
+                if checksums.get(m["rank"], m["checksum"]) != m["checksum"]:
+                    raise RunAborted(f"rank {m['rank']} sent two checksums for iteration {it}")
+                checksums[m["rank"]] = m["checksum"]
+        self._check_checksums(it, checksums)
+        ranks = sorted(self.members.active)
+        ks = [sum(int(got[p][r]["count"]) for p in range(count)) for r in ranks]
+        self._totals["pushed"].append(float(np.mean(ks)) if ks else 0.0)
+        losses = [m["loss"] for m in pushes if "loss" in m.header]
+        self._account({
+            "iter": it, "workers": len(ranks), "k": ks, "budget": budget, "union": union,
+            "broadcast_entries": sent, "residual_entries": 0, "dense": dense_any,
+            "proposed": None, "upload_bytes": upload, "broadcast_bytes": broadcast,
+            "loss": float(np.mean(losses)) if losses else None,
+            "round_s": round(time.perf_counter() - t_start, 6),
+            "time_s": round(time.perf_counter() - self._t0, 6)})
+
+    def _broadcast(self, msg_type: str, indices, values, model_size: int | None = None,
+                   **fields) -> int:
         """Send one message to every worker; its wire bytes summed over workers.
 
-        Encoded per worker: each connection's key cache knows different sets.
+        Encoded per worker: each connection's key cache knows different sets (a run in parts
+        keeps one per connection and part).
         """
         ranks = sorted(self.members.active)
-        messages = [protocol.encode(msg_type, indices, values, model_size=self.numel,
-                                    cache=self.caches[r], **fields) for r in ranks]
+        part = fields.get("part")
+        messages = [protocol.encode(msg_type, indices, values,
+                                    model_size=model_size or self.numel,
+                                    cache=self.caches[r if part is None else (r, part)],
+                                    **fields) for r in ranks]
         self._pace(sum(wire_bytes(m) for m in messages))
         return sum(self._send(self.members.rank_peer[r], m, it=fields.get("iter"))
                    for r, m in zip(ranks, messages))
@@ -419,23 +555,9 @@ class Server:
                 continue
             peer, frames, nbytes = received
             msg = self._accept(peer, frames)
-            if msg is None:
+            if msg is None or not self._wanted(peer, msg, what, it, msg_type):
                 continue
-            if msg.type == "metrics":
-                self._on_metrics(msg)
-            elif msg.type == "error":  # the worker gives up and says why
-                members.lose([members.peers[peer]], it, what, msg["message"])
-                # elastic: the run goes on; acknowledge, so the worker can exit knowing its
-                # cause is recorded (without --elastic, abort() tells everyone)
-                self._try_send(peer, protocol.encode(
-                    "shutdown", ok=False, reason="dropped from the run: " + msg["message"]))
-            elif msg_type is None or msg.type != msg_type:
-                self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
-                                                f"waits for {what}"))
-            elif msg["iter"] != it:
-                self.reject(peer, ProtocolError(f"{msg_type} for iteration {msg['iter']}, the "
-                                                f"server is at iteration {it}"))
-            elif msg["rank"] in got:
+            if msg["rank"] in got:
                 self.reject(peer, ProtocolError(f"rank {msg['rank']} already sent {msg_type} "
                                                 f"for iteration {it}"))
             else:
@@ -449,6 +571,34 @@ class Server:
                 if msg.indices is not None:
                     self.caches[msg["rank"]].remember(msg.indices, sent=False)
         return nbytes_total
+
+    def _wanted(self, peer: bytes, msg: protocol.Message, what: str, it: int | None,
+                msg_type: str | None) -> bool:
+        """Whether an accepted message is a ``msg_type`` of iteration ``it`` (what the caller
+        collects). Anything else is handled here: metrics are recorded, a worker's error loses
+        it, other types and iterations are rejected."""
+        if msg.type == "metrics":
+            self._on_metrics(msg)
+        elif msg.type == "error":  # the worker gives up and says why
+            self.members.lose([self.members.peers[peer]], it, what, msg["message"])
+            # elastic: the run goes on; acknowledge, so the worker can exit knowing its
+            # cause is recorded (without --elastic, abort() tells everyone)
+            self._try_send(peer, protocol.encode(
+                "shutdown", ok=False, reason="dropped from the run: " + msg["message"]))
+        elif msg_type is None or msg.type != msg_type:
+            self.reject(peer, ProtocolError(f"unexpected {msg.type} message; the server "
+                                            f"waits for {what}"))
+        elif msg["iter"] != it:
+            self.reject(peer, ProtocolError(f"{msg_type} for iteration {msg['iter']}, the "
+                                            f"server is at iteration {it}"))
+        elif (self.parts is not None) != ("part" in msg.header):
+            self.reject(peer, ProtocolError(
+                f"{msg_type} with a 'part' field, but this run is not exchanged in parts"
+                if self.parts is None else
+                f"this run is exchanged in parts: a {msg_type} must carry 'part'"))
+        else:
+            return True
+        return False
 
     def _check_budget(self, msg: protocol.Message, it: int) -> None:
         """A push or proposal carries at most the cap the agreed run sets for this iteration;
@@ -499,8 +649,11 @@ class Server:
         rank = self.members.peers.get(peer)
         try:
             # key cache: look sets up now, remember them only once accepted (docs/protocol.md)
-            msg = protocol.decode(frames, numel=self.numel, remember=False,
-                                  cache=self.caches[rank] if rank is not None else None)
+            if self.parts is not None:
+                msg = protocol.decode(frames, remember=False, scope=self._part_scope(rank))
+            else:
+                msg = protocol.decode(frames, numel=self.numel, remember=False,
+                                      cache=self.caches[rank] if rank is not None else None)
             if msg.type == "heartbeat":
                 self.members.heartbeat(msg)
                 return None  # heartbeats are never answered

@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint, cluster, keyranges
+from . import buckets, checkpoint, cluster, keyranges
 from .client import PSClient, ServerGone, ShardedClient, WorkerError
-from .config import ConfigError, RunConfig, config_from_json, load_config_file
+from .config import DEFAULT_BUCKET_MB, ConfigError, RunConfig, config_from_json, load_config_file
 from .device import FlatModel, HostBuffers, gpu_array_module
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
-from .policies import Layout, PolicyError, build_policy, check_output
+from .policies import Layout, PolicyError, SelectionPolicy, build_policy, check_output
 from .rundir import EVAL_VALUES, rank_file
 from .sparsify import NonFiniteError, density_to_k, topk_exact
 from .xp import INDEX_DTYPE, to_device, to_host
@@ -86,6 +86,172 @@ class WholeModel:
         if self.everything is None:
             self.everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
         return self.everything, s.memory.take(self.everything)
+
+
+# ------------------------------------------------------------------------------------ parts
+class Parts:
+    """A round in buckets of layers (``bucket_mb``), optionally overlapped with backward
+    (``overlap``): docs/api.md, Overlap; the wire side is docs/protocol.md, Parts.
+
+    Buckets are contiguous groups of layers in reverse registration order (``psparse.buckets``),
+    each a contiguous key range (a *part*). For each bucket, the session folds its gradient
+    into the accumulator, lets the policy select per layer (``select_slice``, with each layer's
+    k as in an ordinary ``--granularity layer`` round) and pushes the part. With ``overlap``,
+    a ``register_post_accumulate_grad_hook`` on every parameter starts that work as soon as
+    backward has produced a bucket's last gradient, so while backward computes the earlier
+    layers the server already averages and returns the later ones (ZeroMQ's I/O thread sends
+    and receives meanwhile). Part 0 (the first layers, ready last) is pushed by ``exchange``
+    with the loss and the checksum; ``exchange`` then waits for every part's aggregate and
+    applies the merged aggregate exactly as a one-part round does (the policy observes the
+    whole aggregate once, in key order). Every selection, sum and update is the one of the
+    ordinary round, so results are identical; only timing (and a few header bytes) differ.
+    """
+
+    def __init__(self, session: Session):
+        s = self.session = session
+        cfg = s.cfg
+        policy = s.policy
+        why = None
+        if policy.two_phase:
+            why = f"the two-phase policy {policy.name!r} (its proposal round needs every layer)"
+        elif type(policy).select is not SelectionPolicy.select:
+            why = (f"policy {type(policy).__name__}, which overrides select() (a bucket needs "
+                   "per-layer selection: select_slice or score)")
+        elif cfg.record_selections:
+            why = "--record-selections (it records the whole gradient's top-k)"
+        elif s.servers > 1:
+            why = "several server shards (use one server)"
+        elif policy.layout.granularity != "layer":
+            why = "whole-model selection (use --granularity layer)"
+        if why is not None:
+            raise ConfigError(f"{'--overlap' if cfg.overlap else '--bucket-mb'} does not work "
+                              f"with {why}; it keeps one round per iteration")
+        sizes = s.net.layer_sizes
+        self.buckets = buckets.plan(sizes, cfg.bucket_mb or DEFAULT_BUCKET_MB)
+        self.edges = buckets.boundaries(sizes, self.buckets)
+        self.offsets = [o for o, _ in policy.layout.slices]
+        self.bucket_of = [b for b, (first, end) in enumerate(self.buckets)
+                          for _ in range(first, end)]
+        self.overlap = cfg.overlap
+        s.client.use_parts(self.edges)
+        self.outboxes = [HostBuffers() for _ in self.buckets]  # one per part: sends overlap
+        self.hooks = []
+        self.in_round = False
+        self.ready = [0] * len(self.buckets)  # gradients produced this round, per bucket
+        self.pushed: set[int] = set()
+        self.trace: list[str] = []  # this round's events, in order (rank-R.json: last_round)
+        self.last_trace: list[str] = []
+        self.pushed_in_backward = 0
+        if self.overlap:
+            for layer, p in enumerate(s.net.parameters):
+                self.hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda param, layer=layer: self.on_grad(layer)))
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def report(self) -> dict:
+        """rank-R.json's ``overlap``: the buckets, how many pushes left during backward, and
+        the order of events in the last round."""
+        return {"enabled": self.overlap, "parts": self.edges,
+                "layers": [list(b) for b in self.buckets],
+                "pushes_in_backward": self.pushed_in_backward, "last_round": self.last_trace}
+
+    # ------------------------------------------------------------------------------ a round
+    def begin(self, it: int) -> None:
+        """The round's start (its first bucket, or exchange): what ``exchange`` does first in a
+        one-part round, before any gradient is folded in."""
+        s = self.session
+        s._check_iteration(it)
+        if s.cfg.checkpoint_every and it > s.start and it % s.cfg.checkpoint_every == 0:
+            s._checkpoint(it)  # the state after iteration it - 1's update, untouched yet
+        self.t_begin = time.perf_counter()
+        s._times["compute_s"] += self.t_begin - s._t_last
+        k = s._k_at(it)
+        if k != s.policy.k:
+            s.policy.set_k(k)
+        self.checksum = s.net.checksum() if it % s.cfg.check_every == 0 else None
+        self.in_round = True
+        self.ready = [0] * len(self.buckets)
+        self.pushed = set()
+        self.trace = []
+        self.select_s = 0.0
+
+    def on_grad(self, layer: int) -> None:
+        """A parameter's gradient is complete (autograd hook, during backward)."""
+        if not self.in_round:
+            self.begin(self.session.iteration)
+        b = self.bucket_of[layer]
+        self.ready[b] += 1
+        first, end = self.buckets[b]
+        if self.ready[b] > end - first or b in self.pushed:
+            raise WorkerError("with overlap, every exchange() follows exactly one backward "
+                              "pass (a second backward before exchange() would change "
+                              "gradients already sent; accumulate micro-batches without "
+                              "overlap)")
+        if self.ready[b] == end - first:
+            self.trace.append(f"ready {b}")
+            if b != 0:  # part 0 is ready last; exchange() sends it with the loss
+                self.push(b)
+                self.pushed_in_backward += 1
+
+    def push(self, b: int, loss: float | None = None, checksum: str | None = None) -> None:
+        """Fold bucket b's gradient in, select per layer, push part b."""
+        s = self.session
+        t0 = time.perf_counter()
+        it = s.iteration
+        first, end = self.buckets[b]
+        lo, hi = self.edges[b], self.edges[b + 1]
+        s.net.gather_layers(first, end)
+        acc = s.memory.add_range(s.net.grad_range(lo, hi, s.xp), lo, hi)
+        policy = s.policy
+        chosen = []
+        try:
+            for layer in range(first, end):
+                k, offset = policy.slice_k[layer], self.offsets[layer]
+                if k > 0:
+                    size = s.net.layer_sizes[layer]
+                    chosen.append(policy.select_slice(acc[offset:offset + size], k, offset)
+                                  + offset)
+        except NonFiniteError as exc:
+            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+        xp = s.xp
+        indices = xp.concatenate(chosen) if chosen else xp.empty(0, dtype=xp.int64)
+        check_output(policy, indices, it, policy.max_push)
+        if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
+            raise PolicyError(f"policy {type(policy).__name__}.select_slice() at iteration "
+                              f"{it} chose an index outside its layer")
+        indices = indices.astype(INDEX_DTYPE, copy=False)
+        indices, values = self.outboxes[b].fetch(indices, s.memory.take(indices))
+        s.client.send_part(it, b, indices, values, loss, checksum)
+        self.pushed.add(b)
+        self.trace.append(f"push {b}")
+        self.select_s += time.perf_counter() - t0
+
+    def exchange(self, it: int, loss: float | None) -> None:
+        """After backward: push what the hooks did not (all buckets without overlap), last of
+        all part 0 with the loss and checksum; wait for every part; apply."""
+        s = self.session
+        if not self.in_round:
+            self.begin(it)
+        self.trace.append("exchange")
+        for b in range(len(self.buckets) - 1, 0, -1):
+            if b not in self.pushed:
+                self.push(b)
+        self.push(0, loss, self.checksum)
+        t2 = time.perf_counter()
+        agg = s.client.await_parts(it)
+        t3 = time.perf_counter()
+        self.trace.append("aggregate")
+        self.in_round = False
+        self.last_trace = self.trace
+        s._apply(agg, it)
+        s._t_last = time.perf_counter()
+        s._times["compute_s"] += (t2 - self.t_begin - self.select_s) + (s._t_last - t3)
+        s._times["select_s"] += self.select_s
+        s._times["wait_s"] += t3 - t2
 
 
 # ---------------------------------------------------------------------------------- session
@@ -167,7 +333,10 @@ class Session:
         self._dense = self._arange = None
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
         self.closed = False
+        self.parts: Parts | None = None  # --bucket-mb / --overlap: the round in buckets
         try:
+            if cfg.overlap or cfg.bucket_mb is not None:
+                self.parts = Parts(self)
             if resume:
                 self._restore()
             self.steps = self.budget_steps()
@@ -245,8 +414,11 @@ class Session:
         config = {**self.cfg.agreed(), "layers": [
             f"{name}:{'x'.join(map(str, shape))}"
             for name, shape in zip(self.net.layer_names, self.net.layer_shapes)]}
-        return {"numel": self.net.numel, "iterations": self.iterations,
-                "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
+        run = {"numel": self.net.numel, "iterations": self.iterations,
+               "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
+        if self.parts is not None:
+            run["parts"] = self.parts.edges
+        return run
 
     def budget_steps(self) -> list[list[int]]:
         """[from_iteration, budget, push_max, propose_max] wherever the budget changes (only
@@ -271,14 +443,14 @@ class Session:
         ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
         """
         it = self.iteration
-        if it >= self.iterations:
-            raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
-                              "iterations agreed at connect)")
+        self._check_iteration(it)
         if loss is not None:
             loss = float(loss.item() if hasattr(loss, "item") else loss)
             if not math.isfinite(loss):
                 raise WorkerError(f"training diverged at iteration {it}: loss is {loss} "
                                   "(lower the learning rate, or use clip_norm)")
+        if self.parts is not None:
+            return self.parts.exchange(it, loss)
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)  # the state after iteration it - 1's update
         t1 = time.perf_counter()  # compute_s: everything since the last exchange returned
@@ -304,7 +476,20 @@ class Session:
         checksum = self.net.checksum() if it % self.cfg.check_every == 0 else None
         agg = self.client.push(it, indices, values, loss, checksum, self._dense_buffer())
         t3 = time.perf_counter()
+        self._apply(agg, it)
+        self._t_last = time.perf_counter()
+        self._times["compute_s"] += self._t_last - t3
+        self._times["select_s"] += t2 - t1
+        self._times["wait_s"] += t3 - t2
 
+    def _check_iteration(self, it: int) -> None:
+        if it >= self.iterations:
+            raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
+                              "iterations agreed at connect)")
+
+    def _apply(self, agg, it: int) -> None:
+        """The round's aggregate: the policy observes it, it lands in .grad; the iteration
+        is done."""
         if "live" in agg.header and agg["live"] != self.live:
             self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
             self.policy.set_live(self.live)
@@ -322,10 +507,6 @@ class Session:
             # BatchNorm's running statistics, so keep them as they are now.
             self._buffers_at_checkpoint = {name: b.detach().clone()
                                            for name, b in self.net.model.named_buffers()}
-        self._t_last = time.perf_counter()
-        self._times["compute_s"] += self._t_last - t3
-        self._times["select_s"] += t2 - t1
-        self._times["wait_s"] += t3 - t2
 
     def select(self, acc, it: int, group):
         """The policy's indices and their accumulator values (zeroed there), on acc's device."""
@@ -361,6 +542,7 @@ class Session:
                 "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 "options": self.cfg.agreed(),
+                **({"overlap": self.parts.report()} if self.parts is not None else {}),
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -381,6 +563,8 @@ class Session:
     def disconnect(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.parts is not None:
+                self.parts.remove_hooks()
             self.client.close()
 
     def __enter__(self) -> Session:
