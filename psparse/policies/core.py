@@ -27,7 +27,10 @@ slower than of as many distinct values): the entries at or above the last core's
 stored priority, plus those aggregated up to it since; every other entry is below that floor
 (stored values that are not aggregated do not change). When the new core's smallest value
 reaches the floor the candidates hold the whole core; otherwise (a larger budget, a signed
-priority that fell, a renormalisation) the nonzero entries are searched again. The own slice is
+priority that fell, a renormalisation) the nonzero entries are searched again. When every
+candidate was aggregated (every worker sends the core, so usually), the new candidates are the
+aggregated entries at or above the floor, with no merge: on small host slices the scatter keeps
+the old values, which tell (how many of the aggregate were at or above the floor before). The own slice is
 the top k - |core| of |accumulator| with the core masked out (the reference rule): on a small
 host slice one partition, whose answer mask also takes the core; on a large one scored and
 selected a block at a time (``Selector.topk_scored``), which finds k - |core| entries instead of
@@ -134,15 +137,36 @@ class SharedCore(SelectionPolicy):
     def observe(self, indices, values, iteration):
         if self.priority.decay(self.beta):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
-        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # stored[indices]
-        self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed,
-                          out=updated)
+        xp = self.xp
+        small = xp is np and all(selector.exact for selector in self._selectors)
+        if small and indices.size:  # the scatter by hand, keeping the old values
+            priority = self.priority
+            add = np.float32((1.0 - self.beta) / priority.scale) * \
+                (values if self.signed else np.abs(values))  # as Decaying.add: bit-identical
+            old = priority.stored[indices]
+            updated = (old + add).astype(np.float32, copy=False)  # rounded once, as there
+            priority.stored[indices] = updated
+        else:
+            old = None
+            updated = xp.empty(indices.size, dtype=xp.float32)  # stored[indices]
+            self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed,
+                              out=updated)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
-            if self._candidates[s] is not None and hi > lo:  # those that reached the floor
-                grown = indices[lo:hi][self._magnitude(updated[lo:hi]) >= self._floor[s]]
-                offset = self.layout.slices[s][0]
-                self._candidates[s] = kernels.sorted_union([self._candidates[s],
-                                                            grown - offset if offset else grown])
+            if self._candidates[s] is None or hi == lo:
+                continue
+            floor = self._floor[s]
+            grown = indices[lo:hi][self._magnitude(updated[lo:hi]) >= floor]  # reached floor
+            offset = self.layout.slices[s][0]
+            if offset:
+                grown = grown - offset
+            if old is not None and \
+                    int(xp.count_nonzero(self._magnitude(old[lo:hi]) >= floor)) == \
+                    self._candidates[s].size:
+                # every candidate was aggregated (each is at or above floor, every other entry
+                # below it, so these are they): the entries at or above floor are those grown
+                self._candidates[s] = grown
+            else:
+                self._candidates[s] = kernels.sorted_union([self._candidates[s], grown])
 
     def _magnitude(self, stored):
         """|stored priority| (unsigned: it is >= 0 already)."""
