@@ -75,9 +75,9 @@ def config_flags(cfg: RunConfig, only: tuple[str, ...] | None = None) -> list[st
         if value is None or value is False:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "policy_args":
+        if f.name in ("policy_args", "model_args"):  # repeatable: --policy-arg, --model-arg
             for item in value:
-                args += ["--policy-arg", item]
+                args += [flag[:-1], item]
         elif value is True:
             args.append(flag)
         else:
