@@ -69,8 +69,14 @@ class EMA(SelectionPolicy):
     def observe(self, indices, values, iteration):
         if self.priority.decay(self.beta):  # rescaled: the maxima too
             self._top = self._maxima()
-        updated = self.xp.empty(indices.size, dtype=self.xp.float32)  # stored[indices]
-        self.priority.add(indices, values, 1.0 - self.beta, out=updated)
+        xp, priority = self.xp, self.priority
+        if xp is np and all(sel.exact for sel in self._selectors):  # small: a gather, a scatter
+            add = np.float32((1.0 - self.beta) / priority.scale) * np.abs(values)  # as add()
+            updated = (priority.stored[indices] + add).astype(np.float32, copy=False)
+            priority.stored[indices] = updated
+        else:
+            updated = xp.empty(indices.size, dtype=xp.float32)  # stored[indices]
+            priority.add(indices, values, 1.0 - self.beta, out=updated)
         for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
             if hi > lo:
                 self._top[s] = max(self._top[s], np.float32(float(updated[lo:hi].max())))
