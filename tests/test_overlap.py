@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -234,3 +235,31 @@ def test_the_ddp_baseline_refuses_overlap(tmp_path):
                                         "--overlap"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--overlap and --bucket-mb do not apply" in done.stderr
+
+
+def test_a_user_script_through_connect_overlaps_without_changing_its_loop(tmp_path):
+    """tests/user_train.py (BatchNorm CNN, Adam, zero_grad to None): the session installs the
+    hooks on the model it was given; the same weights as without overlap."""
+    script = str(Path(__file__).resolve().parent / "user_train.py")
+    common = ["--workers", "2", "--granularity", "layer", "--density", "0.05", "--quiet"]
+    plain, over = tmp_path / "plain", tmp_path / "over"
+    procs = [subprocess.Popen(python_module("psparse.launch", "--out", str(out), *common, *extra,
+                                            script, "--iterations", "10"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for out, extra in ((plain, []), (over, ["--overlap", "--bucket-mb", "0.0005"]))]
+    for proc in procs:  # both at once: two short runs, mostly start-up
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, output
+    for r in range(2):
+        assert np.array_equal(np.load(over / f"params-{r}.npy"), np.load(plain / f"params-{r}.npy"))
+    info = json.loads((over / "rank-0.json").read_text())["overlap"]
+    # conv+bn, fc.weight, fc.bias, aux.weight, aux.bias; aux gets gradients on even iterations
+    # only: on odd ones its buckets (3 and 4) are never ready in backward, exchange() pushes them
+    assert info["layers"] == [[0, 4], [4, 5], [5, 6], [6, 7], [7, 8]]
+    assert info["pushes_in_backward"] == 5 * 4 + 5 * 2
+    assert info["last_round"] == ["ready 2", "push 2", "ready 1", "push 1", "ready 0",
+                                  "exchange", "push 4", "push 3", "push 0", "aggregate"]
+    assert [{k: v for k, v in r.items() if k not in NOT_COMPARED}
+            for r in read_jsonl(over / "metrics.jsonl")] == \
+        [{k: v for k, v in r.items() if k not in NOT_COMPARED}
+         for r in read_jsonl(plain / "metrics.jsonl")]
