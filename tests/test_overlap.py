@@ -263,3 +263,26 @@ def test_a_user_script_through_connect_overlaps_without_changing_its_loop(tmp_pa
             for r in read_jsonl(over / "metrics.jsonl")] == \
         [{k: v for k, v in r.items() if k not in NOT_COMPARED}
          for r in read_jsonl(plain / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("server_args, two_phase, words", [
+    (["--server-limit", "2k"], False, "--server-limit"),
+    ([], True, "two-phase"),
+])
+def test_a_server_refuses_parts_with_what_they_do_not_combine_with(server_factory, server_args,
+                                                                  two_phase, words):
+    server = server_factory(1, extra=server_args)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{server.port}")
+        send(sock, {"type": "register", "rank": 0, "world_size": 1, "run": {
+            "numel": 10, "iterations": 1, "two_phase": two_phase, "steps": [[0, 3, 3, 3]],
+            "config": {}, "parts": [0, 6, 10]}})
+        header, _ = recv(sock)
+        assert header["type"] == "shutdown" and not header["ok"] and words in header["reason"]
+        assert server.wait()[0] == 1
+    finally:
+        sock.close()
+        ctx.term()
