@@ -184,7 +184,8 @@ def test_workers_exit_nonzero_when_the_server_dies(tmp_path):
                 p.kill()
     assert all(w.returncode == 1 for w in workers), outputs
     assert all("server gone or stalled" in o for o in outputs), outputs
-    assert elapsed < 3 + 5
+    # noticed within the 3 s timeout, not at communicate's 20 s (margin for a loaded machine)
+    assert elapsed < 3 + 10
 
 
 @pytest.mark.slow
