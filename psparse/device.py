@@ -60,14 +60,7 @@ class FlatModel:
 
     def gather_grad(self) -> None:
         """Bring gradients that are not our views into the flat buffer (None counts as 0)."""
-        for p, view in zip(self.parameters, self.grad_views):
-            if p.grad is view:
-                continue
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view
+        self.gather_layers(0, len(self.parameters))
 
     def grad_array(self, xp=np):
         """The gradient as an array of ``xp``: a CuPy view of the CUDA tensor (no copy), or a
