@@ -88,13 +88,12 @@ bench: install
 
 # issue 17 item 5: server aggregation vs memcpy, bytes per server link and ms/iteration at
 # N = 2..16 workers x S = 1, 2, 4 shards (top-k, core; LeNet and a 1M synthetic model; loopback
-# with --bandwidth 100Mbit per shard), then bench_protocol's round trips; and the overlapped vs
-# unoverlapped iteration (benchmarks/bench_overlap.py, run here once that file exists; it is
-# being added with --overlap). Figures: benchmarks/README.md, bench_scale.json and .png
+# with --bandwidth 100Mbit per shard), then bench_protocol's round trips; then the overlapped vs
+# unoverlapped iteration (benchmarks/bench_overlap.py). The emulated-cluster part (root) is
+# `bench_scale.py --part cluster`. Figures: benchmarks/README.md, bench_scale.json and .png
 bench-scale: install data
 	$(PY) benchmarks/bench_scale.py --part all
-	@if [ -f benchmarks/bench_overlap.py ]; then $(PY) benchmarks/bench_overlap.py; \
-	else echo "bench-scale: benchmarks/bench_overlap.py not there yet (overlap figures to be added)"; fi
+	$(PY) benchmarks/bench_overlap.py
 
 clean:
 	rm -rf runs out-gpu out-gpu-cpu .pytest_cache .ruff_cache *.egg-info

@@ -4,6 +4,7 @@
     python benchmarks/bench_scale.py --part aggregation   # server aggregation vs memcpy
     python benchmarks/bench_scale.py --part grid          # the N x S grid of real runs
     python benchmarks/bench_scale.py --part protocol      # bench_protocol.py's round trips
+    python benchmarks/bench_scale.py --part cluster       # the grid on an emulated cluster (root)
     python benchmarks/bench_scale.py --part report        # tables and figure from the JSON
     python benchmarks/bench_scale.py --part grid --sizes lenet --workers 2,4 --servers 1,2
 
@@ -30,6 +31,14 @@ fitted against N on log-log axes (exponent a in bytes ~ N^a: N·k would give 1, 
 Runs land in ``--runs`` (default runs/bench-scale); a finished run with the same arguments is
 reused. Results: ``benchmarks/bench_scale.json``, figure ``benchmarks/bench_scale.png``.
 
+``cluster`` (root; not part of ``all``): the grid's launches on an emulated cluster
+(``launch/netns.sh cluster``, rebuilt for every run and taken down after it): S + N hosts,
+shard I on host hI (``--server-hosts``), worker r on host h(S + r), every link shaped at
+``--cluster-rate`` (default 25mbit), each host a CPU share of ``--cluster-cpus`` / (S + N)
+cores, pinned; no ``--bandwidth``. The hosts go by their addresses; the run's remote shell
+(``rsh.sh`` in its run directory) enters the namespace that holds the address. E.g.
+``--part cluster --sizes synthetic-1M --policies topk,core --iterations 20``.
+
 ``protocol``: ``bench_protocol.main()`` as it is (1 MB and 100 MB round trips vs a raw ZeroMQ
 echo, and the 1 MB delta-coded row); not duplicated here.
 
@@ -43,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -212,6 +222,50 @@ def measure(run_dir: Path, servers: int, warmup: int = WARMUP) -> dict:
             "code": config.get("provenance", {}).get("code_id")}
 
 
+NETNS = ROOT / "launch" / "netns.sh"
+NSRSH = ROOT / "launch" / "nsrsh.sh"
+CLUSTER_RATE = "25mbit"
+CLUSTER = "psbs"  # namespaces psbs-h0 .. psbs-h<N+S-1>, psbs-sw
+
+
+def cluster_config(cfg: dict, runs: Path, rate: str, iterations: int = ITERATIONS,
+                   cpus: str = "2", warmup: int = WARMUP) -> dict:
+    """One configuration on an emulated cluster (launch/netns.sh cluster, root): S + N hosts,
+    shard I on host hI, worker r on host h(S + r), every link shaped at ``rate``, each host a
+    CPU share of ``cpus`` / (S + N) cores pinned to one CPU; no --bandwidth pacing (the links
+    are real). The cluster is built for this run and taken down after it."""
+    n, s = cfg["workers"], cfg["servers"]
+    name = f"cluster-{rate}-{cfg['size']}-{cfg['policy']}-n{n}-s{s}"
+    run_dir = runs / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    subprocess.run(["bash", str(NETNS), "down", CLUSTER], capture_output=True)
+    try:
+        addrs = subprocess.run(["bash", str(NETNS), "cluster", CLUSTER, str(n + s), rate],
+                               capture_output=True, text=True, check=True,
+                               env={**os.environ, "PSNET_CPUS": cpus}).stdout.split()
+        # the hosts go by their addresses (workers reach shard I at --server-hosts' name), and
+        # this remote shell enters the namespace that holds the address
+        rsh = run_dir / "rsh.sh"
+        rsh.write_text("#!/bin/bash\nhost=$1; shift\n"
+                       f"exec bash {NSRSH} {CLUSTER}-h$(( ${{host##*.}} - 1 )) \"$@\"\n")
+        (run_dir / "hostfile").write_text("".join(f"{a} slots=1\n" for a in addrs[s:s + n]))
+        launch = [sys.executable, "-m", "psparse.launch", "--quiet", "--out", str(run_dir),
+                  "--hostfile", str(run_dir / "hostfile"), "--rsh", f"bash {rsh}",
+                  "--server-hosts", ",".join(addrs[:s]), "--server-host", addrs[0],
+                  "--port", "5555", *launch_args(cfg, iterations, None)]
+        t = time.time()
+        proc = subprocess.run(["bash", str(NSRSH), f"{CLUSTER}-h0",
+                               f"cd {ROOT} && exec " + " ".join(map(shlex.quote, launch))],
+                              cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {**cfg, "run": name, "failed": (proc.stderr or proc.stdout)[-400:]}
+        print(f"  {name}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        subprocess.run(["bash", str(NETNS), "down", CLUSTER], capture_output=True)
+    return {**cfg, "run": name, "rate": rate, "cpus": cpus, **measure(run_dir, s, warmup)}
+
+
 def grid_part(configs: list[dict], runs: Path, **kw) -> list:
     rows = []
     for i, cfg in enumerate(configs):
@@ -307,7 +361,10 @@ def exponent_table(rows: list) -> str:
                            "mean link ~ N^a", "ms/iter ~ N^a"])
 
 
-def figure(rows: list, path: Path = FIGURE) -> Path | None:
+def figure(rows: list, path: Path = FIGURE, cluster: list | None = None,
+           cluster_rate: str | None = None) -> Path | None:
+    """Busiest server link and ms/iteration against N: a row per model size of the loopback
+    grid, and one per model size of the emulated-cluster runs (``cluster``)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -315,13 +372,16 @@ def figure(rows: list, path: Path = FIGURE) -> Path | None:
     except ImportError:
         return None
     ok = [r for r in rows if "failed" not in r]
-    sizes = [s for s in SIZES if any(r["size"] == s for r in ok)]
-    if not sizes:
+    panels = [(s, ok, "loopback") for s in SIZES if any(r["size"] == s for r in ok)]
+    ok_cluster = [r for r in cluster or [] if "failed" not in r]
+    panels += [(s, ok_cluster, f"emulated cluster, {cluster_rate} links") for s in SIZES
+               if any(r["size"] == s for r in ok_cluster)]
+    if not panels:
         return None
-    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 4.2 * len(sizes)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 4.2 * len(panels)), squeeze=False)
     colors = {1: "tab:blue", 2: "tab:orange", 4: "tab:green"}
     styles = {"topk": "-", "core": "--", "core-private1": ":"}
-    for row, size in zip(axes, sizes):
+    for row, (size, ok, where) in zip(axes, panels):
         for policy in POLICIES:
             for s in SERVERS:
                 pts = sorted((r["workers"], r["server_max_b"], r["ms_per_iter"]) for r in ok
@@ -334,9 +394,10 @@ def figure(rows: list, path: Path = FIGURE) -> Path | None:
                 row[0].plot(n, [p[1] / 1e3 for p in pts], **kw)
                 row[1].plot(n, [p[2] for p in pts], **kw)
         numel = next(r["numel"] for r in ok if r["size"] == size)
-        row[0].set_title(f"{size} ({numel:,} parameters): busiest server link")
+        row[0].set_title(f"{size} ({numel:,} parameters), {where}: busiest server link",
+                         fontsize=9)
         row[0].set_ylabel("KB per iteration (up + broadcast)")
-        row[1].set_title(f"{size}: time per iteration")
+        row[1].set_title(f"{size}, {where}: time per iteration", fontsize=9)
         row[1].set_ylabel("ms per iteration")
         for ax in row:
             ax.set_xscale("log", base=2)
@@ -347,7 +408,7 @@ def figure(rows: list, path: Path = FIGURE) -> Path | None:
             ax.grid(alpha=0.3)
         row[1].legend(fontsize=7, ncol=3)
     fig.suptitle(f"psparse: bytes per server link and ms/iteration against N, S = 1, 2, 4 "
-                 f"(density {DENSITY}, loopback, --bandwidth {BANDWIDTH} per shard)",
+                 f"(density {DENSITY}; loopback: --bandwidth {BANDWIDTH} per shard)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -396,6 +457,12 @@ def report(results: dict) -> str:
                      + summary_table(results["grid"],
                                      results.get("grid_setup", {}).get("bandwidth", BANDWIDTH)))
         parts.append("Fitted exponents against N\n\n" + exponent_table(results["grid"]))
+    if results.get("cluster"):
+        setup = results.get("cluster_setup", {})
+        parts.append(f"Emulated cluster (launch/netns.sh: S + N hosts, links "
+                     f"{setup.get('rate')}, {setup.get('cpus')} cores shared by the hosts), "
+                     "one row per model, policy and N\n\n"
+                     + summary_table(results["cluster"], setup.get("rate")))
     return "\n\n".join(parts)
 
 
@@ -403,7 +470,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", default="all",
-                   choices=["all", "aggregation", "grid", "protocol", "overlap", "report"])
+                   choices=["all", "aggregation", "grid", "cluster", "protocol", "overlap",
+                            "report"])
     p.add_argument("--runs", default=str(ROOT / "runs" / "bench-scale"))
     p.add_argument("--results", default=str(RESULTS), help="JSON of the figures")
     p.add_argument("--sizes", default=",".join(SIZES))
@@ -413,6 +481,10 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=ITERATIONS)
     p.add_argument("--bandwidth", default=BANDWIDTH, help="per shard; 'none' for no pacing")
     p.add_argument("--figure", default=str(FIGURE))
+    p.add_argument("--cluster-rate", default=CLUSTER_RATE,
+                   help="--part cluster: every emulated link's rate (tc tbf)")
+    p.add_argument("--cluster-cpus", default="2",
+                   help="--part cluster: cores shared by the emulated hosts (PSNET_CPUS)")
     a = p.parse_args(argv)
     results_path = Path(a.results)
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -433,9 +505,27 @@ def main(argv=None) -> int:
         results["grid_setup"] = {"iterations": a.iterations, "bandwidth": bandwidth,
                                  "density": DENSITY, "warmup": WARMUP, "host": os.uname()[1]}
         results_path.write_text(json.dumps(results, indent=1))
-    if a.part in ("all", "grid", "aggregation", "report"):
+    if a.part == "cluster":  # root; not part of all (the grid's loopback runs are)
+        configs = plan({s: SIZES[s] for s in a.sizes.split(",")},
+                       {q: POLICIES[q] for q in a.policies.split(",")},
+                       tuple(int(n) for n in a.workers.split(",")),
+                       tuple(int(s) for s in a.servers.split(",")))
+        rows = []
+        for i, cfg in enumerate(configs):
+            print(f"[cluster {i + 1}/{len(configs)}] {cfg}", file=sys.stderr, flush=True)
+            rows.append(cluster_config(cfg, Path(a.runs), a.cluster_rate, a.iterations,
+                                       a.cluster_cpus))
+            key = lambda r: (r["size"], r["policy"], r["workers"], r["servers"])  # noqa: E731
+            results["cluster"] = [r for r in results.get("cluster", [])
+                                  if key(r) not in {key(x) for x in rows}] + rows
+            results["cluster_setup"] = {"iterations": a.iterations, "rate": a.cluster_rate,
+                                        "cpus": a.cluster_cpus, "warmup": WARMUP}
+            results_path.write_text(json.dumps(results, indent=1))
+    if a.part in ("all", "grid", "aggregation", "cluster", "report"):
         print(report(results))
-        if results.get("grid") and figure(results["grid"], Path(a.figure)):
+        if results.get("grid") and figure(results["grid"], Path(a.figure),
+                                          results.get("cluster"),
+                                          results.get("cluster_setup", {}).get("rate")):
             print(f"\nfigure: {a.figure}")
     if a.part in ("all", "protocol"):
         rc |= protocol_part()
