@@ -64,6 +64,12 @@ def test_config_flags_round_trip_through_the_worker_parser():
     from psparse.config import resolve_config
 
     assert resolve_config(args) == cfg
+    # model arguments repeat as --model-arg KEY=VALUE (they once went as one list repr)
+    cfg = RunConfig(model="synthetic", dataset="digits", workers=2, iterations=3,
+                    model_args=["numel=1M"]).validate()
+    flags = cluster.config_flags(cfg)
+    assert flags[flags.index("--model-arg") + 1] == "numel=1M"
+    assert resolve_config(build_parser().parse_args(["--rank", "0", *flags])) == cfg
 
 
 def _hostfile_run(tmp_path, hostfile_text, *extra):
