@@ -1,0 +1,183 @@
+"""Runs of a sweep side by side on one GPU machine, stopped at a time limit; what each reached.
+
+A device lease is minutes long and the machine starts bare, so this does not resume or reuse
+runs as ``experiments.run`` does: it starts every chosen run of the sweep at once (each its own
+launcher, server and workers, all sharing the GPU), with ``--device cuda --server-device cuda``
+added and ``--checkpoint-every`` dropped (a bare machine cannot resume them). At ``--seconds``
+it stops the runs still going (SIGINT: the launcher stops its processes and exits 130). It
+then writes to ``--out``:
+
+* ``gpu_sweep.md`` and ``gpu_sweep.json``: per run, the epochs and iterations reached, the last
+  and best test accuracy of the per-epoch evaluations, union/k, bytes per iteration over a dense
+  ring allreduce's (as in ``experiments.run``), training iterations per second, and whether it
+  finished or was stopped;
+* ``gpu_sweep-runs.tar.gz``: each run's directory (config, metrics, evaluations, summary, logs;
+  no checkpoints), to unpack under ``runs/`` for ``psparse-report``.
+
+Report what was reached: a stopped run's figures are those of its last evaluation, not a
+projection. Usually called through ``experiments/gpu_sweep.sh``, which readies a bare machine.
+
+    python -m experiments.gpu_sweep resnet20-cifar10-long --only dense,topk-d0.01 --seconds 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.run import SWEEPS, dense_allreduce_bytes
+
+CUDA = ["--device", "cuda", "--server-device", "cuda"]
+
+
+def drop_option(args: list[str], name: str) -> list[str]:
+    """args without ``name`` and its value."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
+    """One run's row from its run directory, whether it finished or was stopped."""
+    row = {"run": name, "seed": seed, "exit": exit_code, "dir": run_dir.name}
+    lines = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines()  # noqa: E731
+                       if x.strip()] if (run_dir / f).is_file() else []
+    metrics, evals = lines("metrics.jsonl"), lines("eval.jsonl")
+    config = json.loads((run_dir / "config.json").read_text()) \
+        if (run_dir / "config.json").is_file() else {}
+    row["finished"] = (run_dir / "summary.json").is_file() and exit_code == 0
+    row["code"] = config.get("provenance", {}).get("code_id")
+    if not metrics:
+        row["failed"] = "no iteration recorded (see the launcher log)"
+        return row
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").is_file() else {}
+    # the model's size: the summary's (written also by a stopped run's server), else from k
+    numel = summary.get("numel") or (None if metrics[0].get("dense") else
+                                     round(np.mean(metrics[0]["k"]) / config["density"]))
+    workers = metrics[0]["workers"]
+    row["iterations"] = len(metrics)
+    row["epochs"] = round(evals[-1]["epoch"], 2) if evals else None
+    row["test_acc"] = evals[-1]["test_acc"] if evals else None
+    row["best_acc"] = max(e["test_acc"] for e in evals) if evals else None
+    row["curve"] = [[e["epoch"], round(e["test_acc"], 4)] for e in evals]
+    train_s = metrics[-1]["time_s"]
+    row["iterations_per_s"] = round(len(metrics) / train_s, 2) if train_s else None
+    sent = np.mean([m.get("allreduce_bytes", m["upload_bytes"] + m["broadcast_bytes"])
+                    for m in metrics])
+    row["sent_bytes_per_iteration"] = float(sent)
+    if numel:
+        row["sent_over_allreduce"] = float(sent / dense_allreduce_bytes(workers, numel))
+    if not metrics[0].get("dense"):
+        row["union_k_mean"] = float(np.mean([m["union"] / m.get("budget", max(m["k"]))
+                                             for m in metrics]))
+    return row
+
+
+def ended(row: dict) -> str:
+    """finished, stopped (at the time limit: exit 130, or killed), or failed (exit status)."""
+    if row["finished"]:
+        return "finished"
+    return "stopped" if row["exit"] in (130, -9, -2) else f"failed (exit {row['exit']})"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.gpu_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", choices=sorted(SWEEPS))
+    p.add_argument("--only", required=True, help="comma-separated run names of the sweep")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds for every run (default 0)")
+    p.add_argument("--seconds", type=float, required=True,
+                   help="time limit for all runs together; runs still going are stopped then")
+    p.add_argument("--out", default=os.environ.get("OUT") or None,
+                   help="folder for the table and the runs' archive (default: $OUT, else "
+                        "runs/gpu-SWEEP)")
+    p.add_argument("--extra", default="", help="more psparse-launch arguments for every run "
+                                                "(one string, split on spaces)")
+    args = p.parse_args(argv)
+    sweep = SWEEPS[args.sweep]
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in sweep["runs"]]
+    if unknown:
+        p.error(f"unknown run(s) {unknown}; the sweep has {list(sweep['runs'])}")
+    out = Path(args.out or f"runs/gpu-{args.sweep}")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path("runs") / f"gpu-{args.sweep}"
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.seconds
+    procs = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name in names:
+            run_dir = work / f"{name}-s{seed}"
+            run_args = drop_option(sweep["base"] + sweep["runs"][name], "--checkpoint-every")
+            run_args = drop_option(drop_option(run_args, "--device"), "--server-device")
+            cmd = [sys.executable, "-m", "psparse.launch", "--out", str(run_dir), *run_args,
+                   *CUDA, *args.extra.split(), "--seed", str(seed)]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir / "launcher.log", "w")
+            print(f"[gpu-sweep] {name} seed {seed}: {' '.join(cmd[3:])}", flush=True)
+            procs[(name, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+                                   run_dir)
+    last_note = time.monotonic()
+    while any(proc.poll() is None for proc, _ in procs.values()) and time.monotonic() < deadline:
+        time.sleep(2)
+        if time.monotonic() - last_note >= 30:
+            last_note = time.monotonic()
+            state = []
+            for (name, seed), (proc, run_dir) in procs.items():
+                evals = (run_dir / "eval.jsonl").read_text().splitlines() \
+                    if (run_dir / "eval.jsonl").is_file() else []
+                e = json.loads(evals[-1]) if evals else None
+                state.append(f"{name}-s{seed} " + (f"epoch {e['epoch']:.0f} acc "
+                                                   f"{e['test_acc']:.2%}" if e else "starting")
+                             + ("" if proc.poll() is None else f" (exit {proc.returncode})"))
+            print(f"[gpu-sweep] {deadline - time.monotonic():.0f} s left: " + "; ".join(state),
+                  flush=True)
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    rows = [reached(run_dir, name, seed, proc.returncode)
+            for (name, seed), (proc, run_dir) in procs.items()]
+    (out / "gpu_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| run | seed | ended | epochs (last evaluation) | iterations | test acc % | best % | union/k | "
+             "sent / allreduce % | it/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    for r in rows:
+        union = f"{r['union_k_mean']:.2f}" if "union_k_mean" in r else "—"
+        lines.append(f"| {r['run']} | {r['seed']} | {ended(r)}"
+                     f" | {r.get('epochs')} | {r.get('iterations')} | {pct(r.get('test_acc'))} "
+                     f"| {pct(r.get('best_acc'))} | {union} | "
+                     f"{pct(r.get('sent_over_allreduce'))} | {r.get('iterations_per_s')} |")
+    text = "\n".join(lines)
+    (out / "gpu_sweep.md").write_text(text + "\n")
+    with tarfile.open(out / "gpu_sweep-runs.tar.gz", "w:gz") as tar:
+        for _, run_dir in procs.values():
+            tar.add(run_dir, arcname=run_dir.name,
+                    filter=lambda info: None if "checkpoint" in info.name else info)
+    print(text)
+    return 0 if all(r.get("iterations") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
