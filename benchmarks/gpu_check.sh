@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]          # on the GPU machine (< 9 minutes)
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh   # CPU mode: the same steps with --device cpu
+#   GPU_CHECK_BUDGET=400 bash benchmarks/gpu_check.sh  # a shorter budget (default 510 s)
 #
 # It uses the machine's own python3 (PYTHON=... to choose another): torch, CuPy, numpy,
 # msgpack and pytest must be there. What a bare GPU machine lacks travels in the folder

@@ -68,8 +68,7 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text()) \
         if (run_dir / "summary.json").is_file() else {}
     # the model's size: the summary's (written also by a stopped run's server), else from k
-    numel = summary.get("numel") or (None if metrics[0].get("dense") else
-                                     round(np.mean(metrics[0]["k"]) / config["density"]))
+    numel = summary.get("numel") or round(np.mean(metrics[-1]["k"]) / config["density"])
     workers = metrics[0]["workers"]
     row["iterations"] = len(metrics)
     row["epochs"] = round(evals[-1]["epoch"], 2) if evals else None
@@ -83,7 +82,7 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     row["sent_bytes_per_iteration"] = float(sent)
     if numel:
         row["sent_over_allreduce"] = float(sent / dense_allreduce_bytes(workers, numel))
-    if not metrics[0].get("dense"):
+    if config.get("density", 1) < 1:  # as experiments.run: over every round, warm-up included
         row["union_k_mean"] = float(np.mean([m["union"] / m.get("budget", max(m["k"]))
                                              for m in metrics]))
     return row
@@ -96,21 +95,63 @@ def ended(row: dict) -> str:
     return "stopped" if row["exit"] in (130, -9, -2) else f"failed (exit {row['exit']})"
 
 
+def write_table(rows: list[dict], out: Path) -> str:
+    """gpu_sweep.json and gpu_sweep.md in ``out``; the markdown table."""
+    (out / "gpu_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| run | seed | ended | epochs (last evaluation) | iterations | test acc % | best % "
+             "| union/k | sent / allreduce % | it/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    for r in rows:
+        union = f"{r['union_k_mean']:.2f}" if "union_k_mean" in r else "—"
+        lines.append(f"| {r['run']} | {r['seed']} | {ended(r)}"
+                     f" | {r.get('epochs')} | {r.get('iterations')} | {pct(r.get('test_acc'))} "
+                     f"| {pct(r.get('best_acc'))} | {union} | "
+                     f"{pct(r.get('sent_over_allreduce'))} | {r.get('iterations_per_s')} |")
+    text = "\n".join(lines)
+    (out / "gpu_sweep.md").write_text(text + "\n")
+    return text
+
+
+def report(runs: Path, out: Path) -> str:
+    """The table again from unpacked run directories (gpu_sweep-runs.tar.gz), after a fix to
+    how rows are read: the exit status is read back from each summary (a stopped run's says
+    'terminated by signal')."""
+    rows = []
+    for run_dir in sorted(d for d in runs.iterdir() if (d / "config.json").is_file()):
+        summary = json.loads((run_dir / "summary.json").read_text()) \
+            if (run_dir / "summary.json").is_file() else {}
+        code = 0 if summary.get("status") == "ok" else \
+            130 if "signal" in str(summary.get("error")) else 1
+        name, _, seed = run_dir.name.rpartition("-s")
+        rows.append(reached(run_dir, name, int(seed), code))
+    return write_table(rows, out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", choices=sorted(SWEEPS))
-    p.add_argument("--only", required=True, help="comma-separated run names of the sweep")
+    p.add_argument("--only", default="", help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds for every run (default 0)")
-    p.add_argument("--seconds", type=float, required=True,
+    p.add_argument("--seconds", type=float, default=None,
                    help="time limit for all runs together; runs still going are stopped then")
     p.add_argument("--out", default=os.environ.get("OUT") or None,
                    help="folder for the table and the runs' archive (default: $OUT, else "
                         "runs/gpu-SWEEP)")
     p.add_argument("--extra", default="", help="more psparse-launch arguments for every run "
                                                 "(one string, split on spaces)")
+    p.add_argument("--report", metavar="RUNS", default=None,
+                   help="run nothing: write the table again from RUNS, a folder of unpacked run "
+                        "directories (gpu_sweep-runs.tar.gz), into --out")
     args = p.parse_args(argv)
+    if args.report:
+        out = Path(args.out or args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        print(report(Path(args.report), out))
+        return 0
     sweep = SWEEPS[args.sweep]
+    if not args.only or args.seconds is None:
+        p.error("--only and --seconds are needed (unless --report)")
     names = args.only.split(",")
     unknown = [n for n in names if n not in sweep["runs"]]
     if unknown:
@@ -159,18 +200,7 @@ def main(argv=None) -> int:
             proc.wait()
     rows = [reached(run_dir, name, seed, proc.returncode)
             for (name, seed), (proc, run_dir) in procs.items()]
-    (out / "gpu_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| run | seed | ended | epochs (last evaluation) | iterations | test acc % | best % | union/k | "
-             "sent / allreduce % | it/s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda v: "—" if v is None else f"{100 * v:.2f}"  # noqa: E731
-    for r in rows:
-        union = f"{r['union_k_mean']:.2f}" if "union_k_mean" in r else "—"
-        lines.append(f"| {r['run']} | {r['seed']} | {ended(r)}"
-                     f" | {r.get('epochs')} | {r.get('iterations')} | {pct(r.get('test_acc'))} "
-                     f"| {pct(r.get('best_acc'))} | {union} | "
-                     f"{pct(r.get('sent_over_allreduce'))} | {r.get('iterations_per_s')} |")
-    text = "\n".join(lines)
-    (out / "gpu_sweep.md").write_text(text + "\n")
+    text = write_table(rows, out)
     with tarfile.open(out / "gpu_sweep-runs.tar.gz", "w:gz") as tar:
         for _, run_dir in procs.values():
             tar.add(run_dir, arcname=run_dir.name,

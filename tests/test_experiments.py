@@ -308,3 +308,47 @@ def test_scaling_and_low_density_runs_parse_and_validate():
         cfg = resolve_config(build_parser().parse_args(["--out", "x", *args]))
         build_policy(cfg.policy, cfg.policy_args, Layout([1000]), 10, world_size=cfg.workers)
     assert set(scaling.ACCURACY_POLICIES) <= set(scaling.POLICIES)
+
+
+def test_gpu_sweep_runs_side_by_side_and_reports_what_each_reached(tmp_path, monkeypatch,
+                                                                   capsys):
+    """experiments.gpu_sweep on real processes (--device cpu standing in for cuda): one run
+    finishes, one is stopped at the time limit and reported as reached, the archive holds both
+    run directories, and --report rebuilds the same table from the unpacked archive."""
+    import json
+    import tarfile
+
+    from experiments import gpu_sweep, run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(run.SWEEPS, "tiny", {
+        "base": ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--eval-every", "10",
+                 "--threads", "1", "--checkpoint-every", "5"],
+        "runs": {"short": ["--density", "0.05", "--iterations", "20"],
+                 "long": ["--density", "0.05", "--iterations", "1000000"]},
+    })
+    out = tmp_path / "out"
+    code = gpu_sweep.main(["tiny", "--only", "short,long", "--seconds", "25", "--out", str(out),
+                           "--extra", "--device cpu --server-device cpu"])
+    assert code == 0
+    rows = {r["run"]: r for r in json.loads((out / "gpu_sweep.json").read_text())}
+    assert rows["short"]["finished"] and rows["short"]["iterations"] == 20
+    assert rows["short"]["epochs"] is not None and len(rows["short"]["curve"]) == 2
+    assert not rows["long"]["finished"] and rows["long"]["exit"] == 130
+    assert 0 < rows["long"]["iterations"] < 1_000_000 and rows["long"]["curve"]
+    assert rows["long"]["union_k_mean"] >= 1.0 and 0 < rows["long"]["sent_over_allreduce"] < 1
+    table = (out / "gpu_sweep.md").read_text()
+    assert "| short | 0 | finished |" in table and "| long | 0 | stopped |" in table
+    # --checkpoint-every is dropped (a bare machine cannot resume), so nothing to leave out
+    config = json.loads((tmp_path / "runs/gpu-tiny/long-s0/config.json").read_text())
+    assert config["checkpoint_every"] == 0 and config["device"] == "cpu"
+    with tarfile.open(out / "gpu_sweep-runs.tar.gz") as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    assert "short-s0/metrics.jsonl" in names and "long-s0/eval.jsonl" in names
+    assert gpu_sweep.main(["tiny", "--report", str(tmp_path / "unpacked"), "--out",
+                           str(tmp_path / "again")]) == 0
+    again = {r["run"]: r for r in json.loads((tmp_path / "again/gpu_sweep.json").read_text())}
+    for name in ("short", "long"):
+        assert {k: v for k, v in again[name].items() if k != "exit"} == \
+            {k: v for k, v in rows[name].items() if k != "exit"}
