@@ -242,6 +242,26 @@ SWEEPS: dict[str, dict] = {
 INTERRUPTED = 130
 
 
+def run_paths(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None):
+    """(run directory, psparse-launch command, identity) of one run of a sweep. The run's
+    identity is its arguments, not where the checkout lives (sweeps are often run from a
+    separate worktree so that editing the code does not change a running sweep)."""
+    out = ROOT / "runs" / sweep / f"{name}-s{seed}"
+    cmd = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet", *args,
+           "--seed", str(seed)]
+    if data_dir:
+        cmd += ["--data-dir", data_dir]
+    return out, cmd, cmd[6:]
+
+
+def finished(out: Path, identity: list[str]) -> bool:
+    """Whether the run in ``out`` was finished with these arguments (summary.json, and
+    command.json equal to them)."""
+    command = out / "command.json"
+    return (out / "summary.json").is_file() and command.is_file() and \
+        json.loads(command.read_text()) == identity
+
+
 def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None,
             target: float, progress: bool = False, label: str = "") -> dict:
     """One run of a sweep: reused when finished, resumed from its newest checkpoint when it
@@ -254,21 +274,14 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     and every worker saved (``--checkpoint-every``) is continued with ``psparse-launch
     --resume``; without a checkpoint it starts over. A launcher that was interrupted or killed
     stops the sweep (SystemExit) without writing command.json, so the next call resumes it."""
-    out = ROOT / "runs" / sweep / f"{name}-s{seed}"
-    cmd = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet", *args,
-           "--seed", str(seed)]
-    if data_dir:
-        cmd += ["--data-dir", data_dir]
+    out, cmd, identity = run_paths(sweep, name, args, seed, data_dir)
     summary_path = out / "summary.json"
-    # The run's identity is its arguments, not where the checkout lives (sweeps are often run
-    # from a separate worktree so that editing the code does not change a running sweep).
-    identity = cmd[6:]
 
     def same(file: str) -> bool:
         path = out / file
         return path.is_file() and json.loads(path.read_text()) == identity
 
-    done = summary_path.is_file() and same("command.json")
+    done = finished(out, identity)
     if not done:
         t = time.perf_counter()
         saved = None
@@ -315,6 +328,11 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
     workers, numel = summary["world_size"], summary["numel"]
     row = {"run": name, "seed": seed, "test_acc": summary["test_acc"],
            "best_acc": max(e["test_acc"] for e in evals),
+           # the first evaluation within 1 point of the best: how long the run took to get
+           # (about) as far as it got
+           "epochs_to_near_best": next(e.get("epoch") for e in evals
+                                       if e["test_acc"] >= max(x["test_acc"] for x in evals)
+                                       - 0.01),
            "broadcast_mb": summary["broadcast_mb"], "upload_mb": summary["upload_mb"],
            "iterations_per_s": summary["iterations_per_s"],
            "ms_per_iteration": 1000 * summary["wall_s"] / summary["iterations"],
@@ -372,13 +390,13 @@ def table(rows: list[dict]) -> str:
     target = next((r["target_acc"] for r in rows if "target_acc" in r), 0.98)
     lines = ["| run | seeds | final acc % (± sample SD) | best acc % | union/k mean | "
              "union/k p95 | broadcast MB | upload MB | up + bcast, % of allreduce | mean k | "
-             f"ms/iter | s to {100 * target:g}% |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"ms/iter | s to {100 * target:g}% | epochs to best − 1 pt |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in by_run.items():
         failed = [r for r in rs if "failed" in r]
         if failed:
             lines.append(f"| {name} | {len(rs)} | failed: {failed[0]['failed'][:90]} | | | | | "
-                         "| | | | |")
+                         "| | | | | |")
             continue
         acc = np.array([r["test_acc"] for r in rs]) * 100
         accs = f"{acc.mean():.2f}" + (f" ± {acc.std(ddof=1):.2f}" if len(rs) > 1 else "")
@@ -386,13 +404,16 @@ def table(rows: list[dict]) -> str:
         reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
         to_target = (f"{np.mean(reached):.0f}" if len(reached) == len(rs) else
                      f"not reached ({len(rs) - len(reached)} of {len(rs)})")
-        # rows made before the column existed do not have it
+        # rows made before these columns existed do not have them
+        epochs = [r.get("epochs_to_near_best") for r in rs]
+        near_best = f"{np.mean(epochs):.1f}" if None not in epochs else "—"
         ratio = f"{100 * mean('sent_over_allreduce'):.2f}" \
             if all("sent_over_allreduce" in r for r in rs) else "—"
         lines.append(f"| {name} | {len(rs)} | {accs} | {100 * mean('best_acc'):.2f} | "
                      f"{mean('union_k_mean'):.2f} | {mean('union_k_p95'):.2f} | "
                      f"{mean('broadcast_mb'):.1f} | {mean('upload_mb'):.1f} | {ratio} | "
-                     f"{mean('k_mean'):.0f} | {mean('ms_per_iteration'):.1f} | {to_target} |")
+                     f"{mean('k_mean'):.0f} | {mean('ms_per_iteration'):.1f} | {to_target} | "
+                     f"{near_best} |")
     return "\n".join(lines) + "\n\n" + ALLREDUCE_DEFINITION + "\n\n" + made_by(rows)
 
 
@@ -420,6 +441,9 @@ def main(argv=None) -> int:
                    help="name of the results files (default: the sweep, plus the --only runs)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the psparse-launch arguments of every run and stop")
+    p.add_argument("--report", action="store_true",
+                   help="start no run: the table and figures of the runs already finished "
+                        "(while the sweep goes on elsewhere), naming those that are not")
     args = p.parse_args(argv)
     sweep = SWEEPS[args.sweep]
     names = args.only.split(",") if args.only else list(sweep["runs"])
@@ -438,6 +462,13 @@ def main(argv=None) -> int:
             print(f"{name} (seeds {','.join(map(str, seeds[name]))}): psparse-launch "
                   f"{' '.join(sweep['base'] + sweep['runs'][name])}")
         return 0
+    if args.report:
+        pending = [f"{name}-s{seed}" for name, seed in plan if not finished(*run_paths(
+            args.sweep, name, sweep["base"] + sweep["runs"][name], seed, args.data_dir)[::2])]
+        plan = [(name, seed) for name, seed in plan if f"{name}-s{seed}" not in pending]
+        if not plan:
+            print(f"[{args.sweep}] no run is finished yet")
+            return 1
     rows = []
     for i, (name, seed) in enumerate(plan):
         rows.append(run_one(args.sweep, name, sweep["base"] + sweep["runs"][name], seed,
@@ -448,6 +479,8 @@ def main(argv=None) -> int:
     stem = args.stem or (args.sweep if not args.only else f"{args.sweep}-{'-'.join(names)}")
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     text = table(rows)
+    if args.report and pending:
+        text += f"\n\nNot finished yet ({len(pending)}): {', '.join(pending)}."
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(text)
     for path in figures.build(args.sweep, stem, rows):

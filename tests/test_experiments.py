@@ -71,6 +71,17 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in drawn)
     assert run.main(["time-to-accuracy"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out  # reused
+    # --report: the finished runs' table, a run not made yet named and not started
+    run.SWEEPS["time-to-accuracy"]["runs"]["topk-d0.1"] = ["--density", "0.1"]
+    assert run.main(["time-to-accuracy", "--report", "--stem", "report"]) == 0
+    assert "seed 0 ..." not in capsys.readouterr().out
+    report = (tmp_path / "results" / "report.md").read_text()
+    assert "| dense | 1 |" in report and "| topk-d0.05 | 1 |" in report
+    assert "Not finished yet (1): topk-d0.1-s0." in report
+    assert not (tmp_path / "runs" / "time-to-accuracy" / "topk-d0.1-s0").exists()
+    assert "epochs to best − 1 pt" in report
+    assert all(r["epochs_to_near_best"] is not None for r in json.loads(
+        (tmp_path / "results" / "report.json").read_text()))
 
 
 def test_cluster_sweep_runs_parse_and_name_the_peers():
