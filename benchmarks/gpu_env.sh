@@ -18,13 +18,13 @@ EOF
     if [ -n "$need" ]; then
         # shellcheck disable=SC2086
         "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --target "$site" $need || { echo "gpu setup: installing $need failed"; exit 1; }
+            --target "$site" $need || { echo "gpu setup: installing $need failed"; return 1 2>/dev/null || exit 1; }
         export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
     fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d "$BUNDLE/data" ]; then
-    export PSPARSE_DATA=$PWD/$BUNDLE/data
+    export PSPARSE_DATA=$(cd "$BUNDLE/data" && pwd)
 fi
 export PSPARSE_DATA=${PSPARSE_DATA:-$PWD/data}
 # decoded CIFAR-10 goes to a cache folder of its own, never into the read-only bundle
@@ -33,5 +33,5 @@ export PSPARSE_CACHE=${PSPARSE_CACHE:-${HOME:-/tmp}/.cache/psparse}
 if ! "$PYTHON" -c "import torch, numpy, msgpack, zmq" 2>/dev/null; then
     echo "gpu setup: $PYTHON lacks torch, numpy, msgpack or pyzmq; on a GPU machine without"
     echo "network copy gpu-bundle/ along (make gpu-bundle) -- see benchmarks/README.md"
-    exit 1
+    return 1 2>/dev/null || exit 1
 fi

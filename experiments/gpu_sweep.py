@@ -4,8 +4,8 @@ A device lease is minutes long and the machine starts bare, so this does not res
 runs as ``experiments.run`` does: it starts every chosen run of the sweep at once (each its own
 launcher, server and workers, all sharing the GPU), with ``--device cuda --server-device cuda``
 added and ``--checkpoint-every`` dropped (a bare machine cannot resume them). At ``--seconds``
-it stops the runs still going (SIGINT: the launcher stops its processes and exits 130). It
-then writes to ``--out``:
+it stops the runs still going (SIGINT: the launcher stops its processes and exits 130; those
+not stopped within 30 s in all are killed). It then writes to ``--out``:
 
 * ``gpu_sweep.md`` and ``gpu_sweep.json``: per run, the epochs and iterations reached, the last
   and best test accuracy of the per-epoch evaluations, union/k, bytes per iteration over a dense
@@ -13,6 +13,10 @@ then writes to ``--out``:
   finished or was stopped;
 * ``gpu_sweep-runs.tar.gz``: each run's directory (config, metrics, evaluations, summary, logs;
   no checkpoints), to unpack under ``runs/`` for ``psparse-report``.
+
+Run directories are ``runs/gpu-SWEEP/RUN-sSEED`` (emptied before each start). Exits 1 if a run
+failed or recorded no iteration. ``--report DIR`` (no sweep needed) writes the table again from
+unpacked run directories.
 
 Report what was reached: a stopped run's figures are those of its last evaluation, not a
 projection. Usually called through ``experiments/gpu_sweep.sh``, which readies a bare machine.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +42,8 @@ import numpy as np
 from experiments.run import SWEEPS, dense_allreduce_bytes
 
 CUDA = ["--device", "cuda", "--server-device", "cuda"]
+STOPPED = (130, -signal.SIGKILL, -signal.SIGINT)  # exit statuses of a run stopped at the limit
+STOP_GRACE_S = 30  # how long the stopped launchers get, all together, to stop their processes
 
 
 def drop_option(args: list[str], name: str) -> list[str]:
@@ -89,10 +96,13 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
 
 
 def ended(row: dict) -> str:
-    """finished, stopped (at the time limit: exit 130, or killed), or failed (exit status)."""
+    """finished, stopped (at the time limit: exit 130, or killed), failed (exit status), or
+    unknown (read back by --report from a run that left no summary)."""
     if row["finished"]:
         return "finished"
-    return "stopped" if row["exit"] in (130, -9, -2) else f"failed (exit {row['exit']})"
+    if row["exit"] is None:
+        return "ended without a summary"
+    return "stopped" if row["exit"] in STOPPED else f"failed (exit {row['exit']})"
 
 
 def write_table(rows: list[dict], out: Path) -> str:
@@ -118,11 +128,13 @@ def report(runs: Path, out: Path) -> str:
     'terminated by signal')."""
     rows = []
     for run_dir in sorted(d for d in runs.iterdir() if (d / "config.json").is_file()):
-        summary = json.loads((run_dir / "summary.json").read_text()) \
-            if (run_dir / "summary.json").is_file() else {}
-        code = 0 if summary.get("status") == "ok" else \
-            130 if "signal" in str(summary.get("error")) else 1
         name, _, seed = run_dir.name.rpartition("-s")
+        if not (name and seed.isdigit()):
+            continue  # not a run directory of a sweep (NAME-sSEED)
+        summary = json.loads((run_dir / "summary.json").read_text()) \
+            if (run_dir / "summary.json").is_file() else None
+        code = None if summary is None else 0 if summary.get("status") == "ok" else \
+            130 if "signal" in str(summary.get("error")) else 1
         rows.append(reached(run_dir, name, int(seed), code))
     return write_table(rows, out)
 
@@ -130,7 +142,8 @@ def report(runs: Path, out: Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", choices=sorted(SWEEPS))
+    p.add_argument("sweep", nargs="?", choices=sorted(SWEEPS),
+                   help="the sweep (experiments/run.py) whose runs to start; not with --report")
     p.add_argument("--only", default="", help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds for every run (default 0)")
     p.add_argument("--seconds", type=float, default=None,
@@ -149,9 +162,9 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         print(report(Path(args.report), out))
         return 0
+    if args.sweep is None or not args.only or args.seconds is None:
+        p.error("a sweep, --only and --seconds are needed (unless --report)")
     sweep = SWEEPS[args.sweep]
-    if not args.only or args.seconds is None:
-        p.error("--only and --seconds are needed (unless --report)")
     names = args.only.split(",")
     unknown = [n for n in names if n not in sweep["runs"]]
     if unknown:
@@ -169,7 +182,8 @@ def main(argv=None) -> int:
             run_args = drop_option(drop_option(run_args, "--device"), "--server-device")
             cmd = [sys.executable, "-m", "psparse.launch", "--out", str(run_dir), *run_args,
                    *CUDA, *args.extra.split(), "--seed", str(seed)]
-            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(run_dir, ignore_errors=True)  # never resumed: no stale files
+            run_dir.mkdir(parents=True)
             log = open(run_dir / "launcher.log", "w")
             print(f"[gpu-sweep] {name} seed {seed}: {' '.join(cmd[3:])}", flush=True)
             procs[(name, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
@@ -192,9 +206,10 @@ def main(argv=None) -> int:
     for proc, _ in procs.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+    stop_by = time.monotonic() + STOP_GRACE_S
     for proc, _ in procs.values():
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=max(0.1, stop_by - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -206,7 +221,9 @@ def main(argv=None) -> int:
             tar.add(run_dir, arcname=run_dir.name,
                     filter=lambda info: None if "checkpoint" in info.name else info)
     print(text)
-    return 0 if all(r.get("iterations") for r in rows) else 1
+    # 1 when a run failed, or recorded no iteration: a stopped run is what the limit is for
+    return 0 if all(r.get("iterations") and not ended(r).startswith("failed")
+                    for r in rows) else 1
 
 
 if __name__ == "__main__":
