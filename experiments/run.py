@@ -197,6 +197,23 @@ SWEEPS: dict[str, dict] = {
         "target": 0.6,
         "progress": True,  # ~10 min per run: show the launcher's progress line
     },
+    # issue 16, item 3 on CIFAR-10: the trade-off between union/k and accuracy at density 0.1%
+    # (k = 62 of LeNet-5's 62,006), with cifar-lenet's settings. vote's union is keep x k
+    # exactly, so keep = 2 is the issue's bound; core with a 4x larger own slice (union/k 4.1 on
+    # MNIST) between it and top-k (7.4). cifar-lenet has keep = 1.5 and top-k, on 3 seeds.
+    "cifar-lenet-low": {
+        "base": ["--workers", "8", "--model", "lenet", "--dataset", "cifar10", "--batch-size",
+                 "32", "--lr", "0.05", "--lr-steps", "20,27", "--momentum", "0.9",
+                 "--weight-decay", "5e-4", "--epochs", "30", "--eval-every", "195",
+                 "--checkpoint-every", "195", "--density", "0.001"],
+        "runs": {
+            "vote-keep2-d0.001": ["--policy", "vote", "--policy-arg", "keep=2"],
+            "vote-keep3-d0.001": ["--policy", "vote", "--policy-arg", "keep=3"],
+            "core-own0.5-d0.001": ["--policy", "core", "--policy-arg", "own=0.5"],
+        },
+        "target": 0.5,
+        "progress": True,
+    },
     # issue 6 / thesis section 6.2: are large gradient entries few, and do they recur on the
     # same indices over short periods? One epoch of top-k, every worker recording its top-k.
     "locality": {
