@@ -6,7 +6,8 @@ For n in {1M, 11.2M, 25M, 100M} floats and densities {0.1%, 1%} on one CUDA devi
 * ``torch.topk(x.abs(), k)`` on the same memory (through DLPack, no copy);
 * one device-to-device copy of n floats (how many "memory passes" selection costs).
 
-Each is the median of CUDA-event timings. Targets (issue 5): at 25M / 0.1%, >= 3x faster than
+Each is the median of CUDA-event timings. Then, at 1M and 25M (1M on the host) and 0.1%, the
+time of each stage of our selection alone (``breakdown``). Targets (issue 5): at 25M / 0.1%, >= 3x faster than
 torch.topk and within 3 copy passes. Every selection is checked against torch's set first.
 Without a CUDA device (and CuPy) it says so and exits 0. ``--device cpu`` measures the same three
 on the host (numpy, wall-clock medians): the CPU mode of benchmarks/gpu_check.sh.
@@ -88,6 +89,42 @@ def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
     return rows, figures, ok
 
 
+BREAKDOWN_SIZES = [1_000_000, 25_000_000]
+
+
+def breakdown(xp, n: int, density: float, repeats: int) -> list:
+    """Where one selection's time goes, stage by stage as ``kernels.select`` runs them (each
+    timed alone, so the stages' sum can exceed the whole a little): the strided sample's
+    magnitudes, the sampled threshold (a partition of the sample, read back to the host), the
+    compaction pass (its hit counter read back), the trim to k; and, as a yardstick, one
+    launch of the smallest kernel. The GPU path's fixed cost (~0.7 ms on an H200 up to 25M)
+    was read from the code only; this measures it."""
+    if xp is np:
+        def timer(fn):  # noqa: E306
+            return 1e3 * median_time(fn, repeats, warmup=2)
+        compact = kernels.compact_numpy
+        rng = np.random.default_rng(1)
+    else:
+        def timer(fn):  # noqa: E306
+            return cuda_median_ms(xp, fn, repeats)
+        compact = kernels.compact_cupy
+        rng = xp.random.default_rng(1)
+    x = rng.standard_normal(n, dtype=xp.float32) * rng.standard_normal(n, dtype=xp.float32) ** 3
+    k = max(1, int(round(density * n)))
+    sample = xp.abs(x[::kernels.SAMPLE_STRIDE])
+    threshold = kernels.sample_threshold(sample, k, n)
+    idx, val, _ = compact(x, threshold, 2 * k + 1024)
+    tiny = xp.ones(1, xp.float32)
+    stages = [("sample |x|", lambda: xp.abs(x[::kernels.SAMPLE_STRIDE])),
+              ("threshold (read back)", lambda: kernels.sample_threshold(sample, k, n)),
+              ("compaction (count read back)", lambda: compact(x, threshold, 2 * k + 1024)),
+              ("trim to k", lambda: kernels.trim(idx, val, k)),
+              ("whole selection", lambda: kernels.select_any(x, k)),
+              ("one smallest launch", lambda: xp.abs(tiny))]
+    return [{"n": n, "density": density, "stage": name, "ms": round(timer(fn), 4)}
+            for name, fn in stages]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,9 +157,16 @@ def main(argv=None) -> int:
     print(table(rows, ["n", "density", "k", "copy ms", "ours ms", "torch.topk ms",
                        "ours/copy", "speedup vs topk", "same set"]))
     print("targets: at 25M / 0.1%: speedup >= 3x, ours/copy <= 3")
+    stages = []
+    for n in BREAKDOWN_SIZES if args.device == "cuda" else BREAKDOWN_SIZES[:1]:
+        stages += breakdown(xp, n, 0.001, args.repeats)
+    print("\nwhere the time goes (density 0.1%; each stage timed alone, medians):")
+    print(table([[f"{s['n'] / 1e6:g}M", s["stage"], f"{s['ms']:.4f}"] for s in stages],
+                ["n", "stage", "ms"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "rows": figures,
-                                               "all_sets_right": ok}, indent=1))
+                                               "stages": stages, "all_sets_right": ok},
+                                              indent=1))
     return 0 if ok else 1
 
 
