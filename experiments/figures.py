@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
 
@@ -221,11 +223,49 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
                 written.append(curves(
                     runs, RESULTS / f"{stem}-d{density}-{what}.png", x,
                     f"LeNet-5 / CIFAR-10, 8 workers, density {label}: test accuracy", target))
+    elif sweep == "cifar-lenet-low":
+        # with cifar-lenet's 0.1% rows (top-k, vote keep=1.5, core), from its table if written
+        base = next((RESULTS / f"{name}.json" for name in ("cifar-lenet", "cifar-lenet-partial")
+                     if (RESULTS / f"{name}.json").is_file()), None)
+        more = [r for r in json.loads(base.read_text()) if r["run"].endswith("-d0.001")] \
+            if base else []
+        written.append(low_density_tradeoff(more + rows, RESULTS / f"{stem}-tradeoff.png"))
     elif sweep.startswith("resnet20-cifar10"):
         runs = [(n, r["dir"]) for n, r in ok.items()]
         written.append(curves(runs, RESULTS / f"{stem}-accuracy.png", "iter",
                               "ResNet-20 / CIFAR-10, 8 workers: test accuracy", target))
     return written
+
+
+def low_density_tradeoff(rows: list[dict], path: Path) -> Path:
+    """Final test accuracy against bytes moved (% of a dense allreduce's, log scale), one point
+    per run (mean over its seeds, bars: the seeds' range), labelled with the run and its
+    union/k: the CIFAR-10 trade-off at density 0.1% (issue 16, item 3)."""
+    plt = _plt()
+    by_run: dict[str, list[dict]] = {}
+    for r in rows:
+        if "failed" not in r:
+            by_run.setdefault(r["run"], []).append(r)
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    for i, (name, rs) in enumerate(by_run.items()):
+        acc = np.array([100 * r["test_acc"] for r in rs])
+        sent = 100 * np.mean([r["sent_over_allreduce"] for r in rs])
+        ax.errorbar(sent, acc.mean(), yerr=[[acc.mean() - acc.min()], [acc.max() - acc.mean()]],
+                    fmt="o", color=f"C{i % 10}", capsize=3)
+        ax.annotate(f"{name} (union/k {np.mean([r['union_k_mean'] for r in rs]):.2f}"
+                    f"{', ' + str(len(rs)) + ' seeds' if len(rs) > 1 else ''})",
+                    (sent, acc.mean()), textcoords="offset points", xytext=(6, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes pushed + broadcast, % of a dense ring allreduce's")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_title("LeNet-5 / CIFAR-10, 8 workers, density 0.1% unless named (chance 10%)",
+                 fontsize=10)
+    ax.margins(x=0.35, y=0.1)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
