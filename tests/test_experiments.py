@@ -69,6 +69,8 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert sorted(p.name for p in drawn) == sorted(
         f"cl-d{d}-{x}.png" for d in ("0.01", "0.001") for x in ("iterations", "broadcast"))
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in drawn)
+    tradeoff = figures.low_density_tradeoff(named, tmp_path / "tradeoff.png")
+    assert tradeoff.read_bytes()[:4] == b"\x89PNG"
     assert run.main(["time-to-accuracy"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out  # reused
     # --report: the finished runs' table, a run not made yet named and not started
