@@ -347,7 +347,8 @@ def test_gpu_sweep_runs_side_by_side_and_reports_what_each_reached(tmp_path, mon
     rows = {r["run"]: r for r in json.loads((out / "gpu_sweep.json").read_text())}
     assert rows["short"]["finished"] and rows["short"]["iterations"] == 20
     assert rows["short"]["epochs"] is not None and len(rows["short"]["curve"]) == 2
-    assert not rows["long"]["finished"] and rows["long"]["exit"] == 130
+    # stopped by SIGINT (130), or killed when its launcher outlasted the grace on a busy machine
+    assert not rows["long"]["finished"] and rows["long"]["exit"] in gpu_sweep.STOPPED
     assert 0 < rows["long"]["iterations"] < 1_000_000 and rows["long"]["curve"]
     assert rows["long"]["union_k_mean"] >= 1.0 and 0 < rows["long"]["sent_over_allreduce"] < 1
     table = (out / "gpu_sweep.md").read_text()
