@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.run import SWEEPS, dense_allreduce_bytes
+from experiments.run import SWEEPS, dense_allreduce_bytes, sent_per_iteration, union_over_k
 
 CUDA = ["--device", "cuda", "--server-device", "cuda"]
 STOPPED = (130, -signal.SIGKILL, -signal.SIGINT)  # exit statuses of a run stopped at the limit
@@ -67,13 +67,14 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     metrics, evals = lines("metrics.jsonl"), lines("eval.jsonl")
     config = json.loads((run_dir / "config.json").read_text()) \
         if (run_dir / "config.json").is_file() else {}
-    row["finished"] = (run_dir / "summary.json").is_file() and exit_code == 0
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").is_file() else None
+    row["finished"] = summary is not None and exit_code == 0
     row["code"] = config.get("provenance", {}).get("code_id")
     if not metrics:
         row["failed"] = "no iteration recorded (see the launcher log)"
         return row
-    summary = json.loads((run_dir / "summary.json").read_text()) \
-        if (run_dir / "summary.json").is_file() else {}
+    summary = summary or {}
     # the model's size: the summary's (written also by a stopped run's server), else from k
     numel = summary.get("numel") or round(np.mean(metrics[-1]["k"]) / config["density"])
     workers = metrics[0]["workers"]
@@ -84,14 +85,11 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     row["curve"] = [[e["epoch"], round(e["test_acc"], 4)] for e in evals]
     train_s = metrics[-1]["time_s"]
     row["iterations_per_s"] = round(len(metrics) / train_s, 2) if train_s else None
-    sent = np.mean([m.get("allreduce_bytes", m["upload_bytes"] + m["broadcast_bytes"])
-                    for m in metrics])
-    row["sent_bytes_per_iteration"] = float(sent)
-    if numel:
-        row["sent_over_allreduce"] = float(sent / dense_allreduce_bytes(workers, numel))
+    row["sent_bytes_per_iteration"] = sent_per_iteration(metrics)
+    row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
+        dense_allreduce_bytes(workers, numel)
     if config.get("density", 1) < 1:  # as experiments.run: over every round, warm-up included
-        row["union_k_mean"] = float(np.mean([m["union"] / m.get("budget", max(m["k"]))
-                                             for m in metrics]))
+        row["union_k_mean"] = float(union_over_k(metrics).mean())
     return row
 
 

@@ -266,6 +266,18 @@ SWEEPS: dict[str, dict] = {
 INTERRUPTED = 130
 
 
+def sent_per_iteration(metrics: list[dict]) -> float:
+    """Mean bytes on the wire per iteration, all processes: pushes plus broadcast, or a
+    baseline's ring traffic."""
+    return float(np.mean([m["allreduce_bytes"] if "allreduce_bytes" in m
+                          else m["upload_bytes"] + m["broadcast_bytes"] for m in metrics]))
+
+
+def union_over_k(metrics: list[dict]) -> np.ndarray:
+    """union / k per round (k: the round's budget)."""
+    return np.array([m["union"] / m.get("budget", max(m["k"])) for m in metrics])
+
+
 def epochs_to_near_best(evals: list[dict], within: float = 0.01):
     """The epoch of the first evaluation within ``within`` (accuracy, 0.01 = 1 point) of the
     run's best: how long the run took to get about as far as it got (under a step schedule,
@@ -373,9 +385,7 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
            # (two-phase policies' proposals included) and the server's broadcast (vote's and
            # cltk's index broadcast included), or a baseline's ring traffic; over what a dense
            # ring allreduce of the same model sends (ALLREDUCE_DEFINITION)
-           "sent_bytes_per_iteration": float(np.mean([
-               m["allreduce_bytes"] if "allreduce_bytes" in m
-               else m["upload_bytes"] + m["broadcast_bytes"] for m in metrics])),
+           "sent_bytes_per_iteration": sent_per_iteration(metrics),
            "allreduce_bytes_per_iteration": dense_allreduce_bytes(workers, numel),
            # which code made the run (config.json; None for runs made before it was recorded)
            "code": json.loads((out / "config.json").read_text()).get(
@@ -387,7 +397,7 @@ def run_one(sweep: str, name: str, args: list[str], seed: int, data_dir: str | N
         row.update(baseline=summary["baseline"], union_k_mean=1.0, union_k_p95=1.0,
                    k_mean=float(summary["numel"]))
         return row
-    ratio = np.array([m["union"] / m.get("budget", max(m["k"])) for m in metrics])
+    ratio = union_over_k(metrics)
     row.update(union_k_mean=float(ratio.mean()), union_k_p95=float(np.percentile(ratio, 95)),
                k_mean=float(np.mean([np.mean(m["k"]) for m in metrics])))
     return row
