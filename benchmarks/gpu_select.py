@@ -51,19 +51,24 @@ def cuda_median_ms(cupy, fn, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def timer_and_gradient(xp, n: int, seed: int):
+    """A millisecond timer for ``xp`` (CUDA events, or the host clock for numpy) and a
+    gradient-like vector of n floats: mostly small, a heavy tail of large entries."""
+    if xp is np:
+        def timer(fn, repeats):
+            return 1e3 * median_time(fn, repeats, warmup=2)
+    else:
+        def timer(fn, repeats):
+            return cuda_median_ms(xp, fn, repeats)
+    rng = xp.random.default_rng(seed)
+    x = rng.standard_normal(n, dtype=xp.float32) * rng.standard_normal(n, dtype=xp.float32) ** 3
+    return timer, x
+
+
 def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
     """Table rows and figures for one size n (both densities), and whether every selection was
     right. ``xp`` is cupy (CUDA events) or numpy (host clock)."""
-    if xp is np:
-        rng = np.random.default_rng(0)
-        def timer(fn, repeats):  # noqa: E306
-            return 1e3 * median_time(fn, repeats, warmup=2)
-    else:
-        rng = xp.random.default_rng(0)
-        def timer(fn, repeats):  # noqa: E306
-            return cuda_median_ms(xp, fn, repeats)
-    # gradient-like: mostly small, a heavy tail of large entries
-    x = rng.standard_normal(n, dtype=xp.float32) * rng.standard_normal(n, dtype=xp.float32) ** 3
+    timer, x = timer_and_gradient(xp, n, 0)
     dst = xp.empty_like(x)
     xt = to_torch(x)  # the same memory
     t_copy = timer(lambda: xp.copyto(dst, x), repeats)
@@ -99,17 +104,8 @@ def breakdown(xp, n: int, density: float, repeats: int) -> list:
     compaction pass (its hit counter read back), the trim to k; and, as a yardstick, one
     launch of the smallest kernel. The GPU path's fixed cost (~0.7 ms on an H200 up to 25M)
     was read from the code only; this measures it."""
-    if xp is np:
-        def timer(fn):  # noqa: E306
-            return 1e3 * median_time(fn, repeats, warmup=2)
-        compact = kernels.compact_numpy
-        rng = np.random.default_rng(1)
-    else:
-        def timer(fn):  # noqa: E306
-            return cuda_median_ms(xp, fn, repeats)
-        compact = kernels.compact_cupy
-        rng = xp.random.default_rng(1)
-    x = rng.standard_normal(n, dtype=xp.float32) * rng.standard_normal(n, dtype=xp.float32) ** 3
+    timer, x = timer_and_gradient(xp, n, 1)
+    compact = kernels.compact_numpy if xp is np else kernels.compact_cupy
     k = max(1, int(round(density * n)))
     sample = xp.abs(x[::kernels.SAMPLE_STRIDE])
     threshold = kernels.sample_threshold(sample, k, n)
@@ -121,7 +117,7 @@ def breakdown(xp, n: int, density: float, repeats: int) -> list:
               ("trim to k", lambda: kernels.trim(idx, val, k)),
               ("whole selection", lambda: kernels.select_any(x, k)),
               ("one smallest launch", lambda: xp.abs(tiny))]
-    return [{"n": n, "density": density, "stage": name, "ms": round(timer(fn), 4)}
+    return [{"n": n, "density": density, "stage": name, "ms": round(timer(fn, repeats), 4)}
             for name, fn in stages]
 
 
