@@ -37,12 +37,9 @@ import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from experiments.run import SWEEPS, dense_allreduce_bytes, sent_per_iteration, union_over_k
+from experiments.run import SWEEPS, ended, exit_status, reached, reached_table
 
 CUDA = ["--device", "cuda", "--server-device", "cuda"]
-STOPPED = (130, -signal.SIGKILL, -signal.SIGINT)  # exit statuses of a run stopped at the limit
 STOP_GRACE_S = 30  # how long the stopped launchers get, all together, to stop their processes
 
 
@@ -59,63 +56,10 @@ def drop_option(args: list[str], name: str) -> list[str]:
     return out
 
 
-def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
-    """One run's row from its run directory, whether it finished or was stopped."""
-    row = {"run": name, "seed": seed, "exit": exit_code, "dir": run_dir.name}
-    lines = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines()  # noqa: E731
-                       if x.strip()] if (run_dir / f).is_file() else []
-    metrics, evals = lines("metrics.jsonl"), lines("eval.jsonl")
-    config = json.loads((run_dir / "config.json").read_text()) \
-        if (run_dir / "config.json").is_file() else {}
-    summary = json.loads((run_dir / "summary.json").read_text()) \
-        if (run_dir / "summary.json").is_file() else None
-    row["finished"] = summary is not None and exit_code == 0
-    row["code"] = config.get("provenance", {}).get("code_id")
-    if not metrics:
-        row["failed"] = "no iteration recorded (see the launcher log)"
-        return row
-    summary = summary or {}
-    # the model's size: the summary's (written also by a stopped run's server), else from k
-    numel = summary.get("numel") or round(np.mean(metrics[-1]["k"]) / config["density"])
-    workers = metrics[0]["workers"]
-    row["iterations"] = len(metrics)
-    row["epochs"] = round(evals[-1]["epoch"], 2) if evals else None
-    row["test_acc"] = evals[-1]["test_acc"] if evals else None
-    row["best_acc"] = max(e["test_acc"] for e in evals) if evals else None
-    row["curve"] = [[e["epoch"], round(e["test_acc"], 4)] for e in evals]
-    train_s = metrics[-1]["time_s"]
-    row["iterations_per_s"] = round(len(metrics) / train_s, 2) if train_s else None
-    row["sent_bytes_per_iteration"] = sent_per_iteration(metrics)
-    row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
-        dense_allreduce_bytes(workers, numel)
-    if config.get("density", 1) < 1:  # as experiments.run: over every round, warm-up included
-        row["union_k_mean"] = float(union_over_k(metrics).mean())
-    return row
-
-
-def ended(row: dict) -> str:
-    """finished, stopped (at the time limit: exit 130, or killed), failed (exit status), or
-    unknown (read back by --report from a run that left no summary)."""
-    if row["finished"]:
-        return "finished"
-    if row["exit"] is None:
-        return "ended without a summary"
-    return "stopped" if row["exit"] in STOPPED else f"failed (exit {row['exit']})"
-
-
 def write_table(rows: list[dict], out: Path) -> str:
     """gpu_sweep.json and gpu_sweep.md in ``out``; the markdown table."""
     (out / "gpu_sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| run | seed | ended | epochs (last evaluation) | iterations | test acc % | best % "
-             "| union/k | sent / allreduce % | it/s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda v: "—" if v is None else f"{100 * v:.2f}"  # noqa: E731
-    for r in rows:
-        union = f"{r['union_k_mean']:.2f}" if "union_k_mean" in r else "—"
-        lines.append(f"| {r['run']} | {r['seed']} | {ended(r)}"
-                     f" | {r.get('epochs')} | {r.get('iterations')} | {pct(r.get('test_acc'))} "
-                     f"| {pct(r.get('best_acc'))} | {union} | "
-                     f"{pct(r.get('sent_over_allreduce'))} | {r.get('iterations_per_s')} |")
-    text = "\n".join(lines)
+    text = reached_table(rows)
     (out / "gpu_sweep.md").write_text(text + "\n")
     return text
 
@@ -129,11 +73,7 @@ def report(runs: Path, out: Path) -> str:
         name, _, seed = run_dir.name.rpartition("-s")
         if not (name and seed.isdigit()):
             continue  # not a run directory of a sweep (NAME-sSEED)
-        summary = json.loads((run_dir / "summary.json").read_text()) \
-            if (run_dir / "summary.json").is_file() else None
-        code = None if summary is None else 0 if summary.get("status") == "ok" else \
-            130 if "signal" in str(summary.get("error")) else 1
-        rows.append(reached(run_dir, name, int(seed), code))
+        rows.append(reached(run_dir, name, int(seed), exit_status(run_dir)))
     return write_table(rows, out)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -286,6 +287,82 @@ def epochs_to_near_best(evals: list[dict], within: float = 0.01):
     return next(e.get("epoch") for e in evals if e["test_acc"] >= best - within)
 
 
+# exit statuses of a run stopped (by a time limit, or a session that ended) rather than failed
+STOPPED = (INTERRUPTED, -signal.SIGKILL, -signal.SIGINT, -signal.SIGTERM)
+
+
+def exit_status(run_dir: Path) -> int | None:
+    """A run's exit status as its summary tells it: 0 (finished), 130 (stopped by a signal),
+    1 (failed), or None (no summary: still running, or killed before writing one)."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return 0 if summary.get("status") == "ok" else \
+        INTERRUPTED if "signal" in str(summary.get("error")) else 1
+
+
+def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
+    """How far one run got, from its run directory, whether it finished or not: epochs and
+    iterations reached, the last and best test accuracy of its evaluations, union/k and bytes
+    per iteration over a dense ring allreduce's (as the sweep table), training iterations per
+    second. What was reached, not a projection."""
+    row = {"run": name, "seed": seed, "exit": exit_code, "dir": run_dir.name}
+    lines = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines()  # noqa: E731
+                       if x.strip()] if (run_dir / f).is_file() else []
+    metrics, evals = lines("metrics.jsonl"), lines("eval.jsonl")
+    config = json.loads((run_dir / "config.json").read_text()) \
+        if (run_dir / "config.json").is_file() else {}
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").is_file() else None
+    row["finished"] = summary is not None and exit_code == 0
+    row["code"] = config.get("provenance", {}).get("code_id")
+    if not metrics:
+        row["failed"] = "no iteration recorded (see the launcher log)"
+        return row
+    summary = summary or {}
+    # the model's size: the summary's (written also by a stopped run's server), else from k
+    numel = summary.get("numel") or round(np.mean(metrics[-1]["k"]) / config["density"])
+    workers = metrics[0]["workers"]
+    row["iterations"] = len(metrics)
+    row["epochs"] = round(evals[-1]["epoch"], 2) if evals else None
+    row["test_acc"] = evals[-1]["test_acc"] if evals else None
+    row["best_acc"] = max(e["test_acc"] for e in evals) if evals else None
+    row["curve"] = [[e["epoch"], round(e["test_acc"], 4)] for e in evals]
+    train_s = metrics[-1]["time_s"]
+    row["iterations_per_s"] = round(len(metrics) / train_s, 2) if train_s else None
+    row["sent_bytes_per_iteration"] = sent_per_iteration(metrics)
+    row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
+        dense_allreduce_bytes(workers, numel)
+    if config.get("density", 1) < 1:  # as the sweep table: every round, warm-up included
+        row["union_k_mean"] = float(union_over_k(metrics).mean())
+    return row
+
+
+def ended(row: dict) -> str:
+    """finished, stopped (a signal: a time limit, or the session ended), failed (exit status),
+    or no summary yet (running, or killed before it could write one)."""
+    if row["finished"]:
+        return "finished"
+    if row["exit"] is None:
+        return "no summary yet (running, or killed)"
+    return "stopped" if row["exit"] in STOPPED else f"failed (exit {row['exit']})"
+
+
+def reached_table(rows: list[dict]) -> str:
+    """A markdown table of ``reached`` rows."""
+    lines = ["| run | seed | ended | epochs (last evaluation) | iterations | test acc % | best % "
+             "| union/k | sent / allreduce % | it/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    for r in rows:
+        union = f"{r['union_k_mean']:.2f}" if "union_k_mean" in r else "—"
+        lines.append(f"| {r['run']} | {r['seed']} | {ended(r)}"
+                     f" | {r.get('epochs')} | {r.get('iterations')} | {pct(r.get('test_acc'))} "
+                     f"| {pct(r.get('best_acc'))} | {union} | "
+                     f"{pct(r.get('sent_over_allreduce'))} | {r.get('iterations_per_s')} |")
+    return "\n".join(lines)
+
+
 def run_paths(sweep: str, name: str, args: list[str], seed: int, data_dir: str | None):
     """(run directory, psparse-launch command, identity) of one run of a sweep. The run's
     identity is its arguments, not where the checkout lives (sweeps are often run from a
@@ -481,7 +558,9 @@ def main(argv=None) -> int:
                    help="print the psparse-launch arguments of every run and stop")
     p.add_argument("--report", action="store_true",
                    help="start no run: the table and figures of the runs already finished "
-                        "(while the sweep goes on elsewhere), naming those that are not")
+                        "(while the sweep goes on elsewhere), naming those that are not, and "
+                        "how far each started one got (epochs, last and best accuracy; also in "
+                        "STEM-unfinished.json)")
     args = p.parse_args(argv)
     sweep = SWEEPS[args.sweep]
     names = args.only.split(",") if args.only else list(sweep["runs"])
@@ -500,12 +579,20 @@ def main(argv=None) -> int:
             print(f"{name} (seeds {','.join(map(str, seeds[name]))}): psparse-launch "
                   f"{' '.join(sweep['base'] + sweep['runs'][name])}")
         return 0
+    unfinished = []  # --report: how far the runs not finished yet got
     if args.report:
-        pending = [f"{name}-s{seed}" for name, seed in plan if not finished(*run_paths(
-            args.sweep, name, sweep["base"] + sweep["runs"][name], seed, args.data_dir)[::2])]
+        pending = []
+        for name, seed in plan:
+            out, _, identity = run_paths(args.sweep, name, sweep["base"] + sweep["runs"][name],
+                                         seed, args.data_dir)
+            if finished(out, identity):
+                continue
+            pending.append(f"{name}-s{seed}")
+            if (out / "metrics.jsonl").is_file():
+                unfinished.append(reached(out, name, seed, exit_status(out)))
         plan = [(name, seed) for name, seed in plan if f"{name}-s{seed}" not in pending]
-        if not plan:
-            print(f"[{args.sweep}] no run is finished yet")
+        if not plan and not unfinished:
+            print(f"[{args.sweep}] no run is finished or started yet")
             return 1
     rows = []
     for i, (name, seed) in enumerate(plan):
@@ -518,11 +605,18 @@ def main(argv=None) -> int:
     if args.report and pending and not args.stem:
         stem += "-partial"  # never over the finished sweep's own table
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    text = table(rows)
+    text = table(rows) if rows else "No run is finished yet."
     if args.report and pending:
         text += f"\n\nNot finished yet ({len(pending)}): {', '.join(pending)}."
+    if unfinished:
+        (RESULTS / f"{stem}-unfinished.json").write_text(json.dumps(unfinished, indent=1))
+        text += ("\n\nHow far the unfinished runs got (their last evaluation; what was reached, "
+                 "not a projection):\n\n" + reached_table(unfinished) + "\n\n" +
+                 made_by(unfinished))
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(text)
+    if not rows:
+        return 0
     for path in figures.build(args.sweep, stem, rows):
         print(f"wrote {path}")
     return 0

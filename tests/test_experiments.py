@@ -234,6 +234,17 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypat
         monkeypatch.setattr(module, "ROOT", tmp_path)
         monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
     monkeypatch.setitem(run.SWEEPS, "tiny", tiny)
+    # --report while it is stopped: nothing finished, the stopped run's progress told
+    assert run.main(["tiny", "--report"]) == 0
+    assert "resuming" not in capsys.readouterr().out
+    partial = (tmp_path / "results" / "tiny-partial.md").read_text()
+    assert "No run is finished yet." in partial and "Not finished yet (1)" in partial
+    got = json.loads((tmp_path / "results" / "tiny-partial-unfinished.json").read_text())
+    assert [(r["run"], r["iterations"], r["finished"]) for r in got] == [
+        ("topk-d0.05", stopped_at, False)]
+    assert got[0]["epochs"] == round(read_jsonl(out / "eval.jsonl")[-1]["epoch"], 2) > 0
+    assert run.ended(got[0]) in ("stopped", "no summary yet (running, or killed)")
+    assert f"| topk-d0.05 | 0 | {run.ended(got[0])} |" in partial
     assert run.main(["tiny"]) == 0
     printed = capsys.readouterr().out
     assert "topk-d0.05 seed 0: resuming at iteration 200 ..." in printed, printed
@@ -348,7 +359,7 @@ def test_gpu_sweep_runs_side_by_side_and_reports_what_each_reached(tmp_path, mon
     assert rows["short"]["finished"] and rows["short"]["iterations"] == 20
     assert rows["short"]["epochs"] is not None and len(rows["short"]["curve"]) == 2
     # stopped by SIGINT (130), or killed when its launcher outlasted the grace on a busy machine
-    assert not rows["long"]["finished"] and rows["long"]["exit"] in gpu_sweep.STOPPED
+    assert not rows["long"]["finished"] and rows["long"]["exit"] in run.STOPPED
     assert 0 < rows["long"]["iterations"] < 1_000_000 and rows["long"]["curve"]
     assert rows["long"]["union_k_mean"] >= 1.0 and 0 < rows["long"]["sent_over_allreduce"] < 1
     table = (out / "gpu_sweep.md").read_text()
