@@ -150,7 +150,7 @@ def test_config_json_records_the_code_and_reads_back(tmp_path):
 
 def test_cifar_lenet_sweep_covers_the_issue():
     """Issue 16: LeNet-5 on CIFAR-10 to convergence, 8 workers, densities 1% and 0.1%, the
-    issue's policies, three seeds for dense, top-k, core and vote, checkpoints to resume."""
+    issue's policies, three seeds for dense, top-k, core, vote and ema, checkpoints to resume."""
     from experiments.run import SWEEPS
 
     sweep = SWEEPS["cifar-lenet"]
@@ -161,10 +161,10 @@ def test_cifar_lenet_sweep_covers_the_issue():
     assert set(sweep["runs"]) == {"dense"} | {f"{p}-d{d}" for p in policies
                                               for d in ("0.01", "0.001")}
     three = {n for n, s in sweep["seeds"].items() if s == [0, 1, 2]}
-    assert three == {"dense"} | {f"{p}-d{d}" for p in ("topk", "core", "vote")
+    assert three == {"dense"} | {f"{p}-d{d}" for p in ("topk", "core", "vote", "ema")
                                  for d in ("0.01", "0.001")}
     assert all(sweep["seeds"][n] == [0] for n in set(sweep["runs"]) - three)
-    assert sum(len(s) for s in sweep["seeds"].values()) == 29
+    assert sum(len(s) for s in sweep["seeds"].values()) == 33
 
 
 def test_the_table_shows_sample_sd_and_bytes_over_a_dense_allreduce():
