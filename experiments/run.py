@@ -25,6 +25,7 @@ import numpy as np
 from experiments import figures
 from psparse import checkpoint
 from psparse.provenance import provenance
+from psparse.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -305,9 +306,8 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     per iteration over a dense ring allreduce's (as the sweep table), training iterations per
     second. What was reached, not a projection."""
     row = {"run": name, "seed": seed, "exit": exit_code, "dir": run_dir.name}
-    lines = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines()  # noqa: E731
-                       if x.strip()] if (run_dir / f).is_file() else []
-    metrics, evals = lines("metrics.jsonl"), lines("eval.jsonl")
+    # complete lines only: a running run may be part-way through writing one
+    metrics, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
     config = json.loads((run_dir / "config.json").read_text()) \
         if (run_dir / "config.json").is_file() else {}
     summary = json.loads((run_dir / "summary.json").read_text()) \
@@ -319,7 +319,9 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
         return row
     summary = summary or {}
     # the model's size: the summary's (written also by a stopped run's server), else from k
-    numel = summary.get("numel") or round(np.mean(metrics[-1]["k"]) / config["density"])
+    # (a DDP baseline's rounds have no k: its ring traffic is the allreduce, 100%)
+    numel = summary.get("numel") or (round(np.mean(metrics[-1]["k"]) / config["density"])
+                                     if "k" in metrics[-1] else None)
     workers = metrics[0]["workers"]
     row["iterations"] = len(metrics)
     row["epochs"] = round(evals[-1]["epoch"], 2) if evals else None
@@ -330,7 +332,7 @@ def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
     row["iterations_per_s"] = round(len(metrics) / train_s, 2) if train_s else None
     row["sent_bytes_per_iteration"] = sent_per_iteration(metrics)
     row["sent_over_allreduce"] = row["sent_bytes_per_iteration"] / \
-        dense_allreduce_bytes(workers, numel)
+        dense_allreduce_bytes(workers, numel) if numel else 1.0
     if config.get("density", 1) < 1:  # as the sweep table: every round, warm-up included
         row["union_k_mean"] = float(union_over_k(metrics).mean())
     return row
@@ -342,7 +344,7 @@ def ended(row: dict) -> str:
     if row["finished"]:
         return "finished"
     if row["exit"] is None:
-        return "no summary yet (running, or killed)"
+        return "no summary (running, or killed)"
     return "stopped" if row["exit"] in STOPPED else f"failed (exit {row['exit']})"
 
 
@@ -585,8 +587,12 @@ def main(argv=None) -> int:
             if finished(out, identity):
                 continue
             pending.append(f"{name}-s{seed}")
-            if (out / "metrics.jsonl").is_file():
+            started = out / "started.json"  # this run's, not one made with other arguments
+            if (out / "metrics.jsonl").is_file() and started.is_file() and \
+                    json.loads(started.read_text()) == identity:
                 unfinished.append(reached(out, name, seed, exit_status(out)))
+                # a summary without command.json: the launcher did not end (killed after it)
+                unfinished[-1]["finished"] = False
         plan = [(name, seed) for name, seed in plan if f"{name}-s{seed}" not in pending]
         if not plan and not unfinished:
             print(f"[{args.sweep}] no run is finished or started yet")
@@ -605,6 +611,7 @@ def main(argv=None) -> int:
     text = table(rows) if rows else "No run is finished yet."
     if args.report and pending:
         text += f"\n\nNot finished yet ({len(pending)}): {', '.join(pending)}."
+    (RESULTS / f"{stem}-unfinished.json").unlink(missing_ok=True)  # never a stale one
     if unfinished:
         (RESULTS / f"{stem}-unfinished.json").write_text(json.dumps(unfinished, indent=1))
         text += ("\n\nHow far the unfinished runs got (their last evaluation; what was reached, "

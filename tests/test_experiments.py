@@ -243,7 +243,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypat
     assert [(r["run"], r["iterations"], r["finished"]) for r in got] == [
         ("topk-d0.05", stopped_at, False)]
     assert got[0]["epochs"] == round(read_jsonl(out / "eval.jsonl")[-1]["epoch"], 2) > 0
-    assert run.ended(got[0]) in ("stopped", "no summary yet (running, or killed)")
+    assert run.ended(got[0]) in ("stopped", "no summary (running, or killed)")
     assert f"| topk-d0.05 | 0 | {run.ended(got[0])} |" in partial
     assert run.main(["tiny"]) == 0
     printed = capsys.readouterr().out
@@ -389,3 +389,39 @@ def test_epochs_to_near_best_is_the_first_evaluation_within_one_point():
     assert epochs_to_near_best(evals) == 3  # 0.595 >= 0.60 - 0.01; 0.589 is not
     assert epochs_to_near_best(evals, within=0.02) == 2
     assert epochs_to_near_best(evals[:1]) == 1
+
+
+def test_reached_reads_a_run_that_is_still_writing(tmp_path):
+    """--report's reading of an unfinished run: a line being written is left out (not an
+    error), the model's size comes from k and the density when there is no summary yet, and
+    a DDP baseline's rounds (no k) count as 100% of the allreduce."""
+    import json
+
+    from experiments import run
+
+    sparse = tmp_path / "topk-s0"
+    sparse.mkdir()
+    (sparse / "config.json").write_text(json.dumps({"density": 0.01,
+                                                    "provenance": {"code_id": "abc"}}))
+    rounds = [{"iter": i, "workers": 2, "k": [10, 10], "budget": 10, "union": 15 + i,
+               "upload_bytes": 100, "broadcast_bytes": 300, "time_s": 0.5 * (i + 1)}
+              for i in range(4)]
+    (sparse / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rounds) + '{"iter": 4, "work')
+    (sparse / "eval.jsonl").write_text('{"iter": 3, "epoch": 0.5, "test_acc": 0.4}\n{"it')
+    row = run.reached(sparse, "topk", 0, run.exit_status(sparse))
+    assert (row["iterations"], row["epochs"], row["test_acc"]) == (4, 0.5, 0.4)
+    assert row["union_k_mean"] == (15 + 16 + 17 + 18) / 4 / 10
+    # numel = 10 / 0.01 = 1000; 2 workers' dense ring: 2 x 2(1)/2 x 1000 x 4 B = 8000 B
+    assert row["sent_over_allreduce"] == 400 / 8000
+    assert run.ended(row) == "no summary (running, or killed)" and row["code"] == "abc"
+
+    ddp = tmp_path / "ddp-s0"
+    ddp.mkdir()
+    (ddp / "config.json").write_text(json.dumps({"density": 1.0}))
+    (ddp / "metrics.jsonl").write_text(json.dumps({"iter": 0, "workers": 2,
+                                                   "allreduce_bytes": 8000, "time_s": 1.0}) + "\n")
+    (ddp / "summary.json").write_text(json.dumps({"status": "failed",
+                                                  "error": "terminated by signal SIGTERM"}))
+    row = run.reached(ddp, "ddp", 0, run.exit_status(ddp))
+    assert row["sent_over_allreduce"] == 1.0 and run.ended(row) == "stopped"
