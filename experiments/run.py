@@ -579,8 +579,8 @@ def main(argv=None) -> int:
                   f"{' '.join(sweep['base'] + sweep['runs'][name])}")
         return 0
     unfinished = []  # --report: how far the runs not finished yet got
+    pending = []  # --report: the runs not finished yet
     if args.report:
-        pending = []
         for name, seed in plan:
             out, _, identity = run_paths(args.sweep, name, sweep["base"] + sweep["runs"][name],
                                          seed, args.data_dir)
@@ -618,6 +618,10 @@ def main(argv=None) -> int:
                  "not a projection):\n\n" + reached_table(unfinished) + "\n\n" +
                  made_by(unfinished))
     (RESULTS / f"{stem}.md").write_text(text + "\n")
+    if not pending and stem == args.sweep:
+        # the whole sweep's table now stands: an earlier --report's snapshot would contradict it
+        for stale in RESULTS.glob(f"{stem}-partial*"):
+            stale.unlink()
     print(text)
     if not rows:
         return 0

@@ -254,6 +254,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypat
     assert metrics[:200] == before  # not run again: the first 200 rounds keep their times
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
     assert "| topk-d0.05 | 1 |" in (tmp_path / "results" / "tiny.md").read_text()
+    assert not list((tmp_path / "results").glob("tiny-partial*"))  # the snapshot is gone
     assert run.main(["tiny"]) == 0
     assert "seed 0" not in capsys.readouterr().out.replace("[tiny]", "")  # finished: reused
 
