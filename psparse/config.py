@@ -297,8 +297,8 @@ HELP = {
                    f"error feedback (default: {SCALECOM_BETA})",
     "clip_norm": "clip each local gradient to this L2 norm before accumulating "
                  "(default: no clipping)",
-    "density_warmup": "DGC warm-up: density 25%, 6.25%, 1.56%, ... in the first this-many "
-                      "epochs, never below --density",
+    "density_warmup": "DGC warm-up: density 25% in epoch 1, 6.25% in epoch 2, 1.56% in "
+                      "epoch 3, ... for this many epochs, never below --density",
     "epochs": "training length in passes over the data (ignored when --iterations is given)",
     "iterations": "training length in synchronous iterations (default: from --epochs)",
     "batch_size": "minibatch size per worker",
