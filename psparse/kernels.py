@@ -490,7 +490,10 @@ extern "C" __global__ void psparse_scatter_add_weighted(const long long* indices
 C_TYPES = {
     "const float*": ("array", np.float32), "float*": ("array", np.float32),
     "const long long*": ("array", np.int64), "long long*": ("array", np.int64),
-    "unsigned long long*": ("array", np.uint64),
+    "unsigned long long*": ("array", np.uint64), "const unsigned long long*": ("array", np.uint64),
+    "unsigned int*": ("array", np.uint32), "const unsigned char*": ("array", np.uint8),
+    "unsigned char*": ("array", np.uint8), "int*": ("array", np.int32),
+    "const int*": ("array", np.int32), "double": ("scalar", np.float64),
     "long long": ("scalar", np.int64), "float": ("scalar", np.float32), "int": ("scalar", np.int32),
 }
 _KERNEL_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')

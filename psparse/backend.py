@@ -1,0 +1,419 @@
+"""Where the GPU path's kernels run, and the one door between device and host memory.
+
+A *backend* owns a worker's device work: its array module (``xp``), its compiled kernels (both
+CUDA C sources: ``kernels.CUDA_SOURCE`` and ``radix_source.RADIX_SOURCE``), its stream, and the
+only two crossings the GPU exchange makes per round (docs/architecture.md, "The GPU
+exchange"): ``copy_back`` (device to pinned host memory, then the round's one synchronisation)
+and ``upload`` (pinned host memory to the device, asynchronous). Everything else a round does
+is launched and never waited for.
+
+* ``CudaBackend``: CuPy on a CUDA device, on a stream of its own that follows torch's stream
+  through events (``follow_torch`` / ``lead_torch``).
+* ``EmulatedBackend``: the same kernels compiled for the CPU (``psparse.kernel_emu``) over host
+  memory. With ``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit
+  trip to the host that would synchronise a GPU (``bool()``, ``int()``, ``float()``,
+  ``.item()``, ``.get()``, ``np.asarray``, boolean masks, ``nonzero``, ``unique``,
+  ``partition``...) with ``HostSync``: a round that runs under it makes exactly the crossings
+  it counts (``copy_backs``, ``uploads``), which is how the tests prove the GPU exchange's
+  synchronisation discipline on a machine without a GPU. ``PSPARSE_EMULATE_GPU=strict`` (or
+  ``1``: not strict) makes a ``--device cpu`` worker run the GPU exchange this way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from . import kernels, radix_source
+
+THREADS = 256
+SOURCES = (kernels.CUDA_SOURCE, radix_source.RADIX_SOURCE)
+
+
+class HostSync(RuntimeError):
+    """A device value was read into Python (or host data was pushed in) outside the sanctioned
+    crossings: on a GPU that is a hidden synchronisation."""
+
+
+def signatures() -> dict:
+    out = {}
+    for source in SOURCES:
+        out.update(kernels.kernel_signatures(source))
+    return out
+
+
+class Backend:
+    """What the GPU exchange needs of a device (see the module docstring)."""
+
+    xp = np
+    sm_count = 1
+
+    def __init__(self):
+        self.signatures = signatures()
+        self.copy_backs = 0  # synchronising device-to-host crossings so far
+        self.uploads = 0
+        self._dummies: dict = {}
+        self._staging: dict = {}
+
+    # --------------------------------------------------------------------------- kernels
+    def check(self, name: str, args: tuple) -> None:
+        kernels.check_launch(name, args, self.signatures[name])
+
+    def launch(self, name: str, grid: int, args: tuple, checked: bool = False) -> None:
+        raise NotImplementedError
+
+    def launch_over(self, name: str, n: int, args: tuple) -> None:
+        """A grid-stride kernel of ``kernels.CUDA_SOURCE`` over n elements."""
+        self.launch(name, min(max(1, -(-n // THREADS)), 8 * self.sm_count), args)
+
+    def or_dummy(self, array, dtype):
+        """``array``, or a one-element stand-in for a pointer the kernel will not read."""
+        if array is not None:
+            return array
+        if dtype not in self._dummies:
+            self._dummies[dtype] = self.xp.zeros(1, dtype=dtype)
+        return self._dummies[dtype]
+
+    # ------------------------------------------------------------------------- crossings
+    def constant(self, host: np.ndarray):
+        """A table built once on the host, on the device (at setup, not per round)."""
+        raise NotImplementedError
+
+    def pinned(self, name: str, count: int, dtype) -> np.ndarray:
+        """A reusable page-locked host buffer of at least ``count`` entries (grows)."""
+        dtype = np.dtype(dtype)
+        held = self._staging.get(name)
+        if held is None or held.size < count or held.dtype != dtype:
+            held = self._allocate_pinned(max(count, 1024), dtype)
+            self._staging[name] = held
+        return held[:count]
+
+    def _allocate_pinned(self, count: int, dtype) -> np.ndarray:
+        return np.empty(count, dtype=dtype)
+
+    def upload(self, name: str, host: np.ndarray, out=None):
+        """``host`` onto the device, asynchronously through the pinned buffer ``name`` (each
+        name holds one upload per round: the next round reuses it after its copy-back)."""
+        raise NotImplementedError
+
+    def copy_back(self, pairs) -> None:
+        """[(device array, host array)]: every copy enqueued, then one wait (the round's
+        synchronisation)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------ torch
+    def from_torch(self, tensor):
+        raise NotImplementedError
+
+    def to_torch(self, array):
+        raise NotImplementedError
+
+    def follow_torch(self) -> None:
+        """Our stream waits for what torch has queued so far (the backward pass)."""
+
+    def lead_torch(self) -> None:
+        """Torch's stream waits for what we have queued so far (the gradient we wrote)."""
+
+    def stream_scope(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------ CUDA
+class CudaBackend(Backend):
+    """CuPy kernels on one CUDA device, on psparse's own stream."""
+
+    def __init__(self, cupy):
+        super().__init__()
+        self.xp = cupy
+        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.functions = {}
+        for source in SOURCES:
+            self.functions.update(kernels.build_cupy_kernels(
+                cupy, source, tuple(kernels.kernel_signatures(source))))
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def launch(self, name, grid, args, checked=False):
+        if not checked:
+            self.check(name, args)
+        self.functions[name]((int(grid),), (THREADS,), args)
+
+    def constant(self, host):
+        with self.stream:
+            return self.xp.asarray(np.ascontiguousarray(host))
+
+    def _allocate_pinned(self, count, dtype):
+        memory = self.xp.cuda.alloc_pinned_memory(count * dtype.itemsize)
+        return np.frombuffer(memory, dtype=dtype, count=count)
+
+    def upload(self, name, host, out=None):
+        self.uploads += 1
+        staging = self.pinned(name, host.size, host.dtype)
+        staging[...] = host
+        out = self.xp.empty(host.size, dtype=host.dtype) if out is None else out
+        out.set(staging, stream=self.stream)
+        return out
+
+    def copy_back(self, pairs):
+        self.copy_backs += 1
+        for device, host in pairs:
+            device.get(stream=self.stream, out=host)
+        self.stream.synchronize()
+
+    def from_torch(self, tensor):
+        return self.xp.from_dlpack(tensor.detach())
+
+    def to_torch(self, array):
+        import torch
+        return torch.from_dlpack(array)
+
+    def _torch_stream(self):
+        import torch
+        return self.xp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def follow_torch(self):
+        event = self.xp.cuda.Event(disable_timing=True)
+        event.record(self._torch_stream())
+        self.stream.wait_event(event)
+
+    def lead_torch(self):
+        event = self.xp.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        self._torch_stream().wait_event(event)
+
+    def stream_scope(self):
+        return self.stream
+
+
+# -------------------------------------------------------------------------------- emulated
+class EmulatedBackend(Backend):
+    """The same kernels on the CPU (``psparse.kernel_emu``), host memory as device memory."""
+
+    def __init__(self, strict: bool = True, sm_count: int = 2, reverse: bool = False):
+        super().__init__()
+        from .kernel_emu import EmulatedKernels
+        self.strict = strict
+        self.xp = StrictXP() if strict else np
+        self.sm_count = sm_count
+        self.emulators = {}
+        for source in SOURCES:
+            emu = EmulatedKernels(source, reverse=reverse)
+            for name in emu.signatures:
+                self.emulators[name] = emu
+        self.launches: list[str] = []
+
+    def launch(self, name, grid, args, checked=False):
+        raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
+        self.emulators[name].launch(name, int(grid), THREADS, raw)
+        self.launches.append(name)
+
+    def check(self, name, args):
+        raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
+        kernels.check_launch(name, raw, self.signatures[name])
+
+    def constant(self, host):
+        return wrap(np.array(host, copy=True)) if self.strict else np.array(host, copy=True)
+
+    def upload(self, name, host, out=None):
+        self.uploads += 1
+        if isinstance(host, DeviceArray) or not isinstance(host, np.ndarray):
+            raise HostSync(f"upload {name!r}: expected a host numpy array, got "
+                           f"{type(host).__name__}")
+        if out is None:
+            out = self.xp.empty(host.size, dtype=host.dtype)
+        raw(out)[...] = host
+        return out
+
+    def copy_back(self, pairs):
+        self.copy_backs += 1
+        for device, host in pairs:
+            host[...] = raw(device)
+
+    def from_torch(self, tensor):
+        a = tensor.detach().numpy()
+        return wrap(a) if self.strict else a
+
+    def to_torch(self, array):
+        import torch
+        return torch.from_numpy(raw(array))
+
+
+def raw(a):
+    """The host memory behind an emulated device array."""
+    return a._a if isinstance(a, DeviceArray) else a
+
+
+def wrap(a):
+    return a if isinstance(a, DeviceArray) else DeviceArray(np.asarray(a))
+
+
+# ---------------------------------------------------------------------- the strict arrays
+_REFUSED = {"nonzero", "flatnonzero", "argwhere", "unique", "partition", "argpartition",
+            "extract", "compress", "setdiff1d", "union1d", "intersect1d", "in1d", "isin",
+            "trim_zeros", "array_equal", "allclose", "tolist"}
+
+
+def _unwrap(value):
+    if isinstance(value, DeviceArray):
+        return value._a
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v) for v in value)
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        raise HostSync("a host numpy array mixed into device arithmetic (an implicit, "
+                       "synchronous upload; use the backend's upload)")
+    return value
+
+
+def _rewrap(value):
+    if isinstance(value, np.ndarray):
+        return DeviceArray(value)
+    if isinstance(value, (np.generic, bool, int, float)) and not isinstance(value, np.dtype):
+        return DeviceArray(np.asarray(value))
+    if isinstance(value, tuple):
+        return tuple(_rewrap(v) for v in value)
+    return value
+
+
+def _refuse(what: str):
+    raise HostSync(f"{what} of a device array: on a GPU this reads device memory into Python "
+                   "and waits for the device (a hidden synchronisation)")
+
+
+class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
+    """Host memory standing in for a CuPy array, refusing what would synchronise a GPU."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+
+    # metadata is host-side on a GPU too
+    shape = property(lambda self: self._a.shape)
+    size = property(lambda self: self._a.size)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    flags = property(lambda self: self._a.flags)
+    itemsize = property(lambda self: self._a.itemsize)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __repr__(self):
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
+
+    __str__ = __repr__
+
+    def __bool__(self):
+        _refuse("bool()")
+
+    def __int__(self):
+        _refuse("int()")
+
+    def __float__(self):
+        _refuse("float()")
+
+    def __index__(self):
+        _refuse("an index (operator.index)")
+
+    def __complex__(self):
+        _refuse("complex()")
+
+    def __iter__(self):
+        _refuse("iterating over the elements")
+
+    def __array__(self, *args, **kwargs):
+        _refuse("np.asarray / implicit conversion")
+
+    def item(self, *args):
+        _refuse(".item()")
+
+    def tolist(self):
+        _refuse(".tolist()")
+
+    def get(self, *args, **kwargs):
+        _refuse(".get() (outside the backend's copy_back)")
+
+    def _key(self, key):
+        if isinstance(key, tuple):
+            return tuple(self._key(k) for k in key)
+        if isinstance(key, DeviceArray):
+            if key.dtype == bool:
+                _refuse("boolean-mask indexing (a result of data-dependent size)")
+            return key._a
+        if isinstance(key, np.ndarray):
+            raise HostSync("indexing a device array with a host array (an implicit upload)")
+        if isinstance(key, list):
+            raise HostSync("indexing a device array with a Python list (an implicit upload)")
+        return key
+
+    def __getitem__(self, key):
+        return DeviceArray(np.asarray(self._a[self._key(key)]))
+
+    def __setitem__(self, key, value):
+        self._a[self._key(key)] = _unwrap(value)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_unwrap(o) for o in kwargs["out"])
+        result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
+        if "out" in kwargs and method == "__call__":
+            outs = kwargs["out"]
+            return DeviceArray(outs[0]) if len(outs) == 1 else tuple(map(DeviceArray, outs))
+        return _rewrap(result)
+
+    def __getattr__(self, name):
+        if name in _REFUSED:
+            _refuse(f".{name}()")
+        attr = getattr(self._a, name)
+        if not callable(attr):
+            return _rewrap(attr)
+
+        def method(*args, **kwargs):
+            if "out" in kwargs:
+                kwargs["out"] = _unwrap(kwargs["out"])
+            return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
+        return method
+
+
+def _unwrap_kwargs(kwargs):
+    return {k: _unwrap(v) for k, v in kwargs.items()}
+
+
+class StrictXP:
+    """numpy's namespace for DeviceArrays: the functions CuPy has, results on the "device";
+    host inputs (numpy arrays, lists) refused as CuPy refuses them or synchronises on them."""
+
+    __name__ = "psparse.backend.StrictXP"
+
+    def asarray(self, a, dtype=None):
+        if isinstance(a, DeviceArray):
+            return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+        raise HostSync("xp.asarray of host data (a blocking upload; use the backend's upload)")
+
+    def ascontiguousarray(self, a, dtype=None):
+        return self.asarray(a, dtype)
+
+    def __getattr__(self, name):
+        if name in _REFUSED:
+            _refuse(f"xp.{name}()")
+        attr = getattr(np, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr  # dtypes, constants
+
+        @functools.wraps(attr)
+        def function(*args, **kwargs):
+            if "out" in kwargs:
+                kwargs["out"] = _unwrap(kwargs["out"])
+            return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
+        return function
+
+
+def emulated_from_env():
+    """The backend ``PSPARSE_EMULATE_GPU`` asks for (strict / 1), or None."""
+    mode = os.environ.get("PSPARSE_EMULATE_GPU", "")
+    if mode in ("", "0"):
+        return None
+    return EmulatedBackend(strict=mode == "strict")
