@@ -52,8 +52,9 @@ class Backend:
 
     def __init__(self):
         self.signatures = signatures()
-        self.copy_backs = 0  # synchronising device-to-host crossings so far
+        self.copy_backs = 0  # synchronising device-to-host crossings of the rounds so far
         self.uploads = 0
+        self.reads = 0  # reads outside the rounds (checkpoints, digests, the final report)
         self._dummies: dict = {}
         self._staging: dict = {}
 
@@ -101,6 +102,11 @@ class Backend:
     def copy_back(self, pairs) -> None:
         """[(device array, host array)]: every copy enqueued, then one wait (the round's
         synchronisation)."""
+        raise NotImplementedError
+
+    def read(self, array) -> np.ndarray:
+        """A device array's values on the host, waiting for them: for what is not a round's
+        work (checkpoints, state digests, the final report), never inside a round."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------ torch
@@ -161,6 +167,13 @@ class CudaBackend(Backend):
         for device, host in pairs:
             device.get(stream=self.stream, out=host)
         self.stream.synchronize()
+
+    def read(self, array):
+        self.reads += 1
+        out = np.empty(array.shape, dtype=array.dtype)
+        array.get(stream=self.stream, out=out)
+        self.stream.synchronize()
+        return out
 
     def from_torch(self, tensor):
         return self.xp.from_dlpack(tensor.detach())
@@ -230,6 +243,10 @@ class EmulatedBackend(Backend):
         self.copy_backs += 1
         for device, host in pairs:
             host[...] = raw(device)
+
+    def read(self, array):
+        self.reads += 1
+        return np.array(raw(array), copy=True)
 
     def from_torch(self, tensor):
         a = tensor.detach().numpy()
@@ -409,6 +426,25 @@ class StrictXP:
                 kwargs["out"] = _unwrap(kwargs["out"])
             return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
         return function
+
+
+def device_backend(device, log=print):
+    """The backend for a worker on ``device`` (a torch.device): the emulated one when
+    ``PSPARSE_EMULATE_GPU`` asks for it, CUDA with CuPy on a CUDA device, else None (the host
+    path; on a CUDA device without CuPy the gradient crosses to the host once per round)."""
+    emulated = emulated_from_env()
+    if emulated is not None:
+        return emulated
+    if device.type != "cuda":
+        return None
+    from .xp import CUPY_HINT, cupy_or_none
+    cupy = cupy_or_none()
+    if cupy is None:
+        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
+            f"{CUPY_HINT} for the GPU kernels)")
+        return None
+    cupy.cuda.Device(device.index or 0).use()
+    return CudaBackend(cupy)
 
 
 def emulated_from_env():

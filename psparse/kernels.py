@@ -127,7 +127,7 @@ def compact_numpy(x: np.ndarray, threshold: float, capacity: int, block: int = 1
         chunk = x[start:start + block]
         mag = mag_buf[:chunk.size]
         np.abs(chunk, out=mag)
-        if not np.isfinite(mag.sum()):  # in cache; catches NaN and inf
+        if not np.isfinite(mag.max()):  # in cache; NaN and inf propagate through max
             raise NonFiniteError(f"the accumulator holds NaN or inf (first near index {start})")
         hits = np.flatnonzero(mag >= threshold)
         if hits.size:
@@ -145,7 +145,7 @@ def compact_scored(score, n: int, threshold: float, capacity: int, scratch: np.n
     for start in range(0, n, scratch.size):
         block = scratch[:min(scratch.size, n - start)]
         score(slice(start, start + block.size), block)
-        if not np.isfinite(block.sum()):
+        if not np.isfinite(block.max()):  # non-negative: NaN and inf propagate through max
             raise NonFiniteError(f"the score holds NaN or inf (first near index {start})")
         hits = np.flatnonzero(block >= threshold)
         if hits.size:
@@ -484,6 +484,125 @@ extern "C" __global__ void psparse_scatter_add_weighted(const long long* indices
         priority[at] = __fadd_rn(priority[at], __fmul_rn(weight, v));
     }
 }
+
+extern "C" __global__ void psparse_scatter(const long long* indices, const float* values,
+                                           long long n, float* out) {
+    // out[indices] = values (the aggregate into the zeroed gradient; indices distinct)
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
+        out[indices[j]] = values[j];
+}
+
+extern "C" __global__ void psparse_check_indices(const long long* indices, long long n,
+                                                 long long numel, unsigned long long* flags) {
+    // a policy's output on the device: flags[0] |= out of [0, numel), flags[1] |= not strictly
+    // increasing (read back with the round's copy, so no check waits for the device)
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        long long v = indices[j];
+        if (v < 0 || v >= numel) atomicOr(&flags[0], 1ULL);
+        if (j > 0 && indices[j - 1] >= v) atomicOr(&flags[1], 1ULL);
+    }
+}
+
+// ---- a lazily decayed vector (kernels.Decaying) with its scale on the device ----------------
+// state = [scale] (double), flag = [renormalise this round]; the decisions are taken here, so
+// the host never reads the scale
+extern "C" __global__ void psparse_decay(double* scale, double factor, double below, int* flag,
+                                         float* top, long long nseg) {
+    // scale *= factor; a renormalisation is due once it falls below `below` (then the
+    // per-segment maxima, if tracked, are recomputed: cleared here)
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double s = __dmul_rn(scale[0], factor);
+    scale[0] = s;
+    flag[0] = s < below;
+    if (flag[0]) for (long long i = 0; i < nseg; i++) top[i] = 0.0f;
+}
+
+extern "C" __global__ void psparse_limit_check(const float* top, long long nseg, double limit,
+                                               const double* scale, int* flag, float* topw) {
+    // ema: renormalise when the largest stored priority passes `limit` while scale < 1
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    float m = 0.0f;
+    for (long long i = 0; i < nseg; i++) m = top[i] > m ? top[i] : m;
+    flag[0] = (double)m > limit && scale[0] < 1.0;
+    if (flag[0]) for (long long i = 0; i < nseg; i++) topw[i] = 0.0f;
+}
+
+extern "C" __global__ void psparse_renormalise(float* stored, long long n, const double* scale,
+                                               const int* flag) {
+    // when flagged: stored *= scale (as float32), values below float32's smallest normal -> 0
+    if (!flag[0]) return;
+    float s = (float)scale[0];
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        float v = __fmul_rn(stored[j], s);
+        stored[j] = fabsf(v) < 1.17549435e-38f ? 0.0f : v;
+    }
+}
+
+extern "C" __global__ void psparse_segment_max(const float* stored, const long long* bounds,
+                                               long long nseg, float* top, const int* flag) {
+    // when flagged: top[s] = max of stored over segment s = [bounds[s], bounds[s + 1]), one
+    // block per segment (values are >= 0: their bits order as they do)
+    __shared__ float best[256];
+    if (!flag[0]) return;
+    for (long long s = blockIdx.x; s < nseg; s += gridDim.x) {
+        float m = 0.0f;
+        for (long long j = bounds[s] + threadIdx.x; j < bounds[s + 1]; j += blockDim.x)
+            m = stored[j] > m ? stored[j] : m;
+        best[threadIdx.x] = m;
+        __syncthreads();
+        for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+            if ((int)threadIdx.x < w && best[threadIdx.x + w] > best[threadIdx.x])
+                best[threadIdx.x] = best[threadIdx.x + w];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) top[s] = best[0];
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void psparse_renormalised(double* scale, int* flag) {
+    // after a flagged renormalisation: scale = 1 and the flag cleared
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (flag[0]) { scale[0] = 1.0; flag[0] = 0; }
+}
+
+extern "C" __global__ void psparse_decaying_add(const long long* indices, const float* values,
+                                                long long n, double weight, int kind,
+                                                const double* scale, float* stored,
+                                                const long long* bounds, long long nseg,
+                                                float* top, int track_max) {
+    // stored[indices] += (weight / scale) * (|values| for kind 0, values for 1, 1 for 2),
+    // rounded as numpy does (the float32 factor, then the product, then the sum); with
+    // track_max the per-segment maxima grow to the updated values (indices sorted, distinct)
+    float w = (float)__ddiv_rn(weight, scale[0]);
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        long long at = indices[j];
+        float add = kind == 2 ? w : __fmul_rn(w, kind == 0 ? fabsf(values[j]) : values[j]);
+        float v = __fadd_rn(stored[at], add);
+        stored[at] = v;
+        if (track_max) {
+            long long lo = 0, hi = nseg;  // the segment holding `at`
+            while (hi - lo > 1) { long long mid = (lo + hi) / 2; if (bounds[mid] <= at) lo = mid; else hi = mid; }
+            atomicMax((unsigned int*)&top[lo], __float_as_uint(v));
+        }
+    }
+}
+
+extern "C" __global__ void psparse_mark(const long long* indices, const long long* segs,
+                                        const long long* report, long long nseg,
+                                        unsigned char* mask, int value) {
+    // mask[i] = value for each segment's selected indices of a radix select (psparse/radix.py:
+    // segs[s * 10 + 5] is its output base, report[s * 2] how many it selected)
+    for (long long s = blockIdx.x; s < nseg; s += gridDim.x) {
+        long long base = segs[s * 10 + 5], count = report[s * 2];
+        for (long long j = threadIdx.x; j < count; j += blockDim.x)
+            mask[indices[base + j]] = (unsigned char)value;
+    }
+}
 """
 
 # C parameter type -> (array or scalar, dtype) that a launch must pass for it
@@ -494,6 +613,7 @@ C_TYPES = {
     "unsigned int*": ("array", np.uint32), "const unsigned char*": ("array", np.uint8),
     "unsigned char*": ("array", np.uint8), "int*": ("array", np.int32),
     "const int*": ("array", np.int32), "double": ("scalar", np.float64),
+    "double*": ("array", np.float64), "const double*": ("array", np.float64),
     "long long": ("scalar", np.int64), "float": ("scalar", np.float32), "int": ("scalar", np.int32),
 }
 _KERNEL_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')

@@ -54,6 +54,7 @@ import math
 import numpy as np
 
 from . import kernels
+from .radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
 from .xp import array_module
 
 MEMORIES = ("residual", "dgc", "scalecom")
@@ -70,7 +71,10 @@ class Memory:
     and scratch between rounds, and ``filtered`` (m_t) carries over."""
 
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
-                 clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA):
+                 clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA, dev=None):
+        self.dev = dev  # a device backend (psparse.backend): kernels launched through it
+        if dev is not None:
+            xp = dev.xp
         if kind not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {kind!r}")
         if kind == "scalecom" and not 0 < beta <= 1:
@@ -82,13 +86,44 @@ class Memory:
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
-        if self.clip_norm is not None:
-            norm = float(array_module(grad).linalg.norm(grad))
-            if norm > self.clip_norm:
-                grad = grad * np.float32(self.clip_norm / norm)
+        grad = self.clipped(grad)
+        if self.dev is not None:
+            mode, acc, grad, velocity, filtered, momentum = self.accumulate_spec(grad)
+            n = np.int64(acc.size)
+            if mode == ACC_RESIDUAL:
+                acc += grad
+            elif mode == ACC_DGC:
+                self.dev.launch_over("psparse_dgc_accumulate", acc.size, (
+                    grad, np.float32(momentum), velocity, acc, n))
+            else:
+                self.dev.xp.add(filtered, grad, out=acc)
+            return acc
         if self.filtered is not None:  # scalecom: p_t = m_t + g_t
             return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
         return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
+
+    def clipped(self, grad):
+        """The gradient scaled to L2 norm <= clip_norm (unchanged without clipping). On the
+        device the factor is computed there: min(1, clip / norm) as a device scalar, so the
+        norm is never read back (the host path compares it in Python)."""
+        if self.clip_norm is None:
+            return grad
+        xp = array_module(grad) if self.dev is None else self.dev.xp
+        if self.dev is None:
+            norm = float(xp.linalg.norm(grad))
+            return grad * np.float32(self.clip_norm / norm) if norm > self.clip_norm else grad
+        norm = xp.sqrt(xp.sum(xp.square(grad.astype(xp.float64))))
+        factor = xp.where(norm > self.clip_norm, self.clip_norm / xp.maximum(norm, 1e-300), 1.0)
+        return grad * factor.astype(xp.float32)
+
+    def accumulate_spec(self, grad) -> tuple:
+        """The device accumulation of ``grad`` as the radix engine folds it into its first pass
+        (psparse/radix.py: ``RadixSelect.run``); ``grad`` already clipped."""
+        if self.filtered is not None:
+            return (ACC_FILTERED, self.accumulator, grad, None, self.filtered, 0.0)
+        if self.velocity is not None:
+            return (ACC_DGC, self.accumulator, grad, self.velocity, None, self.momentum)
+        return (ACC_RESIDUAL, self.accumulator, grad, None, None, 0.0)
 
     def add_range(self, grad: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """``add`` for the entries [lo, hi) alone (one bucket of layers, ``--overlap``), the
@@ -106,12 +141,25 @@ class Memory:
 
         For ``scalecom`` the zeroed accumulator is r_t, and the memory becomes
         m_{t+1} = (1 - beta) m_t + beta r_t (the accumulator is left as scratch)."""
-        values = kernels.take(self.accumulator, indices, self.velocity)
+        if self.dev is None:
+            values = kernels.take(self.accumulator, indices, self.velocity)
+        else:
+            values = self.dev.xp.empty(indices.size, dtype=self.dev.xp.float32)
+            if indices.size:
+                self.dev.launch_over("psparse_take", indices.size, (
+                    indices, np.int64(indices.size), self.accumulator,
+                    self.dev.or_dummy(self.velocity, np.float32),
+                    np.int32(self.velocity is not None), values))
+        self.after_take()
+        return values
+
+    def after_take(self) -> None:
+        """What follows the gather-and-zero: for ``scalecom`` the filtered memory's update
+        m_{t+1} = (1 - beta) m_t + beta r_t (r_t: the zeroed accumulator)."""
         if self.filtered is not None:
             self.filtered *= np.float32(1.0 - self.beta)
             self.accumulator *= np.float32(self.beta)
             self.filtered += self.accumulator
-        return values
 
     @property
     def optimizer_momentum_applies(self) -> bool:

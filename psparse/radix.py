@@ -49,7 +49,7 @@ ST_PREFIX, ST_NEED, ST_MODE, ST_CAND = 0, 1, 2, 3
 MODE_BUF, MODE_FULL, MODE_ALL, MODE_NONE = 0, 1, 2, 3
 KEY_ABS, KEY_EMA, KEY_PENALTY, KEY_PRIORITY, KEY_CORE, KEY_FREQ, KEY_THRESHOLD = range(7)
 ACC_NONE, ACC_RESIDUAL, ACC_DGC, ACC_FILTERED = range(4)
-CORE_KEY = 0x7FFFFFFF  # a core entry's key: above every finite magnitude's bits
+CORE_KEY = 0x7F7FFFFF  # a core entry's key: float32's largest finite value (the host's too)
 # (shift, bits) of each digit, most significant first: 31-bit keys (bit 31 of a non-negative
 # float is 0) and 63-bit ones (KEY_FREQ: a non-negative priority's bits, then a magnitude's)
 LEVELS_32 = ((19, 12), (8, 11), (0, 8))
@@ -200,6 +200,14 @@ class RadixSelect:
         self.out_val = out_val if out_val is not None else xp.zeros(size, dtype=xp.float32)
         self.values, self.take, self.velocity = values, take, velocity
         self.hist_blocks = max(1, min(self.ntiles, HIST_BLOCKS_PER_SM * dev.sm_count))
+        self._launches = self._plan_launches()
+
+    def set_key(self, key: Key) -> None:
+        """Rank another key of the same mode (other arrays): the launches are re-planned, the
+        buffers kept."""
+        if key.mode != self.key.mode:
+            raise ValueError(f"a RadixSelect for key mode {self.key.mode} given mode {key.mode}")
+        self.key = key
         self._launches = self._plan_launches()
 
     def _tables(self):

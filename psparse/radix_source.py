@@ -87,7 +87,7 @@ __device__ __forceinline__ u64 rs_key(const KeySrc& s, long long p, long long se
         break;
     case KEY_CORE:
         m = fabsf(s.x[g]);
-        if (isfinite(m) && s.mask[g]) return 0x7FFFFFFFull;  // the core ranks above all
+        if (isfinite(m) && s.mask[g]) return 0x7F7FFFFFull;  // the core: float32's maximum
         break;
     case KEY_THRESHOLD:
         m = fabsf(s.x[g]);

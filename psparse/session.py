@@ -37,7 +37,9 @@ import torch
 from . import buckets, checkpoint, cluster, keyranges
 from .client import PSClient, ServerGone, ShardedClient, WorkerError
 from .config import DEFAULT_BUCKET_MB, ConfigError, RunConfig, config_from_json, load_config_file
-from .device import FlatModel, HostBuffers, gpu_array_module
+from .backend import device_backend
+from .device import FlatModel, HostBuffers
+from .device_round import DeviceRound
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
 from .policies import Layout, PolicyError, SelectionPolicy, build_policy, check_output
@@ -285,10 +287,13 @@ class Session:
         self.net = FlatModel(model, torch.device(device))
         self.device = self.net.device
         self.optimizer = optimizer
-        # the GPU path: accumulator, selection and policy state on the device (CuPy kernels)
-        self.xp = gpu_array_module(self.device, self.say)
-        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm, xp=self.xp,
-                             beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta)
+        # the GPU path: accumulator, selection and policy state on the device (CuPy kernels
+        # through a backend, psparse.backend; None: the host path)
+        self.dev = device_backend(self.device, self.say)
+        self.xp = self.dev.xp if self.dev is not None else np
+        self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
+                             beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta,
+                             dev=self.dev)
         if optimizer is not None and not self.memory.optimizer_momentum_applies and not (
                 isinstance(optimizer, torch.optim.SGD)
                 and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
@@ -303,7 +308,7 @@ class Session:
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
-                                   seed=cfg.seed, xp=self.xp)
+                                   seed=cfg.seed, dev=self.dev)
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
             if cfg.record_selections else None
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
@@ -347,6 +352,8 @@ class Session:
         # a two-phase policy keeps its proposal phase even at density 1: the run says two_phase
         self.round = TwoPhase() if self.policy.two_phase else WholeModel() if whole \
             else OnePhase()
+        self.device_round = DeviceRound(self, self.dev, isinstance(self.round, WholeModel)) \
+            if self.dev is not None else None
 
     # ----------------------------------------------------------------------------- basics
     def log(self, **values) -> None:
@@ -444,6 +451,11 @@ class Session:
         """
         it = self.iteration
         self._check_iteration(it)
+        if self.device_round is not None and self.parts is None:
+            if self.cfg.checkpoint_every and it > self.start and \
+                    it % self.cfg.checkpoint_every == 0:
+                self._checkpoint(it)
+            return self.device_round.exchange(it, loss)  # the loss is read with the round
         if loss is not None:
             loss = float(loss.item() if hasattr(loss, "item") else loss)
             if not math.isfinite(loss):
@@ -490,16 +502,24 @@ class Session:
     def _apply(self, agg, it: int) -> None:
         """The round's aggregate: the policy observes it, it lands in .grad; the iteration
         is done."""
-        if "live" in agg.header and agg["live"] != self.live:
-            self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
-            self.policy.set_live(self.live)
-            self.say(f"live ranks now {self.live}; rank {self.evaluator} evaluates")
+        self._note_live(agg)
         if agg.get("dense"):
             self.policy.observe(*self.on_device(self._all_indices(), agg.values), it)
             self.net.set_grad(None, agg.values)
         else:
             self.policy.observe(*self.on_device(agg.indices, agg.values), it)
             self.net.set_grad(agg.indices, agg.values)
+        self._finish_iteration(it)
+
+    def _note_live(self, agg) -> None:
+        if "live" in agg.header and agg["live"] != self.live:
+            self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
+            self.policy.set_live(self.live)
+            self.say(f"live ranks now {self.live}; rank {self.evaluator} evaluates")
+
+    def _finish_iteration(self, it: int) -> None:
+        """Iteration ``it`` is applied: the next one's number, and the buffers a checkpoint of
+        the next iteration must keep."""
         self.iteration = it + 1
         if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
             # The checkpoint of iteration it + 1 is written at the next exchange, once the
@@ -596,8 +616,8 @@ class Session:
             "iteration": self.iteration,
             "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "memory": {name: to_host(a) for name, a in self.memory.state_dict().items()},
-            "policy": {name: to_host(v) if hasattr(v, "shape") else v
+            "memory": {name: self.policy.host(a) for name, a in self.memory.state_dict().items()},
+            "policy": {name: self.policy.host(v) if hasattr(v, "shape") else v
                        for name, v in self.policy.state_dict().items()},
             "cache": self.client.cache_state(),
             "stats": self.stats,
@@ -610,7 +630,10 @@ class Session:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         for name, array in state["memory"].items():
-            getattr(self.memory, name)[...] = self.xp.asarray(array)
+            if self.dev is not None:
+                self.dev.upload(f"restore-{name}", np.asarray(array), out=getattr(self.memory, name))
+            else:
+                getattr(self.memory, name)[...] = np.asarray(array)
         self.policy.load_state_dict(state["policy"])
         self.client.restore_cache(state["cache"])
         stats = state["stats"]

@@ -47,10 +47,16 @@ class Threshold(Reference):
     max_push = BUILT_IN["threshold"].max_push
 
     def select(self, accumulator, iteration, group=None):
-        chosen = np.flatnonzero(np.abs(accumulator) >= self.lam)
-        if chosen.size > self.max_push:
-            chosen = self.per_slice(accumulator, self.layout.split(self.max_push), self.topk)
-        return chosen
+        # per slice: the entries at or above lam; more than the slice's share of the cap: the
+        # share's largest
+        parts = []
+        for (offset, size), share in zip(self.layout.slices, self.layout.split(self.max_push)):
+            acc = accumulator[offset:offset + size]
+            chosen = np.flatnonzero(np.abs(acc) >= self.lam)
+            if chosen.size > share:
+                chosen = self.topk(acc, share)
+            parts.append(chosen + offset)
+        return np.concatenate(parts).astype(np.int64)
 
 
 class Frequency(Reference):
@@ -150,10 +156,10 @@ class SharedCore(Reference):
             prio = np.abs(prio)
         core_k = min(k - int(round(self.own * k)), int(np.count_nonzero(prio)))
         core = self.topk(prio, core_k) if core_k > 0 else np.empty(0, np.int64)
-        mag = np.abs(acc)
-        mag[core] = 0.0
-        mine = self.topk(mag, k - core.size)
-        return sorted_union([core, mine])
+        # the core, and the k - |core| largest |acc| outside it (zeros included)
+        mag = np.abs(acc).astype(np.float64)
+        mag[core] = np.inf
+        return self.topk(mag, k)
 
     def observe(self, indices, values, iteration):
         decay_and_add(self.priority, indices, values, self.beta, 1.0 - self.beta,

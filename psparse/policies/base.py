@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import radix
+from ..device_policy import DeviceEngines, Fusion
 from ..sparsify import Selector, split_k
 from ..xp import to_host
 
@@ -102,9 +104,13 @@ class SelectionPolicy:
     two_phase = False
 
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, xp=np, **params):
+                 seed: int = 0, xp=np, dev=None, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
-        self.xp = xp  # numpy, or cupy for accumulators on the GPU
+        # dev: the device backend of a GPU worker (psparse.backend), else None (the host)
+        self.dev = dev
+        self.xp = dev.xp if dev is not None else xp  # numpy, or cupy on the GPU
+        self.engines = DeviceEngines(dev, layout) if dev is not None else None
+        self.fusion: Fusion | None = None  # the round's error-feedback work (set by the session)
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             raise PolicyError(f"policy {self.name!r} has no parameter {unknown[0]!r}; valid: "
@@ -126,7 +132,38 @@ class SelectionPolicy:
 
     def select(self, accumulator: np.ndarray, iteration: int,
                group: np.ndarray | None = None) -> np.ndarray:
+        if self.dev is not None and self.device_native:
+            return self.select_device(accumulator, iteration, group)
         return self.per_slice(accumulator, self.slice_k, self.select_slice)
+
+    # ------------------------------------------------------------------------ the device
+    # On a GPU worker ``select`` runs ``select_device``: the radix engine ranks ``device_key``
+    # in every slice at once (psparse/device_policy.py), with no host round trip. A policy
+    # that changes ``score`` or ``select_slice`` without saying how on the device keeps the
+    # host-style path there (its own array code on the device's arrays).
+    fuses_accumulation = True  # select_device's first pass reads the accumulator first
+
+    def device_key(self, accumulator):
+        """What the engine ranks on the device (``radix.Key``): by default |accumulator|."""
+        return radix.Key(radix.KEY_ABS, accumulator)
+
+    def select_device(self, accumulator, iteration: int, group=None):
+        """The device selection: a ``DeviceSelection`` (or a device array of indices)."""
+        return self.engines.select("select", self.device_key(accumulator), self.slice_k,
+                                   self.fusion)
+
+    @property
+    def device_native(self) -> bool:
+        """True when this class's device path stands for its host path: no class below the
+        one that defines ``device_key`` / ``select_device`` redefines ``score``,
+        ``select_slice`` or ``select`` (a user's subclass of a built-in)."""
+        for cls in type(self).__mro__:
+            names = vars(cls)
+            if "select_device" in names or "device_key" in names or cls is SelectionPolicy:
+                return True
+            if any(n in names for n in ("score", "select_slice", "select")):
+                return False
+        return True
 
     def per_slice(self, accumulator: np.ndarray, slice_k: list[int], choose) -> np.ndarray:
         """Apply ``choose(slice, k, offset)`` to every slice; sorted global indices."""
@@ -188,6 +225,11 @@ class SelectionPolicy:
     # --------------------------------------------------------------------------- utilities
     def topk(self, score: np.ndarray, k: int, offset: int = 0) -> np.ndarray:
         """Sorted indices of the k largest |score| in a slice (exact; deterministic)."""
+        if self.dev is not None:  # the engine, on one array (a user's score on the device)
+            found = self.engines.select(f"topk@{offset}", radix.Key(radix.KEY_ABS, score), [k],
+                                        None, final=False, values=False,
+                                        segments=[(0, int(score.size))])
+            return found.indices.astype(self.xp.int64)
         selector = self._selectors[self._slice_index(offset)]
         return selector.topk(score, k)
 
@@ -207,9 +249,13 @@ class SelectionPolicy:
         h = hashlib.blake2b(digest_size=8)
         for key, value in sorted(self.state_dict().items()):
             h.update(key.encode())
-            h.update(np.ascontiguousarray(to_host(value)).tobytes() if hasattr(value, "shape")
+            h.update(np.ascontiguousarray(self.host(value)).tobytes() if hasattr(value, "shape")
                      else repr(value).encode())
         return h.hexdigest()
+
+    def host(self, array) -> np.ndarray:
+        """A state array's values on the host (for checkpoints and digests, not rounds)."""
+        return self.dev.read(array) if self.dev is not None else to_host(array)
 
     def describe(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)}" for n in self.params)

@@ -7,6 +7,7 @@ leader's indices before the push: a two-phase round (proposals, then pushes), wh
 extra index broadcast per round, counted in the metrics.
 """
 
+from .. import radix
 from .base import SelectionPolicy
 
 
@@ -17,6 +18,9 @@ class CyclicLocalTopK(SelectionPolicy):
     def propose(self, accumulator, iteration):
         if self.live[iteration % len(self.live)] != self.rank:
             return None
+        if self.dev is not None:  # the proposal and its values, the accumulator untouched
+            return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
+                                       self.slice_k, self.fusion, final=False)
         return self.per_slice(accumulator, self.slice_k, self.topk)
 
     def select(self, accumulator, iteration, group=None):

@@ -31,17 +31,22 @@ priority that fell, a renormalisation) the nonzero entries are searched again. W
 candidate was aggregated (every worker sends the core, so usually), the new candidates are the
 aggregated entries at or above the floor, with no merge: on small host slices the scatter keeps
 the old values, which tell (how many of the aggregate were at or above the floor before). The own slice is
-the top k - |core| of |accumulator| with the core masked out (the reference rule): on a small
-host slice one partition, whose answer mask also takes the core; on a large one scored and
-selected a block at a time (``Selector.topk_scored``), which finds k - |core| entries instead of
-a top-k's k.
+the top k - |core| of |accumulator| outside the core: the k largest of |accumulator| with the
+core's entries at float32's maximum (so they rank first and the rest of the budget goes to the
+largest others, zeros included, never to a core entry twice): on a small host slice one
+partition; on a large one scored and selected a block at a time (``Selector.topk_scored``).
+On the device (``select_device``) the same rule: the core by an engine over the priority that
+leaves out zero keys, marked in a byte mask, then one engine over the combined key.
 """
 
 import numpy as np
 
-from .. import kernels
+from .. import kernels, radix
+from ..device_policy import DeviceDecaying
 from ..sparsify import positions, topk_exact
 from .base import Param, SelectionPolicy
+
+CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|
 
 
 class SharedCore(SelectionPolicy):
@@ -61,9 +66,29 @@ class SharedCore(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
+        if self.dev is not None:
+            self.priority = DeviceDecaying(layout.numel, self.dev)
+            self.in_core = self.xp.zeros(layout.numel, dtype=self.xp.uint8)
+            return
         self.priority = kernels.Decaying(layout.numel, self.xp)
         self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
         self._forget()
+
+    def select_device(self, accumulator, iteration, group=None):
+        """The core (per slice, the largest nonzero priorities: an engine that leaves out zero
+        keys), marked in a mask; then the k largest of |acc| with the core at float32's
+        maximum (the core and the rest of the budget in one selection); the mask cleared."""
+        core_ks = [k - int(round(self.own_share * k)) for k in self.slice_k]
+        core = self.engines.select(
+            "core", radix.Key(radix.KEY_PRIORITY, accumulator, aux=self.priority.stored,
+                              p0=float(self.signed)), core_ks, None, final=False,
+            values=False, exclude_zero=True)
+        self.engines.mark(core, self.in_core, 1)
+        chosen = self.engines.select("select", radix.Key(radix.KEY_CORE, accumulator,
+                                                         mask=self.in_core), self.slice_k,
+                                     self.fusion)
+        self.engines.mark(core, self.in_core, 0)
+        return chosen
 
     def _forget(self):
         # per slice: candidate indices (sorted, slice-relative; None: search the whole slice)
@@ -78,17 +103,15 @@ class SharedCore(SelectionPolicy):
             return core
         mag = self._mag[offset:offset + acc.size]
         if xp is np and self._selectors[self._slice_index(offset)].exact:
-            # a small host slice: one partition of |acc| with the core masked out, the core
-            # marked in the same mask (the sorted union for free)
+            # a small host slice: one partition of |acc| with the core at the top
             np.abs(acc, out=mag)
-            mag[core] = 0.0
-            return topk_exact(mag, k - core.size, nonnegative=True, also=core)
+            mag[core] = CORE_SCORE
+            return topk_exact(mag, k, nonnegative=True)
 
-        def score(sl, out):  # |acc| with the core masked out: it is sent anyway
+        def score(sl, out):  # |acc| with the core at float32's maximum: it is sent anyway
             xp.abs(acc[sl], out=out)
-            out[positions(core, sl, acc.size)] = 0.0
-        mine = self.topk_scored(score, k - core.size, offset, mag)
-        return kernels.sorted_union([core, mine])
+            out[positions(core, sl, acc.size)] = CORE_SCORE
+        return self.topk_scored(score, k, offset, mag)
 
     @property
     def own_share(self) -> float:
@@ -135,6 +158,10 @@ class SharedCore(SelectionPolicy):
         return keep
 
     def observe(self, indices, values, iteration):
+        if self.dev is not None:
+            self.priority.decay(self.beta)
+            self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed)
+            return
         if self.priority.decay(self.beta):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
         xp = self.xp
@@ -177,4 +204,5 @@ class SharedCore(SelectionPolicy):
 
     def load_state_dict(self, state):
         self.priority.load_state_dict(state)
-        self._forget()
+        if self.dev is None:
+            self._forget()

@@ -18,7 +18,8 @@ priority once and writes no model-sized array.
 
 import numpy as np
 
-from .. import kernels
+from .. import kernels, radix
+from ..device_policy import DeviceDecaying, layout_bounds
 from .base import Param, SelectionPolicy
 
 STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum exceeds this
@@ -33,9 +34,16 @@ class EMA(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
+        if self.dev is not None:  # max(stored) per slice kept on the device (priority.top)
+            self.priority = DeviceDecaying(layout.numel, self.dev, layout_bounds(layout))
+            return
         self.priority = kernels.Decaying(layout.numel, self.xp)
         self._score = self.xp.empty(layout.numel, dtype=self.xp.float32)
         self._top = [np.float32(0)] * len(layout.slices)  # max(stored priority) per slice
+
+    def device_key(self, accumulator):
+        return radix.Key(radix.KEY_EMA, accumulator, aux=self.priority.stored, p0=self.lam,
+                         pdev=self.priority.top)
 
     def select_slice(self, acc, k, offset):
         return self.topk_scored(self._scorer(acc, offset), k, offset,
@@ -67,6 +75,11 @@ class EMA(SelectionPolicy):
         return score
 
     def observe(self, indices, values, iteration):
+        if self.dev is not None:  # the same rule, decided on the device
+            self.priority.decay(self.beta, track_max=True)
+            self.priority.add(indices, values, 1.0 - self.beta, track_max=True)
+            self.priority.renormalise_above(STORED_LIMIT)
+            return
         if self.priority.decay(self.beta):  # rescaled: the maxima too
             self._top = self._maxima()
         xp, priority = self.xp, self.priority
@@ -96,4 +109,7 @@ class EMA(SelectionPolicy):
 
     def load_state_dict(self, state):
         self.priority.load_state_dict(state)
+        if self.dev is not None:
+            self.priority.refresh_maxima()
+            return
         self._top = self._maxima()

@@ -23,7 +23,8 @@ import sys
 
 import numpy as np
 
-from .. import kernels, sparsify
+from .. import kernels, radix, sparsify
+from ..device_policy import DeviceDecaying
 from .base import Param, SelectionPolicy
 
 # A large host slice's pool is streamed when it is over this fraction of the slice, else listed
@@ -46,9 +47,22 @@ class Frequency(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = kernels.Decaying(layout.numel, self.xp)
+        self.priority = kernels.Decaying(layout.numel, self.xp) if self.dev is None else \
+            DeviceDecaying(layout.numel, self.dev)
         self._scratch = None  # the streamed pass's block buffers (host, large slices)
         self._mag = None  # |acc| of a small host slice
+
+    def select_device(self, accumulator, iteration, group=None):
+        """The pool (the c*k largest |acc| per slice, in index order), then its k best by
+        (count, magnitude): a second engine over the pool's positions."""
+        pools = [min(size, int(np.ceil(self.c * k))) if k else 0
+                 for (_, size), k in zip(self.layout.slices, self.slice_k)]
+        pool = self.engines.select("pool", radix.Key(radix.KEY_ABS, accumulator), pools,
+                                   self.fusion, final=False, values=False)
+        segments = [(int(b), int(b) + p) for b, p in zip(pool.starts, pools)]
+        key = radix.Key(radix.KEY_FREQ, accumulator, aux=self.priority.stored,
+                        gather=pool.engine.out_idx)
+        return self.engines.select("select", key, self.slice_k, self.fusion, segments=segments)
 
     def select_slice(self, acc, k, offset):
         pool = min(acc.size, int(np.ceil(self.c * k)))
@@ -176,7 +190,7 @@ class Frequency(SelectionPolicy):
         for start in range(0, n, block):
             size = min(block, n - start)
             mag = np.abs(acc[start:start + size], out=mag_buf[:size])
-            if not np.isfinite(mag.sum()):  # in cache; catches NaN and inf
+            if not np.isfinite(mag.max()):  # in cache; NaN and inf propagate through max
                 raise kernels.NonFiniteError("the accumulator holds NaN or inf (first near "
                                              f"index {start})")
             lo = np.greater_equal(mag, a_lo, out=lo_buf[:size])

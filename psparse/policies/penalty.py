@@ -13,6 +13,7 @@ model-sized score array and no scatter across the model per round.
 
 import numpy as np
 
+from .. import radix
 from ..sparsify import positions
 from ..xp import to_host
 from .base import Param, SelectionPolicy
@@ -30,7 +31,13 @@ class Penalty(SelectionPolicy):
         xp = self.xp
         self.previous = xp.empty(0, dtype=xp.int64)  # sorted indices of the last aggregate
         self._previous_host = np.empty(0, dtype=np.int64)  # the same, for searchsorted
+        if self.dev is not None:  # on the device: a mask of the last aggregate's indices
+            self.shared = xp.zeros(layout.numel, dtype=xp.uint8)
+            return
         self._score = xp.empty(layout.numel, dtype=xp.float32)
+
+    def device_key(self, accumulator):
+        return radix.Key(radix.KEY_PENALTY, accumulator, mask=self.shared, p0=self.pi)
 
     def select_slice(self, acc, k, offset):
         return self.topk_scored(self._scorer(acc, offset), k, offset,
@@ -56,11 +63,22 @@ class Penalty(SelectionPolicy):
         return score
 
     def observe(self, indices, values, iteration):
+        if self.dev is not None:
+            self.shared[self.previous] = 0
+            self.previous = indices.astype(self.xp.int64)  # a copy: the upload buffer is reused
+            self.shared[self.previous] = 1
+            return
         self._previous_host = np.array(to_host(indices), dtype=np.int64)
         self.previous = self.xp.asarray(self._previous_host)
 
     def state_dict(self):
+        if self.dev is not None:
+            return {"previous": self.previous}
         return {"previous": self._previous_host}
 
     def load_state_dict(self, state):
-        self.observe(np.asarray(state["previous"]), None, None)
+        previous = np.asarray(state["previous"], dtype=np.int64)
+        if self.dev is not None:
+            self.observe(self.dev.upload("previous", previous), None, None)
+            return
+        self.observe(previous, None, None)

@@ -12,10 +12,14 @@ from .base import SelectionPolicy
 
 class RandomK(SelectionPolicy):
     name = "randomk"
+    fuses_accumulation = False  # it never reads the accumulator
 
     def select(self, accumulator, iteration, group=None):
         parts = []
         for (offset, size), k in zip(self.layout.slices, self.slice_k):
             rng = np.random.default_rng([self.seed, iteration, offset])
             parts.append(np.sort(rng.choice(size, size=k, replace=False)) + offset)
-        return self.xp.asarray(np.concatenate(parts).astype(np.int64))
+        chosen = np.concatenate(parts).astype(np.int64)
+        if self.dev is not None:  # drawn on the host: one asynchronous upload
+            return self.dev.upload("randomk", chosen)
+        return self.xp.asarray(chosen)

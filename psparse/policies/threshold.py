@@ -6,12 +6,14 @@ worker and per round, and ``--density`` is ignored (apart from sizing messages a
 
 Its push cap (what the server enforces) is the whole model, or with ``cap=C`` C·k entries: when
 more entries pass the threshold, the C·k of largest magnitude are sent and the rest stays in the
-accumulator.
+accumulator. With ``--granularity layer`` the cap is split across the layers as k is (each
+layer's share), and each layer keeps its own share's largest (the GPU selects every layer at
+once, so the rule is per layer there and here alike).
 """
 
 import numpy as np
 
-from .. import kernels, sparsify
+from .. import kernels, radix, sparsify
 from .base import Param, SelectionPolicy
 
 
@@ -35,8 +37,21 @@ class Threshold(SelectionPolicy):
         return min(self.layout.numel, max(1, int(round(self.cap * self.k))))
 
     def select(self, accumulator, iteration, group=None):
+        shares = self.layout.split(self.max_push)
+        if self.dev is not None:  # per slice: |acc| >= lam, the share's largest if more
+            return self.engines.select("select", radix.Key(radix.KEY_THRESHOLD, accumulator,
+                                                           p0=self.lam), shares, self.fusion,
+                                       exclude_zero=True)
         # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
         chosen = kernels.at_least(accumulator, self.lam, self._scratch)
-        if chosen.size > self.max_push:  # keep the largest: the rest waits in the accumulator
-            chosen = self.per_slice(accumulator, self.layout.split(self.max_push), self.topk)
-        return chosen
+        slices = self.layout.slices
+        bounds = kernels.slice_bounds(chosen, slices)
+        if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):
+            return chosen
+        parts = []  # keep each slice's largest: the rest waits in the accumulator
+        for (lo, hi), (offset, size), share in zip(bounds, slices, shares):
+            if hi - lo <= share:
+                parts.append(chosen[lo:hi])
+            elif share > 0:
+                parts.append(self.topk(accumulator[offset:offset + size], share, offset) + offset)
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)

@@ -11,6 +11,7 @@ vectors; here the selection happens at the server from the proposals, so the bro
 ``keep * k`` indices plus the aggregate, instead of the union of everyone's top-k.
 """
 
+from .. import radix
 from .base import Param, SelectionPolicy
 
 
@@ -25,7 +26,11 @@ class Vote(SelectionPolicy):
     }
 
     def propose(self, accumulator, iteration):
-        return self.per_slice(accumulator, self.layout.split(self.max_propose), self.topk)
+        shares = self.layout.split(self.max_propose)
+        if self.dev is not None:  # the proposal and its values, the accumulator untouched
+            return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
+                                       shares, self.fusion, final=False)
+        return self.per_slice(accumulator, shares, self.topk)
 
     @property
     def max_propose(self):

@@ -1,0 +1,193 @@
+"""What a selection policy uses on the device: the engine's selections and lazily decayed state.
+
+On the GPU (``--device cuda``) a policy's ``select`` runs the radix engine (``psparse.radix``)
+instead of the host's partitions: ``DeviceEngines.select`` ranks a ``radix.Key`` (the policy's
+score, made on the fly in every pass: no model-sized temporary) in every slice at once and
+returns a ``DeviceSelection``, whose size is the sum of the slices' k and whose counts, if they
+can vary, come back with the round's one copy (``report``). The session's ``Fusion`` lets the
+first pass fold the gradient into the accumulator and the last one take the selected values
+out of it (gather and zero), so error feedback costs no pass of its own.
+
+``DeviceDecaying`` is ``kernels.Decaying`` (value = scale * stored) with its scale on the device
+and its renormalisations decided there, bit-identical to the host's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import radix
+from .kernels import Decaying
+
+
+@dataclass
+class Fusion:
+    """Error-feedback work a round lets the engine do inside its passes.
+
+    ``accumulate``: (mode, accumulator, gradient, velocity, filtered, momentum) for the first
+    pass over the accumulator (None once done, or when the session did it itself); ``take``:
+    zero the accumulator (and ``velocity``) where the final selection is taken."""
+
+    accumulate: tuple | None
+    accumulator: object
+    velocity: object = None
+
+
+@dataclass
+class DeviceSelection:
+    """A selection on the device: ``indices`` (the engine's output, sorted per slice) and, if
+    ``taken``, their ``values`` (already zeroed in the accumulator). Segment s holds
+    ``indices[starts[s] : starts[s] + count_s]``; the counts are the k per slice unless
+    ``variable``, when they are in ``report`` (copied back with the round)."""
+
+    indices: object
+    values: object
+    report: object
+    starts: np.ndarray
+    ks: list
+    taken: bool
+    variable: bool = False
+    engine: radix.RadixSelect | None = None
+
+    @property
+    def capacity(self) -> int:
+        return int(sum(self.ks))
+
+    def host_parts(self, report: np.ndarray) -> list[tuple[int, int]]:
+        """[(start, count)] per segment, from the copied-back report."""
+        counts = np.asarray(report).reshape(-1, radix.RP_W)[:, 0] if self.variable else self.ks
+        return [(int(s), int(c)) for s, c in zip(self.starts, counts)]
+
+
+class DeviceEngines:
+    """The radix engines one policy uses, built once per (purpose, k per slice) and reused."""
+
+    def __init__(self, dev, layout):
+        self.dev, self.layout = dev, layout
+        self._cache: dict = {}
+        self.index_dtype = np.int32 if layout.numel < 2 ** 31 else np.int64
+
+    def engine(self, name: str, key: radix.Key, ks, segments=None, **options) -> radix.RadixSelect:
+        """The engine for ``name`` at these k (built on first use; the same arrays every round
+        for the built-in policies, re-pointed when a key's arrays change)."""
+        segments = segments or [(o, o + n) for o, n in self.layout.slices]
+        cache_key = (name, tuple(int(k) for k in ks), tuple(segments),
+                     tuple(sorted((k, id(v)) for k, v in options.items())))
+        engine = self._cache.get(cache_key)
+        if engine is None:
+            engine = self._cache[cache_key] = radix.RadixSelect(self.dev, segments, ks, key,
+                                                                **options)
+        elif any(getattr(engine.key, f) is not getattr(key, f)
+                 for f in ("x", "aux", "mask", "pdev", "gather")) or engine.key.p0 != key.p0:
+            engine.set_key(key)
+        return engine
+
+    def select(self, name: str, key: radix.Key, ks, fusion: Fusion | None, *,
+               final: bool = True, exclude_zero: bool = False, values=True,
+               segments=None) -> DeviceSelection:
+        """The ks largest keys per slice as a ``DeviceSelection``. ``final``: the values are
+        taken out of the accumulator (``fusion``'s); else (a proposal, a candidate pool) they are
+        only read (``values``) or not at all. The fusion's pending accumulation runs in the
+        first pass."""
+        take = final and fusion is not None
+        read = fusion.accumulator if fusion is not None and (take or values) else None
+        engine = self.engine(name, key, ks, segments, exclude_zero=exclude_zero,
+                             index_dtype=self.index_dtype if final else np.int64,
+                             values=read, take=take,
+                             velocity=fusion.velocity if take else None)
+        accumulate = None
+        if fusion is not None and fusion.accumulate is not None:
+            accumulate, fusion.accumulate = fusion.accumulate, None
+        engine.run(accumulate)
+        return DeviceSelection(engine.out_idx[:engine.total_k] if engine.total_k else
+                               engine.out_idx[:0],
+                               engine.out_val[:engine.total_k] if read is not None else None,
+                               engine.report, engine.obase, engine.ks, take,
+                               variable=exclude_zero, engine=engine)
+
+    def mark(self, selection: DeviceSelection, mask, value: int) -> None:
+        """mask[i] = value at every index a selection chose (on the device: the counts of a
+        variable-count selection are read there)."""
+        engine = selection.engine
+        self.dev.launch("psparse_mark", len(engine.segments), (
+            engine.out_idx, engine.segs, engine.report, np.int64(len(engine.segments)), mask,
+            np.int32(value)))
+
+
+def layout_bounds(layout) -> list[int]:
+    """The edges of a layout's slices: [0, ..., numel]."""
+    return [o for o, _ in layout.slices] + [layout.numel]
+
+
+class DeviceDecaying(Decaying):
+    """``Decaying`` on the device: ``stored`` there, ``scale`` a device double, renormalising
+    (stored *= scale, flush below float32's smallest normal, scale = 1) decided by a kernel.
+    With ``bounds`` (slice edges) it can track each slice's largest stored value (``top``)."""
+
+    def __init__(self, n: int, dev, bounds=None):
+        self.dev, self.xp = dev, dev.xp
+        self.stored = dev.xp.zeros(n, dtype=dev.xp.float32)
+        self.scale_dev = dev.xp.ones(1, dtype=dev.xp.float64)
+        self.flag = dev.xp.zeros(1, dtype=dev.xp.int32)
+        edges = bounds if bounds is not None else [0, n]
+        self.bounds = dev.constant(np.asarray(edges, dtype=np.int64))
+        self.nseg = len(edges) - 1
+        self.top = dev.xp.zeros(max(1, self.nseg), dtype=dev.xp.float32)
+        self._always = dev.xp.ones(1, dtype=dev.xp.int32)
+
+    @property
+    def scale(self) -> float:  # the host reads it only for checkpoints (state_dict)
+        return float(self.dev.read(self.scale_dev)[0])
+
+    def refresh_maxima(self) -> None:
+        """top = each slice's largest stored value (after a restore)."""
+        self.dev.launch("psparse_segment_max", min(self.nseg, 64 * self.dev.sm_count), (
+            self.stored, self.bounds, np.int64(self.nseg), self.top, self._always))
+
+    def decay(self, factor: float, track_max: bool = False) -> None:
+        dev, n = self.dev, self.stored.size
+        dev.launch("psparse_decay", 1, (self.scale_dev, np.float64(factor),
+                                        np.float64(self.RENORMALISE_BELOW), self.flag,
+                                        self.top, np.int64(self.nseg if track_max else 0)))
+        self._renormalise_if_flagged(track_max, n)
+
+    def _renormalise_if_flagged(self, track_max: bool, n: int) -> None:
+        dev = self.dev
+        dev.launch_over("psparse_renormalise", n, (self.stored, np.int64(n), self.scale_dev,
+                                                   self.flag))
+        if track_max:
+            dev.launch("psparse_segment_max", min(self.nseg, 64 * dev.sm_count), (
+                self.stored, self.bounds, np.int64(self.nseg), self.top, self.flag))
+        dev.launch("psparse_renormalised", 1, (self.scale_dev, self.flag))
+
+    def renormalise_above(self, limit: float) -> None:
+        """ema's rule: renormalise when the largest tracked value passes ``limit`` while the
+        scale is below 1 (then the maxima again)."""
+        self.dev.launch("psparse_limit_check", 1, (self.top, np.int64(self.nseg),
+                                                   np.float64(limit), self.scale_dev, self.flag,
+                                                   self.top))
+        self._renormalise_if_flagged(True, self.stored.size)
+
+    def add(self, indices, values, weight: float, magnitude: bool = True, out=None,
+            track_max: bool = False) -> None:
+        if indices.size == 0:
+            return
+        kind = 2 if values is None else (0 if magnitude else 1)
+        self.dev.launch_over("psparse_decaying_add", indices.size, (
+            indices, self.dev.or_dummy(values, np.float32), np.int64(indices.size),
+            np.float64(weight), np.int32(kind), self.scale_dev, self.stored, self.bounds,
+            np.int64(self.nseg), self.top, np.int32(track_max)))
+
+    def values(self):
+        return self.stored * self.xp.asarray(self.scale_dev.astype(self.xp.float32))
+
+    def state_dict(self) -> dict:
+        return {"priority": self.stored, "scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        host = np.asarray(state["priority"], dtype=np.float32)
+        self.dev.upload("restore-priority", host, out=self.stored)
+        self.dev.upload("restore-scale", np.array([float(state.get("scale", 1.0))]),
+                        out=self.scale_dev)

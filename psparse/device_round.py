@@ -1,0 +1,241 @@
+"""A GPU worker's round: everything on the device, one synchronisation per message it sends.
+
+``Session.exchange`` hands a round to ``DeviceRound`` when the worker has a device backend
+(``--device cuda`` with CuPy; ``PSPARSE_EMULATE_GPU`` on the CPU for the tests). One round:
+
+1. psparse's stream waits for torch's (the backward pass that wrote the flat gradient);
+   the loss tensor is copied into a device slot (no ``.item()``);
+2. the policy selects on the device (``psparse.device_policy``): error feedback folded into the
+   engine's first pass, the selected values gathered and zeroed in its last one; a policy
+   that returns plain device indices gets a check kernel (range, order) and a take kernel;
+3. **one copy back**: the selection's indices and values, its report (counts, non-finite
+   entries), the check flags, the loss, and on checksum rounds the weights, into pinned host
+   memory, then one wait: the round's only synchronisation (two-phase policies: one more, for
+   the proposal);
+4. the push and the aggregate (the host's business: ``psparse.client``);
+5. the aggregate goes up once, asynchronously from pinned memory; the policy observes it
+   there, the gradient is zeroed and the aggregate scattered into it by one kernel (a dense
+   one copied), and torch's stream waits for that before ``optimizer.step()``.
+
+Nothing else reads a device value in a round; ``tests/test_device_round.py`` proves it with the
+strict emulated backend, whose arrays refuse every other way to the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import torch
+
+from .client import WorkerError
+from .device_policy import DeviceSelection, Fusion
+from .policies import PolicyError, check_output
+from .radix import RP_W
+
+FLAG_RANGE, FLAG_ORDER = 0, 1
+
+
+class DeviceRound:
+    """The device side of one worker's rounds (see the module docstring)."""
+
+    def __init__(self, session, dev, whole: bool):
+        self.s, self.dev = session, dev
+        self.whole = whole  # the budget is the whole model: no selection (a dense round)
+        xp = dev.xp
+        net = session.net
+        self.numel = net.numel
+        self.grad = dev.from_torch(net.grad)  # the flat gradient, the same device memory
+        self.params = dev.from_torch(net.params)
+        self.flags = xp.zeros(2, dtype=xp.uint64)
+        self.loss = xp.zeros(1, dtype=xp.float64)
+        self.loss_torch = dev.to_torch(self.loss)
+        self.all_indices = None  # every index, on the device (dense aggregates)
+        self.received_idx = xp.zeros(1, dtype=xp.int64)
+        self.received_val = xp.zeros(1, dtype=xp.float32)
+
+    # --------------------------------------------------------------------------- a round
+    def exchange(self, it: int, loss) -> None:
+        s, dev = self.s, self.dev
+        t1 = time.perf_counter()
+        s._times["compute_s"] += t1 - s._t_last
+        s.net.gather_grad()  # torch's stream: gradients that are not views of the flat buffer
+        with dev.stream_scope():
+            dev.follow_torch()
+            host_loss, staged = self._stage_loss(loss)
+            indices, values, host_loss, checksum = self._choose(it, host_loss, staged)
+            t2 = time.perf_counter()
+            agg = s.client.push(it, indices, values, host_loss, checksum, s._dense_buffer())
+            t3 = time.perf_counter()
+            self._apply(agg, it)
+            dev.lead_torch()
+        s._t_last = time.perf_counter()
+        s._times["compute_s"] += s._t_last - t3
+        s._times["select_s"] += t2 - t1
+        s._times["wait_s"] += t3 - t2
+
+    def _stage_loss(self, loss) -> tuple[float | None, bool]:
+        """A loss tensor is copied into the device slot, to come back with the round's copy
+        (True); a host number is kept as it is."""
+        if isinstance(loss, torch.Tensor):
+            self.loss_torch.copy_(loss.detach().reshape(-1)[:1].to(torch.float64))
+            return None, True
+        return (None if loss is None else float(loss)), False
+
+    def _choose(self, it: int, host_loss, staged: bool):
+        """This round's (indices, values) on the host, the loss, and the checksum (if due)."""
+        s, dev = self.s, self.dev
+        policy, memory = s.policy, s.memory
+        k = s._k_at(it)
+        if k != policy.k:
+            policy.set_k(k)
+        grad = memory.clipped(self.grad)
+        if self.whole:
+            acc = memory.add(grad)
+            return self._finish(it, None, acc, host_loss, staged, whole=True)
+        fusion = Fusion(memory.accumulate_spec(grad) if policy.fuses_accumulation else None,
+                        memory.accumulator, memory.velocity)
+        if fusion.accumulate is None:
+            memory.add(grad)
+        policy.fusion = fusion
+        try:
+            group = None
+            if policy.two_phase:
+                group = self._proposal_round(it, fusion)
+            chosen = policy.select(memory.accumulator, it, group=group)
+        finally:
+            policy.fusion = None
+        if fusion.accumulate is not None:  # the policy never read the accumulator
+            memory.add(grad)
+        return self._finish(it, chosen, None, host_loss, staged)
+
+    def _proposal_round(self, it: int, fusion: Fusion):
+        """Phase 1 of a two-phase round: the proposal back (a synchronisation), the group's
+        indices up."""
+        s, dev, policy = self.s, self.dev, self.s.policy
+        proposal = policy.propose(s.memory.accumulator, it)
+        if fusion.accumulate is not None:
+            s.memory.add(fusion.accumulate[2])
+            fusion.accumulate = None
+        if proposal is None:  # nothing to send: no copy
+            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
+        else:
+            idx, val = self._copy_back_selection(it, proposal, policy.max_propose, "propose")
+        group = s.client.propose(it, idx.astype(np.int64, copy=False), val)
+        return dev.upload("group", np.asarray(group, dtype=np.int64))
+
+    def _copy_back_selection(self, it, chosen, limit, method, extra=()):
+        """(indices, values) of a selection on the host, through one copy back (with the
+        ``extra`` pairs), the policy's output checked."""
+        dev, policy = self.dev, self.s.policy
+        if isinstance(chosen, DeviceSelection):
+            cap = chosen.capacity
+            report = dev.pinned("report", chosen.report.size, np.int64)
+            idx = dev.pinned(f"{method}-idx", cap, chosen.indices.dtype)
+            val = dev.pinned(f"{method}-val", cap, np.float32)
+            pairs = [(chosen.report, report), (chosen.indices, idx)]
+            if chosen.values is not None:
+                pairs.append((chosen.values, val))
+            dev.copy_back(pairs + list(extra))
+            bad = int(report.reshape(-1, RP_W)[:, 1].sum())
+            if bad:
+                raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
+                                  f"{bad} NaN or inf entries")
+            parts = chosen.host_parts(report)
+            if len(parts) > 1 or parts[0][0] != 0 or parts[0][1] != cap:
+                keep = np.concatenate([np.arange(b, b + c) for b, c in parts]) if parts else \
+                    np.empty(0, np.int64)
+                idx, val = idx[keep], val[keep]
+            if chosen.values is None:
+                raise AssertionError(f"{method}: a selection without its values")
+            return idx, val
+        # a plain device array of indices: its checks on the device, its values taken
+        if not (hasattr(chosen, "dtype") and hasattr(chosen, "ndim")) or chosen.ndim != 1 or \
+                chosen.dtype.kind not in "iu":
+            check_output(policy, chosen, it, limit, method)  # the host's message for it
+        if chosen.size > limit:
+            raise PolicyError(f"policy {type(policy).__name__}.{method}() at iteration {it} "
+                              f"returned {chosen.size} indices, more than its budget of {limit}")
+        chosen = chosen.astype(np.int64)
+        self.flags.fill(0)
+        if chosen.size:
+            dev.launch_over("psparse_check_indices", chosen.size, (
+                chosen, np.int64(chosen.size), np.int64(self.numel), self.flags))
+        values = self.s.memory.take(chosen) if method == "select" else \
+            self.s.memory.accumulator[chosen]
+        flags = dev.pinned("flags", 2, np.uint64)
+        idx = dev.pinned(f"{method}-idx", chosen.size, np.int64)
+        val = dev.pinned(f"{method}-val", chosen.size, np.float32)
+        dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
+        where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
+        if flags[FLAG_RANGE]:
+            raise PolicyError(f"{where} returned an index out of range [0, {self.numel})")
+        if flags[FLAG_ORDER]:
+            raise PolicyError(f"{where} returned indices that are not strictly increasing "
+                              "(they must be sorted, without duplicates)")
+        return idx, val
+
+    def _finish(self, it, chosen, acc, host_loss, staged: bool, whole: bool = False):
+        """The round's copy back: the selection (or the whole accumulator), the loss, the
+        weights on checksum rounds."""
+        s, dev = self.s, self.dev
+        extra = []
+        if staged:
+            loss_host = dev.pinned("loss", 1, np.float64)
+            extra.append((self.loss, loss_host))
+        checksum_due = it % s.cfg.check_every == 0
+        if checksum_due:
+            weights = dev.pinned("weights", self.numel, np.float32)
+            extra.append((self.params, weights))
+        if whole:
+            values = dev.pinned("whole", self.numel, np.float32)
+            dev.copy_back([(acc, values)] + extra)
+            acc.fill(0)
+            if s.memory.velocity is not None:
+                s.memory.velocity.fill(0)
+            s.memory.after_take()
+            indices = s._all_indices()
+        else:
+            indices, values = self._copy_back_selection(it, chosen, s.policy.max_push, "select",
+                                                        extra)
+        if staged:
+            host_loss = float(loss_host[0])
+        if host_loss is not None and not np.isfinite(host_loss):
+            raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
+                              "(lower the learning rate, or use clip_norm)")
+        checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
+            if checksum_due else None
+        return indices, values, host_loss, checksum
+
+    # -------------------------------------------------------------------------- aggregate
+    def _apply(self, agg, it: int) -> None:
+        """The aggregate up (once), observed by the policy there, into the gradient."""
+        s, dev, xp = self.s, self.dev, self.dev.xp
+        s._note_live(agg)
+        values = dev.upload("aggregate-values", np.asarray(agg.values, dtype=np.float32),
+                            out=self._buffer("received_val", agg.values.size, xp.float32))
+        if agg.get("dense"):
+            if self.all_indices is None:
+                self.all_indices = xp.arange(self.numel, dtype=xp.int64)
+            s.policy.observe(self.all_indices, values, it)
+            self.grad[...] = values
+        else:
+            indices = dev.upload("aggregate-indices",
+                                 np.asarray(agg.indices).astype(np.int64, copy=False),
+                                 out=self._buffer("received_idx", agg.indices.size, xp.int64))
+            s.policy.observe(indices, values, it)
+            self.grad.fill(0)
+            if indices.size:
+                dev.launch_over("psparse_scatter", indices.size, (
+                    indices, values, np.int64(indices.size), self.grad))
+        s._finish_iteration(it)
+
+    def _buffer(self, name: str, size: int, dtype):
+        """A device buffer of at least ``size`` entries (grown, never shrunk), its first
+        ``size``."""
+        held = getattr(self, name)
+        if held.size < size:
+            held = self.dev.xp.zeros(max(size, 2 * held.size), dtype=dtype)
+            setattr(self, name, held)
+        return held[:size]
