@@ -85,7 +85,7 @@ class DeviceRound:
 
     def _choose(self, it: int, host_loss, staged: bool):
         """This round's (indices, values) on the host, the loss, and the checksum (if due)."""
-        s, dev = self.s, self.dev
+        s = self.s
         policy, memory = s.policy, s.memory
         k = s._k_at(it)
         if k != policy.k:

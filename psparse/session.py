@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from . import buckets, checkpoint, cluster, keyranges
+from .backend import device_backend
 from .client import PSClient, ServerGone, ShardedClient, WorkerError
 from .config import DEFAULT_BUCKET_MB, ConfigError, RunConfig, config_from_json, load_config_file
-from .backend import device_backend
 from .device import FlatModel, HostBuffers
 from .device_round import DeviceRound
 from .locality import SelectionRecorder
