@@ -58,6 +58,15 @@ class Backend:
         self._dummies: dict = {}
         self._staging: dict = {}
 
+    name = "host"
+
+    def report(self, rounds: int) -> dict:
+        """rank-R.json's ``device``: the crossings made, in all and per round."""
+        per = (lambda n: round(n / rounds, 3)) if rounds else (lambda n: None)
+        return {"backend": self.name, "copy_backs": self.copy_backs, "uploads": self.uploads,
+                "reads": self.reads, "copy_backs_per_iteration": per(self.copy_backs),
+                "uploads_per_iteration": per(self.uploads)}
+
     # --------------------------------------------------------------------------- kernels
     def check(self, name: str, args: tuple) -> None:
         kernels.check_launch(name, args, self.signatures[name])
@@ -130,6 +139,8 @@ class Backend:
 # ------------------------------------------------------------------------------------ CUDA
 class CudaBackend(Backend):
     """CuPy kernels on one CUDA device, on psparse's own stream."""
+
+    name = "cuda"
 
     def __init__(self, cupy):
         super().__init__()
@@ -208,6 +219,7 @@ class EmulatedBackend(Backend):
         super().__init__()
         from .kernel_emu import EmulatedKernels
         self.strict = strict
+        self.name = "emulated-strict" if strict else "emulated"
         self.xp = StrictXP() if strict else np
         self.sm_count = sm_count
         self.emulators = {}
@@ -389,8 +401,6 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
             return _rewrap(attr)
 
         def method(*args, **kwargs):
-            if "out" in kwargs:
-                kwargs["out"] = _unwrap(kwargs["out"])
             return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
         return method
 
@@ -422,8 +432,6 @@ class StrictXP:
 
         @functools.wraps(attr)
         def function(*args, **kwargs):
-            if "out" in kwargs:
-                kwargs["out"] = _unwrap(kwargs["out"])
             return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
         return function
 

@@ -67,7 +67,25 @@ class DeviceEngines:
     def __init__(self, dev, layout):
         self.dev, self.layout = dev, layout
         self._cache: dict = {}
+        self._views: dict = {}
         self.index_dtype = np.int32 if layout.numel < 2 ** 31 else np.int64
+        # (first, end): select only these slices (one bucket of layers, --overlap), else None
+        self.layers: tuple[int, int] | None = None
+
+    def _restricted(self, key: radix.Key, ks, segments):
+        """The key, k and segments of the slices in ``layers`` (a per-slice ``pdev`` too)."""
+        first, end = self.layers
+        ks = list(ks)
+        if len(ks) == len(self.layout.slices):  # per slice of the whole layout: these ones
+            ks = ks[first:end]
+        if segments is None:
+            segments = [(o, o + n) for o, n in self.layout.slices[first:end]]
+        if key.pdev is not None:
+            view = self._views.get((id(key.pdev), first, end))
+            if view is None:
+                view = self._views[(id(key.pdev), first, end)] = key.pdev[first:end]
+            key = radix.Key(key.mode, key.x, key.aux, key.mask, key.p0, view, key.gather)
+        return key, ks, segments
 
     def engine(self, name: str, key: radix.Key, ks, segments=None, **options) -> radix.RadixSelect:
         """The engine for ``name`` at these k (built on first use; the same arrays every round
@@ -91,6 +109,8 @@ class DeviceEngines:
         taken out of the accumulator (``fusion``'s); else (a proposal, a candidate pool) they are
         only read (``values``) or not at all. The fusion's pending accumulation runs in the
         first pass."""
+        if self.layers is not None:
+            key, ks, segments = self._restricted(key, ks, segments)
         take = final and fusion is not None
         read = fusion.accumulator if fusion is not None and (take or values) else None
         engine = self.engine(name, key, ks, segments, exclude_zero=exclude_zero,

@@ -75,6 +75,54 @@ class DeviceRound:
         s._times["select_s"] += t2 - t1
         s._times["wait_s"] += t3 - t2
 
+    def push_part(self, it: int, part: int, first: int, end: int, loss,
+                  checksum_due: bool) -> None:
+        """One bucket of a round in parts (``--bucket-mb`` / ``--overlap``): the engine over
+        layers [first, end), error feedback fused as in a whole round, one copy back, the
+        part sent. Part 0 (pushed last, by exchange) carries the loss and the checksum."""
+        s, dev = self.s, self.dev
+        policy, memory = s.policy, s.memory
+        with dev.stream_scope():
+            dev.follow_torch()
+            host_loss, staged = self._stage_loss(loss) if part == 0 else (None, False)
+            fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
+                            memory.accumulator, memory.velocity)
+            policy.engines.layers, policy.fusion = (first, end), fusion
+            try:
+                chosen = policy.select(memory.accumulator, it)
+            finally:
+                policy.engines.layers, policy.fusion = None, None
+            if fusion.accumulate is not None:
+                raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
+            extra, loss_host, weights = self._extras(staged, checksum_due)
+            indices, values = self._copy_back_selection(it, chosen, policy.max_push, "select",
+                                                        extra)
+        host_loss = self._read_loss(it, host_loss, staged, loss_host)
+        checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
+            if checksum_due else None
+        s.client.send_part(it, part, indices, values, host_loss, checksum)
+
+    def _extras(self, staged: bool, checksum_due: bool):
+        """The pairs a round's copy back adds: the loss slot, the weights on checksum rounds."""
+        dev = self.dev
+        extra, loss_host, weights = [], None, None
+        if staged:
+            loss_host = dev.pinned("loss", 1, np.float64)
+            extra.append((self.loss, loss_host))
+        if checksum_due:
+            weights = dev.pinned("weights", self.numel, np.float32)
+            extra.append((self.params, weights))
+        return extra, loss_host, weights
+
+    @staticmethod
+    def _read_loss(it: int, host_loss, staged: bool, loss_host):
+        if staged:
+            host_loss = float(loss_host[0])
+        if host_loss is not None and not np.isfinite(host_loss):
+            raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
+                              "(lower the learning rate, or use clip_norm)")
+        return host_loss
+
     def _stage_loss(self, loss) -> tuple[float | None, bool]:
         """A loss tensor is copied into the device slot, to come back with the round's copy
         (True); a host number is kept as it is."""
@@ -92,12 +140,12 @@ class DeviceRound:
             policy.set_k(k)
         grad = memory.clipped(self.grad)
         if self.whole:
-            acc = memory.add(grad)
+            acc = memory.add_clipped(grad)
             return self._finish(it, None, acc, host_loss, staged, whole=True)
         fusion = Fusion(memory.accumulate_spec(grad) if policy.fuses_accumulation else None,
                         memory.accumulator, memory.velocity)
         if fusion.accumulate is None:
-            memory.add(grad)
+            memory.add_clipped(grad)
         policy.fusion = fusion
         try:
             group = None
@@ -107,7 +155,7 @@ class DeviceRound:
         finally:
             policy.fusion = None
         if fusion.accumulate is not None:  # the policy never read the accumulator
-            memory.add(grad)
+            memory.add_clipped(grad)
         return self._finish(it, chosen, None, host_loss, staged)
 
     def _proposal_round(self, it: int, fusion: Fusion):
@@ -115,8 +163,8 @@ class DeviceRound:
         indices up."""
         s, dev, policy = self.s, self.dev, self.s.policy
         proposal = policy.propose(s.memory.accumulator, it)
-        if fusion.accumulate is not None:
-            s.memory.add(fusion.accumulate[2])
+        if fusion.accumulate is not None:  # no proposal read the accumulator: fold it now
+            s.memory.add_clipped(fusion.accumulate[2])
             fusion.accumulate = None
         if proposal is None:  # nothing to send: no copy
             idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
@@ -134,6 +182,8 @@ class DeviceRound:
             report = dev.pinned("report", chosen.report.size, np.int64)
             idx = dev.pinned(f"{method}-idx", cap, chosen.indices.dtype)
             val = dev.pinned(f"{method}-val", cap, np.float32)
+            if chosen.taken:  # gathered and zeroed by the engine: what follows a take
+                self.s.memory.after_take()
             pairs = [(chosen.report, report), (chosen.indices, idx)]
             if chosen.values is not None:
                 pairs.append((chosen.values, val))
@@ -180,14 +230,8 @@ class DeviceRound:
         """The round's copy back: the selection (or the whole accumulator), the loss, the
         weights on checksum rounds."""
         s, dev = self.s, self.dev
-        extra = []
-        if staged:
-            loss_host = dev.pinned("loss", 1, np.float64)
-            extra.append((self.loss, loss_host))
         checksum_due = it % s.cfg.check_every == 0
-        if checksum_due:
-            weights = dev.pinned("weights", self.numel, np.float32)
-            extra.append((self.params, weights))
+        extra, loss_host, weights = self._extras(staged, checksum_due)
         if whole:
             values = dev.pinned("whole", self.numel, np.float32)
             dev.copy_back([(acc, values)] + extra)
@@ -199,11 +243,7 @@ class DeviceRound:
         else:
             indices, values = self._copy_back_selection(it, chosen, s.policy.max_push, "select",
                                                         extra)
-        if staged:
-            host_loss = float(loss_host[0])
-        if host_loss is not None and not np.isfinite(host_loss):
-            raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
-                              "(lower the learning rate, or use clip_norm)")
+        host_loss = self._read_loss(it, host_loss, staged, loss_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
         return indices, values, host_loss, checksum

@@ -39,6 +39,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -245,6 +246,7 @@ extern "C" const char* emu_last_error() { return emu_error; }
 """
 
 PAD = 64  # guard bytes before and after every array handed to a kernel
+_LOCK = threading.Lock()  # the emulator's state is global: one launch at a time per process
 GUARD = 0xA5
 _CTYPES = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.float32): ctypes.c_float,
            np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float64): ctypes.c_double,
@@ -317,12 +319,15 @@ class EmulatedKernels:
                 values.append(_CTYPES[np.dtype(arg.dtype)](arg))
         pointers = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        code = getattr(self.lib, f"emu_launch_{name}")(
-            ctypes.c_uint(grid), ctypes.c_uint(block), ctypes.c_int(int(self.reverse)), pointers)
+        with _LOCK:
+            code = getattr(self.lib, f"emu_launch_{name}")(
+                ctypes.c_uint(grid), ctypes.c_uint(block), ctypes.c_int(int(self.reverse)),
+                pointers)
+            error = self.lib.emu_last_error().decode() if code else ""
         self.launches.append(name)
         faults = [r.release() for r in regions]
         if code:
-            raise EmulatorError(self.lib.emu_last_error().decode())
+            raise EmulatorError(error)
         for region, fault in zip(regions, faults):
             if fault:
                 names = [p for a, (_, p) in zip(args, self.signatures[name])

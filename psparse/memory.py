@@ -88,6 +88,14 @@ class Memory:
         """Fold one local gradient in; returns the accumulator to select from."""
         grad = self.clipped(grad)
         if self.dev is not None:
+            return self.add_clipped(grad)
+        if self.filtered is not None:  # scalecom: p_t = m_t + g_t
+            return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
+        return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
+
+    def add_clipped(self, grad):
+        """``add`` on the device of a gradient already clipped (``clipped``)."""
+        if self.dev is not None:
             mode, acc, grad, velocity, filtered, momentum = self.accumulate_spec(grad)
             n = np.int64(acc.size)
             if mode == ACC_RESIDUAL:
@@ -98,9 +106,7 @@ class Memory:
             else:
                 self.dev.xp.add(filtered, grad, out=acc)
             return acc
-        if self.filtered is not None:  # scalecom: p_t = m_t + g_t
-            return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
-        return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
+        raise ValueError("add_clipped is the device path's (a host Memory has no backend)")
 
     def clipped(self, grad):
         """The gradient scaled to L2 norm <= clip_norm (unchanged without clipping). On the

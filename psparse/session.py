@@ -174,7 +174,10 @@ class Parts:
         k = s._k_at(it)
         if k != s.policy.k:
             s.policy.set_k(k)
-        self.checksum = s.net.checksum() if it % s.cfg.check_every == 0 else None
+        due = it % s.cfg.check_every == 0
+        # the GPU path reads the weights back with part 0's copy (DeviceRound.push_part)
+        self.checksum = s.net.checksum() if due and s.device_round is None else None
+        self.checksum_due = due
         self.in_round = True
         self.ready = [0] * len(self.buckets)
         self.pushed = set()
@@ -207,6 +210,12 @@ class Parts:
         first, end = self.buckets[b]
         lo, hi = self.edges[b], self.edges[b + 1]
         s.net.gather_layers(first, end)
+        if s.device_round is not None:  # the engine over the bucket's layers, one copy back
+            s.device_round.push_part(it, b, first, end, loss, b == 0 and self.checksum_due)
+            self.pushed.add(b)
+            self.trace.append(f"push {b}")
+            self.select_s += time.perf_counter() - t0
+            return
         acc = s.memory.add_range(s.net.grad_range(lo, hi, s.xp), lo, hi)
         policy = s.policy
         chosen = []
@@ -249,7 +258,12 @@ class Parts:
         self.trace.append("aggregate")
         self.in_round = False
         self.last_trace = self.trace
-        s._apply(agg, it)
+        if s.device_round is not None:
+            with s.dev.stream_scope():
+                s.device_round._apply(agg, it)
+                s.dev.lead_torch()
+        else:
+            s._apply(agg, it)
         s._t_last = time.perf_counter()
         s._times["compute_s"] += (t2 - self.t_begin - self.select_s) + (s._t_last - t3)
         s._times["select_s"] += self.select_s
@@ -451,11 +465,13 @@ class Session:
         """
         it = self.iteration
         self._check_iteration(it)
-        if self.device_round is not None and self.parts is None:
+        if self.device_round is not None:  # the loss is read back with the round's copy
+            if self.parts is not None:
+                return self.parts.exchange(it, loss)
             if self.cfg.checkpoint_every and it > self.start and \
                     it % self.cfg.checkpoint_every == 0:
                 self._checkpoint(it)
-            return self.device_round.exchange(it, loss)  # the loss is read with the round
+            return self.device_round.exchange(it, loss)
         if loss is not None:
             loss = float(loss.item() if hasattr(loss, "item") else loss)
             if not math.isfinite(loss):
@@ -563,6 +579,8 @@ class Session:
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 "options": self.cfg.agreed(),
                 **({"overlap": self.parts.report()} if self.parts is not None else {}),
+                **({"device": self.dev.report(self.iterations - self.start)}
+                   if self.dev is not None else {}),
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ class Frequency(SelectionPolicy):
                  for (_, size), k in zip(self.layout.slices, self.slice_k)]
         pool = self.engines.select("pool", radix.Key(radix.KEY_ABS, accumulator), pools,
                                    self.fusion, final=False, values=False)
-        segments = [(int(b), int(b) + p) for b, p in zip(pool.starts, pools)]
+        segments = [(int(b), int(b) + p) for b, p in zip(pool.starts, pool.ks)]
         key = radix.Key(radix.KEY_FREQ, accumulator, aux=self.priority.stored,
                         gather=pool.engine.out_idx)
         return self.engines.select("select", key, self.slice_k, self.fusion, segments=segments)
