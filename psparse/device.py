@@ -1,9 +1,8 @@
-"""Where a worker's arrays live: the model's flat buffers, pinned host buffers, the device.
+"""Where a worker's arrays live: the model's flat buffers and the device.
 
 ``FlatModel`` makes a model's parameters and gradients views of two flat float32 buffers (what
-``psparse.session`` exchanges); ``HostBuffers`` are the pinned buffers the selected pairs cross
-to the host in on the GPU path; ``pick_device`` / ``gpu_array_module`` choose the device and the
-array module (numpy, or CuPy for the CUDA kernels).
+``psparse.session`` exchanges; on the GPU path ``psparse.device_round`` works on them in place);
+``pick_device`` chooses the device (the backend that runs on it: ``psparse.backend``).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import numpy as np
 import torch
 
 from .client import WorkerError
-from .xp import CUPY_HINT, cupy_or_none, from_torch, to_host
 
 
 class FlatModel:
@@ -40,7 +38,7 @@ class FlatModel:
         self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         # Without CuPy a GPU gradient crosses to the host once per iteration, into pinned memory
-        # (allocated on first use); with CuPy it stays on the device (``grad_array``).
+        # (allocated on first use); with CuPy it stays on the device (psparse.device_round).
         self.host_grad = self.grad if device.type == "cpu" else None
         self.grad_views = []
         offset = 0
@@ -62,11 +60,9 @@ class FlatModel:
         """Bring gradients that are not our views into the flat buffer (None counts as 0)."""
         self.gather_layers(0, len(self.parameters))
 
-    def grad_array(self, xp=np):
-        """The gradient as an array of ``xp``: a CuPy view of the CUDA tensor (no copy), or a
-        numpy array (the CPU tensor's own memory, or a pinned host copy of a CUDA gradient)."""
-        if xp is not np:
-            return from_torch(self.grad)
+    def grad_array(self) -> np.ndarray:
+        """The gradient as a numpy array: the CPU tensor's own memory, or a pinned host copy of
+        a CUDA gradient (a GPU worker without CuPy selects on the host)."""
         if self.host_grad is None:
             self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
         if self.host_grad is not self.grad:
@@ -84,10 +80,8 @@ class FlatModel:
                 view.copy_(p.grad)
             p.grad = view
 
-    def grad_range(self, lo: int, hi: int, xp=np):
+    def grad_range(self, lo: int, hi: int) -> np.ndarray:
         """``grad_array``'s entries [lo, hi) (one bucket), copying only those to the host."""
-        if xp is not np:
-            return from_torch(self.grad[lo:hi])
         if self.host_grad is None:
             self.host_grad = torch.empty(self.numel, dtype=torch.float32, pin_memory=True)
         if self.host_grad is not self.grad:
@@ -112,44 +106,6 @@ class FlatModel:
         else:
             self.grad.zero_()
             self.grad[torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)] = vals
-
-
-class HostBuffers:
-    """Pinned host buffers the selected (index, value) pairs are copied into on the GPU path.
-
-    Page-locked memory lets the device-to-host copy run at full PCIe speed; the buffers grow to
-    the largest selection seen and are reused. Host arrays pass through untouched.
-    """
-
-    def __init__(self):
-        self.indices = self.values = None
-
-    def fetch(self, indices, values) -> tuple[np.ndarray, np.ndarray]:
-        if not hasattr(indices, "get"):  # numpy: already on the host
-            return indices, values
-        n = int(indices.size)
-        if self.indices is None or self.indices.size < n:
-            size = max(n, 1024)
-            self.indices = torch.empty(size, dtype=torch.int64, pin_memory=True).numpy()
-            self.values = torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
-        # Reuse is safe: a round's messages have reached the server (its reply came back)
-        # before the next round fetches into the same buffers.
-        return (to_host(indices.astype(self.indices.dtype, copy=False), self.indices[:n]),
-                to_host(values, self.values[:n]))
-
-
-def gpu_array_module(device: torch.device, log=print):
-    """cupy when the worker runs on a CUDA device and CuPy is installed, else numpy. With CuPy
-    it also makes ``device`` CuPy's current device (where the kernels will run)."""
-    if device.type != "cuda":
-        return np
-    cupy = cupy_or_none()
-    if cupy is None:
-        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
-            f"{CUPY_HINT} for the GPU kernels)")
-        return np
-    cupy.cuda.Device(device.index or 0).use()
-    return cupy
 
 
 def local_rank(rank: int) -> int:

@@ -200,9 +200,13 @@ class DeviceRound:
             if chosen.values is None:
                 raise AssertionError(f"{method}: a selection without its values")
             return idx, val
+        if isinstance(chosen, np.ndarray) or not (hasattr(chosen, "dtype") and
+                                                  hasattr(chosen, "ndim")):
+            # indices the policy made on the host: checked there, then one upload
+            check_output(policy, chosen, it, limit, method)
+            chosen = dev.upload("policy-output", np.asarray(chosen, dtype=np.int64))
         # a plain device array of indices: its checks on the device, its values taken
-        if not (hasattr(chosen, "dtype") and hasattr(chosen, "ndim")) or chosen.ndim != 1 or \
-                chosen.dtype.kind not in "iu":
+        if chosen.ndim != 1 or chosen.dtype.kind not in "iu":
             check_output(policy, chosen, it, limit, method)  # the host's message for it
         if chosen.size > limit:
             raise PolicyError(f"policy {type(policy).__name__}.{method}() at iteration {it} "

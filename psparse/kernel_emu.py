@@ -12,8 +12,10 @@ C++ compiler against a header (``EMU_HEADER``) that supplies what CUDA provides:
   reaches a barrier: a kernel that reads shared memory another thread writes without a barrier
   in between reads it before it is written, so a missing ``__syncthreads`` shows as a wrong
   answer, not as a lucky one;
-* a barrier some threads never reach (a divergent ``__syncthreads``) is reported as a deadlock
-  naming the kernel; a thread that has returned no longer counts (Volta and later);
+* a barrier some threads never reach (a divergent ``__syncthreads``, or one after some threads
+  have returned), or threads waiting at different ``__syncthreads`` (told apart by source
+  line), is reported as a deadlock naming the kernel: stricter than the hardware, where both
+  are undefined behaviour;
 * atomics are plain read-modify-writes (one fiber runs at a time), ``__threadfence`` is a
   no-op, floating-point is IEEE single with no fused multiply-add (``-ffp-contract=off``),
   as the kernels' ``_rn`` intrinsics ask of the GPU.
@@ -59,7 +61,7 @@ EMU_HEADER = r"""
 #include <algorithm>
 
 struct dim3 { unsigned x, y, z; };
-struct EmuFiber { ucontext_t uc; jmp_buf jb; int state; int started; unsigned long long gen; };
+struct EmuFiber { ucontext_t uc; jmp_buf jb; int state; int started; int site; };
 enum { EMU_RUN = 0, EMU_BLOCK_WAIT = 1, EMU_WARP_WAIT = 2, EMU_DONE = 3 };
 static const int EMU_STACK = 256 * 1024;
 static const int EMU_MAX_THREADS = 1024;
@@ -87,12 +89,16 @@ static inline dim3 emu_tid() { dim3 d = {(unsigned)emu_current, 0, 0}; return d;
 #define __restrict__
 #define __launch_bounds__(...)
 
-static void emu_yield(int state) {
+static void emu_yield(int state, int site = 0) {
     EmuFiber& f = emu_fibers[emu_current];
     f.state = state;
+    f.site = site;
     if (!_setjmp(f.jb)) _longjmp(emu_sched, 1);
 }
-static inline void __syncthreads() { emu_yield(EMU_BLOCK_WAIT); }
+// each __syncthreads is told apart by its source line: a block's threads must meet at the same
+// one, with none of them gone (stricter than the hardware, which leaves both undefined)
+static inline void emu_syncthreads(int line) { emu_yield(EMU_BLOCK_WAIT, line); }
+#define __syncthreads() emu_syncthreads(__LINE__)
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; emu_yield(EMU_WARP_WAIT); }
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
@@ -223,19 +229,32 @@ static int emu_run(const char* name, unsigned grid, unsigned block, int reverse,
             }
             if (all_done) break;
             if (released) continue;
-            int at_block = 0, live = 0;
+            int at_block = 0, live = 0, site = -1, sites = 0;
             for (unsigned t = 0; t < block; t++) {
                 if (emu_fibers[t].state != EMU_DONE) live++;
-                if (emu_fibers[t].state == EMU_BLOCK_WAIT) at_block++;
+                if (emu_fibers[t].state == EMU_BLOCK_WAIT) {
+                    at_block++;
+                    if (emu_fibers[t].site != site) { sites += site != emu_fibers[t].site; site = emu_fibers[t].site; }
+                }
             }
-            if (!mixed && at_block == live) {
-                for (unsigned t = 0; t < block; t++)
-                    if (emu_fibers[t].state == EMU_BLOCK_WAIT) emu_fibers[t].state = EMU_RUN;
+            if (!mixed && at_block == live && live == (int)block && sites == 1) {
+                for (unsigned t = 0; t < block; t++) emu_fibers[t].state = EMU_RUN;
                 continue;
             }
-            std::snprintf(emu_error, sizeof emu_error, "%s: deadlock in block %u: %d of %d live "
-                          "threads wait at __syncthreads, the others at a warp collective "
-                          "(a barrier inside a divergent branch)", name, b, at_block, live);
+            if (!mixed && at_block == live && sites == 1)
+                std::snprintf(emu_error, sizeof emu_error, "%s: deadlock in block %u: %d of %u "
+                              "threads returned while the others wait at the __syncthreads of "
+                              "line %d (a barrier after a divergent return)", name, b,
+                              (int)block - live, block, site);
+            else if (!mixed && at_block == live)
+                std::snprintf(emu_error, sizeof emu_error, "%s: deadlock in block %u: threads "
+                              "wait at different __syncthreads (lines %d and others: a barrier "
+                              "inside a divergent branch)", name, b, site);
+            else
+                std::snprintf(emu_error, sizeof emu_error, "%s: deadlock in block %u: %d of %d "
+                              "live threads wait at __syncthreads, the others at a warp "
+                              "collective (a barrier inside a divergent branch)", name, b,
+                              at_block, live);
             return 2;
         }
     }

@@ -1,20 +1,24 @@
 """Kernels: accumulation, top-k selection, policy state updates and sparse aggregation.
 
-Every function takes numpy or CuPy arrays and works where they live (``xp.array_module``). The
-maths is written once against ``xp``; on the GPU a few steps are fused CUDA kernels (compiled
-by CuPy on first use), each with the numpy code beside it as its reference:
+Two kinds of code live here. The host path's numpy kernels (top-k by a sampled threshold and a
+blockwise compaction, error feedback, the lazily decayed policy state, the server's sparse
+mean), each the reference the compiled kernels are tested against. And ``CUDA_SOURCE``, the
+GPU path's element kernels (error feedback, gather-and-zero, the aggregate's scatter, the
+output checks, the decayed state with its scale on the device), launched through a backend
+(``psparse.backend``); the GPU's selection is ``psparse.radix``'s engine:
 
-====================  ====================================  ===================================
-step                  numpy (reference, CPU)                CuPy (GPU)
-====================  ====================================  ===================================
-DGC accumulate        v *= m; v += g; acc += v (3 passes)   one fused pass
-compaction            blockwise abs/compare/flatnonzero     one pass, atomic slot counter,
-                                                            also counts NaN/inf
-take                  acc[idx] (copy); acc[idx] = 0         one gather-and-zero over k entries
-EMA / count update    lazy: scale *= beta on the host,      the same, one scatter over k
-(``Decaying``)        one numpy.add.at over k entries
-sparse mean           np.add.at + sort/dedup                cupy.add.at + sort/dedup
-====================  ====================================  ===================================
+=====================  ==================================  ===================================
+step                   numpy (host, the reference)         CUDA (psparse.backend launches)
+=====================  ==================================  ===================================
+DGC accumulate         v *= m; v += g; acc += v            one fused pass (or fused into the
+                                                           selection's first pass: radix)
+top-k                  sampled threshold, compaction, trim  radix select (psparse/radix.py)
+take                   acc[idx] (copy); acc[idx] = 0        one gather-and-zero (or fused into
+                                                           the selection's last pass)
+EMA / count update     lazy: scale *= beta on the host,     the same, the scale a device double
+(``Decaying``)         one numpy.add.at over k entries      (``device_policy.DeviceDecaying``)
+sparse mean            np.add.at + sort/dedup               (server) cupy.add.at + sort/dedup
+=====================  ==================================  ===================================
 
 Top-k order (both devices, so CPU and GPU workers pick identical sets): larger |x| first, ties
 by lower index. Non-finite accumulators are refused with ``NonFiniteError`` (a NaN can never be
@@ -24,7 +28,6 @@ multiply-add where numpy rounds twice, so GPU policy state is bit-identical to t
 
 from __future__ import annotations
 
-import functools
 import re
 
 import numpy as np
@@ -33,7 +36,6 @@ from .xp import array_module
 
 SAMPLE_STRIDE = 97  # prime stride: ~1% sample, no aliasing with layer shapes (powers of two)
 MARGIN = 1.25  # aim for 25% more candidates than k, so an unlucky sample rarely falls short
-THREADS = 256  # CUDA threads per block
 SCATTER_CHUNK = 1 << 14  # entries read, added and written back at a time (their lines stay in L2)
 
 
@@ -74,9 +76,6 @@ def trim(indices, values, k: int):
     """The k of the candidates (index, value) with largest |value|, ties to the lower index;
     returned as sorted indices and their values. O(candidates): one partition, two compares."""
     xp = array_module(values)
-    if xp is not np:  # the GPU compaction writes in arbitrary order; the host's is ascending
-        order = xp.argsort(indices)
-        indices, values = indices[order], values[order]
     if indices.size <= k:
         return indices, values
     mag = xp.abs(values)
@@ -173,25 +172,10 @@ def at_least(x, threshold: float, scratch=None):
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def compact_cupy(x, threshold: float, capacity: int):
-    """GPU compaction: one grid-stride pass; each hit takes a slot from an atomic counter."""
-    import cupy
-    x = cupy.ascontiguousarray(x, dtype=cupy.float32)  # the kernel reads a plain float array
-    idx = cupy.empty(capacity, cupy.int64)
-    val = cupy.empty(capacity, cupy.float32)
-    counters = cupy.zeros(2, cupy.uint64)  # [hits, non-finite]
-    _cupy_kernels()("psparse_compact", x.size, x, np.int64(x.size), np.float32(threshold),
-                    idx, val, counters, np.int64(capacity))
-    count, bad = (int(c) for c in counters.get())
-    if bad:
-        raise NonFiniteError(f"the accumulator holds {bad} NaN or inf entries")
-    n = min(count, capacity)
-    return idx[:n], val[:n], count
-
-
 def select_any(x, k: int):
-    """``select`` with the compaction of the device x lives on."""
-    return select(x, k, compact_cupy if array_module(x) is not np else compact_numpy)
+    """``select`` on the host, with the blockwise compaction (the GPU's selection is the radix
+    engine: psparse.radix)."""
+    return select(x, k, compact_numpy)
 
 
 # -------------------------------------------------------------------------- error feedback
@@ -200,34 +184,21 @@ def accumulate(acc, grad, velocity=None, momentum: float = 0.0):
 
     In place; returns acc.
     """
-    xp = array_module(acc)
     if velocity is None:
         acc += grad
-    elif xp is np:
+    else:
         velocity *= np.float32(momentum)
         velocity += grad
         acc += velocity
-    else:
-        _cupy_kernels()("psparse_dgc_accumulate", acc.size, grad, np.float32(momentum),
-                        velocity, acc, np.int64(acc.size))
     return acc
 
 
 def take(acc, indices, velocity=None):
     """The values of acc at ``indices`` (a copy), then zero acc (and velocity) there."""
-    xp = array_module(acc)
-    if xp is np:
-        values = acc[indices]
-        acc[indices] = 0.0
-        if velocity is not None:
-            velocity[indices] = 0.0
-        return values
-    values = xp.empty(indices.size, acc.dtype)
-    if indices.size == 0:
-        return values
-    has_velocity = velocity is not None
-    _cupy_kernels()("psparse_take", indices.size, indices, np.int64(indices.size), acc,
-                    velocity if has_velocity else acc, np.int32(has_velocity), values)
+    values = acc[indices]
+    acc[indices] = 0.0
+    if velocity is not None:
+        velocity[indices] = 0.0
     return values
 
 
@@ -258,24 +229,12 @@ def scatter_add(target, indices, values, weight: float, magnitude: bool = True,
 
     The aggregate's indices are distinct, so the scatter needs no atomics (on the host,
     ``numpy.add.at``'s fast path: 1.5-2x faster than ``target[indices] += ...``, the same
-    sums; on the GPU the products round as numpy's do, so the state is bit-identical). With
+    sums). With
     ``out`` the host reads, adds and writes back SCATTER_CHUNK entries at a time, so each
     entry's cache line is fetched once (add.at and then a gather fetched it twice: a model-sized
     target is not in cache, and the aggregate touches a line per entry).
     """
-    xp = array_module(target)
     if not indices.size:
-        return
-    if xp is not np:
-        if values is None:
-            target[indices] += np.float32(weight)
-        else:
-            values = xp.ascontiguousarray(values, dtype=xp.float32)
-            _cupy_kernels()("psparse_scatter_add_weighted", indices.size, indices, values,
-                            np.int64(indices.size), np.float32(weight), np.int32(magnitude),
-                            target)
-        if out is not None:
-            out[...] = target[indices]
         return
     add = np.float32(weight) if values is None else \
         np.float32(weight) * (np.abs(values) if magnitude else values)
@@ -429,26 +388,6 @@ def sorted_union(indices: list):
 # Every kernel is a grid-stride loop over n elements; float maths uses the _rn intrinsics so
 # the compiler cannot fuse a multiply and an add (numpy rounds after each).
 CUDA_SOURCE = r"""
-extern "C" __global__ void psparse_compact(const float* x, long long n, float threshold,
-                                           long long* out_idx, float* out_val,
-                                           unsigned long long* counters, long long capacity) {
-    // entries with |x| >= threshold, in arbitrary order; counters = [hits, non-finite]
-    long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
-        float v = x[j];
-        float m = fabsf(v);
-        if (!isfinite(m)) {                       // NaN or inf: counted, never selected
-            atomicAdd(&counters[1], 1ULL);
-        } else if (m >= threshold) {
-            unsigned long long slot = atomicAdd(&counters[0], 1ULL);
-            if (slot < (unsigned long long)capacity) {
-                out_idx[slot] = j;
-                out_val[slot] = v;
-            }
-        }
-    }
-}
-
 extern "C" __global__ void psparse_dgc_accumulate(const float* grad, float momentum,
                                                   float* velocity, float* acc, long long n) {
     // DGC momentum correction: velocity = m * velocity + grad; acc += velocity (one pass)
@@ -469,19 +408,6 @@ extern "C" __global__ void psparse_take(const long long* indices, long long n, f
         out[j] = acc[at];
         acc[at] = 0.0f;
         if (has_velocity) velocity[at] = 0.0f;
-    }
-}
-
-extern "C" __global__ void psparse_scatter_add_weighted(const long long* indices,
-                                                        const float* values, long long n,
-                                                        float weight, int magnitude,
-                                                        float* priority) {
-    // priority[indices] += weight * (|values| or values); indices are distinct: no atomics
-    long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
-        float v = magnitude ? fabsf(values[j]) : values[j];
-        long long at = indices[j];
-        priority[at] = __fadd_rn(priority[at], __fmul_rn(weight, v));
     }
 }
 
@@ -657,26 +583,3 @@ def build_cupy_kernels(cupy, source: str = CUDA_SOURCE, names=tuple(CUDA_KERNELS
     """CuPy kernel objects for ``names`` in ``source``; constructing one compiles nothing (the
     first launch does, and CuPy caches the binary on disk by source, so all four share it)."""
     return {name: cupy.RawKernel(source, name) for name in names}
-
-
-@functools.lru_cache(maxsize=1)
-def _cupy_kernels():
-    """The kernels of this process, with a launcher that sizes the grid for this device."""
-    import cupy
-    return _Launcher(cupy, build_cupy_kernels(cupy))
-
-
-class _Launcher:
-    """Launches a kernel over n elements with a grid that keeps every SM busy."""
-
-    def __init__(self, cupy, functions):
-        self.functions = functions
-        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-    def blocks(self, n: int) -> int:
-        # a grid-stride loop: a few blocks per SM keep every SM busy without a block per element
-        return min(max(1, (n + THREADS - 1) // THREADS), 8 * self.sm_count)
-
-    def __call__(self, name: str, n: int, *args) -> None:
-        check_launch(name, args, CUDA_KERNELS[name])
-        self.functions[name]((self.blocks(n),), (THREADS,), args)

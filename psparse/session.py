@@ -38,7 +38,7 @@ from . import buckets, checkpoint, cluster, keyranges
 from .backend import device_backend
 from .client import PSClient, ServerGone, ShardedClient, WorkerError
 from .config import DEFAULT_BUCKET_MB, ConfigError, RunConfig, config_from_json, load_config_file
-from .device import FlatModel, HostBuffers
+from .device import FlatModel
 from .device_round import DeviceRound
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
@@ -69,11 +69,11 @@ class TwoPhase:
     def choose(self, s: Session, it: int, acc):
         proposal = s.policy.propose(acc, it)
         if proposal is None:
-            proposal = s.xp.empty(0, dtype=s.xp.int64)
+            proposal = np.empty(0, dtype=np.int64)
         check_output(s.policy, proposal, it, s.policy.max_propose, "propose")
         proposal = proposal.astype(INDEX_DTYPE, copy=False)
-        group = s.client.propose(it, *s.outbox.fetch(proposal, acc[proposal]))
-        return s.select(acc, it, s.on_device(group)[0])
+        group = s.client.propose(it, proposal, acc[proposal])
+        return s.select(acc, it, np.asarray(group, dtype=INDEX_DTYPE))
 
 
 class WholeModel:
@@ -86,7 +86,7 @@ class WholeModel:
 
     def choose(self, s: Session, it: int, acc):
         if self.everything is None:
-            self.everything = s.xp.arange(acc.size, dtype=INDEX_DTYPE)
+            self.everything = np.arange(acc.size, dtype=INDEX_DTYPE)
         return self.everything, s.memory.take(self.everything)
 
 
@@ -136,7 +136,6 @@ class Parts:
                           for _ in range(first, end)]
         self.overlap = cfg.overlap
         s.client.use_parts(self.edges)
-        self.outboxes = [HostBuffers() for _ in self.buckets]  # one per part: sends overlap
         self.hooks = []
         self.in_round = False
         self.ready = [0] * len(self.buckets)  # gradients produced this round, per bucket
@@ -216,7 +215,7 @@ class Parts:
             self.trace.append(f"push {b}")
             self.select_s += time.perf_counter() - t0
             return
-        acc = s.memory.add_range(s.net.grad_range(lo, hi, s.xp), lo, hi)
+        acc = s.memory.add_range(s.net.grad_range(lo, hi), lo, hi)
         policy = s.policy
         chosen = []
         try:
@@ -228,14 +227,13 @@ class Parts:
                                   + offset)
         except NonFiniteError as exc:
             raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
-        xp = s.xp
-        indices = xp.concatenate(chosen) if chosen else xp.empty(0, dtype=xp.int64)
+        indices = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
         check_output(policy, indices, it, policy.max_push)
         if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
             raise PolicyError(f"policy {type(policy).__name__}.select_slice() at iteration "
                               f"{it} chose an index outside its layer")
         indices = indices.astype(INDEX_DTYPE, copy=False)
-        indices, values = self.outboxes[b].fetch(indices, s.memory.take(indices))
+        values = s.memory.take(indices)
         s.client.send_part(it, b, indices, values, loss, checksum)
         self.pushed.add(b)
         self.trace.append(f"push {b}")
@@ -317,12 +315,15 @@ class Session:
         if cfg.checkpoint_every and (self.out_dir is None or optimizer is None):
             raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
                               "PSPARSE_OUT) and the optimizer: connect(model, optimizer, ...)")
-        self.outbox = HostBuffers()  # pinned host copies of the k pairs (GPU path)
         self.k = density_to_k(cfg.density, self.net.numel)
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
                                    seed=cfg.seed, dev=self.dev)
+        if cfg.record_selections and self.dev is not None:
+            raise ConfigError("--record-selections reads the whole gradient and accumulator "
+                              "back every round: it runs on the host path (--device cpu, or "
+                              "without CuPy)")
         self.recorder = SelectionRecorder(self.net.layer_sizes, self.net.layer_names) \
             if cfg.record_selections else None
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
@@ -406,8 +407,8 @@ class Session:
                 self.client.received_bytes, **self._times}
 
     def on_device(self, *arrays):
-        """Host arrays (a received message) moved to where the policy state lives, int64 indices."""
-        return to_device(self.xp, *arrays)
+        """A received message's arrays as the host policy takes them (int64 indices)."""
+        return to_device(np, *arrays)
 
     def _k_at(self, it: int) -> int:
         """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
@@ -487,14 +488,14 @@ class Session:
         if k != self.policy.k:
             self.policy.set_k(k)
         self.net.gather_grad()
-        grad = self.net.grad_array(self.xp)
+        grad = self.net.grad_array()
         host_grad = to_host(grad) if self.recorder else None  # read before the next backward
         grad_topk = topk_exact(host_grad, k) if self.recorder else None
         acc = self.memory.add(grad)  # error feedback: carry what was not sent
         # the push empties the sent entries: keep what the policy chose from
         host_acc = to_host(acc).copy() if self.recorder else None
         try:
-            indices, values = self.outbox.fetch(*self.round.choose(self, it, acc))
+            indices, values = self.round.choose(self, it, acc)
         except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
             raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
         if self.recorder:
@@ -572,6 +573,8 @@ class Session:
                               "(the run's length was agreed at connect)")
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
+        # the rounds' device crossings, before the reads of the final report below
+        device = self.dev.report(self.iterations - self.start) if self.dev is not None else None
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
         self.client.finish(self.iterations - 1, values, self.net.checksum())
         info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
@@ -579,8 +582,7 @@ class Session:
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 "options": self.cfg.agreed(),
                 **({"overlap": self.parts.report()} if self.parts is not None else {}),
-                **({"device": self.dev.report(self.iterations - self.start)}
-                   if self.dev is not None else {}),
+                **({"device": device} if device is not None else {}),
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,11 @@ Two algorithms, one answer (the k indices of largest |x|, ties to the lower inde
   lowest-index ties. Used for small tensors (below ``EXACT_BELOW``).
 * ``Selector.topk`` on large tensors: ``kernels.select`` -- estimate the k-th magnitude from a
   strided ~1% sample, lowered by a margin, one streaming pass collects the candidates at or above
-  it (block by block so the |x| scratch stays in cache; on the GPU one fused CUDA pass), then the
+  it (block by block so the |x| scratch stays in cache), then the
   ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th
   magnitude is used, so the result is always exact.
 
-CuPy arrays (``--device cuda``) go to the GPU compaction; the answer is the same set.
+On the GPU (``--device cuda``) selection is the radix engine (``psparse.radix``): the same set.
 ``torch.topk`` on large 1-D CPU tensors is several times slower than either (see ``make bench``).
 """
 
@@ -20,7 +20,6 @@ import numpy as np
 
 from . import kernels
 from .kernels import NonFiniteError
-from .xp import is_gpu
 
 __all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "positions", "split_k",
            "topk_exact"]
@@ -63,8 +62,6 @@ class Selector:
         self.fallbacks = 0  # times the sampled threshold misjudged (exact threshold used)
 
     def topk(self, x, k: int):
-        if is_gpu(x):
-            return kernels.select_any(x, k)[0]
         if self.exact or k <= 0 or k >= x.size:
             return topk_exact(x, k)
         self._passes = 0
@@ -81,11 +78,11 @@ class Selector:
 
         On a large host slice the score is made one cache-sized block at a time and selected
         while in cache: no n-sized score array is written, one pass in all. Otherwise (small
-        slices, the GPU, or when the sampled threshold misjudged) it is written into ``full``
+        slices, or when the sampled threshold misjudged) it is written into ``full``
         (n floats, the caller's scratch) and selected as ``topk`` does. Same answer either way.
         """
         n = self.n
-        if self.exact or is_gpu(full) or k <= 0 or k >= n:
+        if self.exact or k <= 0 or k >= n:
             score(slice(0, n), full)
             return topk_exact(full, k, nonnegative=True) if self.exact else self.topk(full, k)
         sample = np.empty(len(range(0, n, kernels.SAMPLE_STRIDE)), np.float32)

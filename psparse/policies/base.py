@@ -174,7 +174,9 @@ class SelectionPolicy:
                 parts.append(chosen + offset if offset else chosen)
         if len(parts) == 1:
             return parts[0]
-        return self.xp.concatenate(parts) if parts else self.xp.empty(0, dtype=self.xp.int64)
+        # a user's select_slice may answer with host arrays on the device too
+        xp = np if parts and all(isinstance(p, np.ndarray) for p in parts) else self.xp
+        return xp.concatenate(parts) if parts else xp.empty(0, dtype=xp.int64)
 
     def select_slice(self, acc: np.ndarray, k: int, offset: int) -> np.ndarray:
         """Sorted indices (relative to the slice) of the k entries to send from one slice."""
