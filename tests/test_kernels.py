@@ -1,8 +1,8 @@
 """Kernels against their references: selection, error feedback, policy state, aggregation.
 
-The CPU tests always run. The GPU tests run the CuPy kernels on fresh random inputs and compare
-them with the numpy path; without a CUDA device (and CuPy) they are skipped with the reason
-"no CUDA device".
+The CPU tests always run. The device tests run the GPU path's kernels through a backend and
+compare them with the numpy path: the emulated backend (the CUDA C on the CPU) always, CuPy on
+a CUDA device when there is one.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from psparse import kernels, protocol
-from psparse.kernels import NonFiniteError, sparse_mean
+from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.kernels import NonFiniteError
 from psparse.memory import Memory
-from psparse.policies import Layout, build_policy
 from psparse.sparsify import Selector, topk_exact
 from psparse.xp import array_module, cupy_or_none, from_torch, to_device, to_host, to_torch
 
 cupy = cupy_or_none()
-gpu = pytest.mark.skipif(cupy is None, reason="no CUDA device")
 
 # sizes that are not multiples of the CPU block (65,536) or of the CUDA block (256)
 SIZES = [1, 7, 1000, 65_537, 1_048_583]
@@ -152,116 +151,63 @@ def test_kernel_launches_are_checked_against_the_c_signatures():
         with pytest.raises(TypeError, match=f"psparse_take: .*{expected}"):
             kernels.check_launch("psparse_take", args, sig)
 
-# ---------------------------------------------------------------------------------- GPU
-@gpu
-@pytest.mark.parametrize("n,k", list(_cases()))
-def test_gpu_selection_equals_the_cpu(n, k):
-    x = _data(n, 7 * n + k)
-    idx, val = kernels.select_any(cupy.asarray(x), k)
-    want = kernels.topk_reference(x, k)
-    np.testing.assert_array_equal(idx.get(), want)
-    np.testing.assert_array_equal(val.get(), x[want])
-    np.testing.assert_array_equal(Selector(n).topk(cupy.asarray(x), k).get(), want)
+# ------------------------------------------------------------------------- the device
+# The GPU path's kernels through a backend: emulated on the CPU always (psparse/kernel_emu.py),
+# on the GPU too when there is one.
+def _backends():
+    out = [pytest.param(lambda: EmulatedBackend(strict=True), id="emulated")]
+    if cupy is not None:
+        out.append(pytest.param(lambda: CudaBackend(cupy), id="cuda"))
+    return out
 
 
-@gpu
-def test_gpu_ties_and_non_finite():
-    n = 200_003
-    x = np.zeros(n, np.float32)
-    x[::3], x[1::3] = 2.0, -2.0
-    got = kernels.select_any(cupy.asarray(x), n // 2)[0].get()
-    np.testing.assert_array_equal(got, np.flatnonzero(np.abs(x) == 2.0)[:n // 2])
-    for bad in (np.nan, np.inf):
-        y = _data(n, 3)
-        y[17] = bad
-        with pytest.raises(NonFiniteError):
-            kernels.select_any(cupy.asarray(y), 100)
+@pytest.fixture(scope="module", params=_backends())
+def dev(request):
+    return request.param()
 
 
-@gpu
-@pytest.mark.parametrize("kind", ["residual", "dgc"])
-def test_gpu_memory_matches_the_cpu(kind):
-    cpu, dev = Memory(65_537, kind), Memory(65_537, kind, xp=cupy)
+@pytest.mark.parametrize("kind", ["residual", "dgc", "scalecom"])
+def test_device_memory_matches_the_cpu(dev, kind):
+    cpu, device = Memory(65_537, kind), Memory(65_537, kind, dev=dev)
     rng = np.random.default_rng(4)
     for _ in range(3):
         g = rng.standard_normal(65_537).astype(np.float32)
         cpu.add(g)
-        dev.add(cupy.asarray(g))
-    np.testing.assert_allclose(dev.accumulator.get(), cpu.accumulator, rtol=1e-6, atol=1e-6)
+        device.add(dev.upload("gradient", g))
+    np.testing.assert_array_equal(dev.read(device.accumulator), cpu.accumulator)
     idx = kernels.topk_reference(cpu.accumulator, 500)
-    np.testing.assert_allclose(dev.take(cupy.asarray(idx)).get(), cpu.take(idx), rtol=1e-6)
-    np.testing.assert_allclose(dev.accumulator.get(), cpu.accumulator, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(dev.read(device.take(dev.upload("indices", idx))),
+                                  cpu.take(idx))
+    np.testing.assert_array_equal(dev.read(device.accumulator), cpu.accumulator)
+    for name in ("velocity", "filtered"):
+        if getattr(cpu, name) is not None:
+            np.testing.assert_array_equal(dev.read(getattr(device, name)), getattr(cpu, name))
 
 
-@gpu
-@pytest.mark.parametrize("policy", ["topk", "threshold", "frequency", "ema", "penalty", "core",
-                                    "randomk"])
-def test_gpu_policies_select_what_the_cpu_selects(policy):
-    """Same accumulators and aggregates, numpy vs CuPy state: identical selections."""
-    layout = Layout([1000, 30_000, 70_001], "model")
-    args = ["lam=1.5"] if policy == "threshold" else []
-    cpu = build_policy(policy, args, layout, 1000, seed=1)
-    dev = build_policy(policy, args, layout, 1000, seed=1, xp=cupy)
-    rng = np.random.default_rng(5)
-    for it in range(6):
-        acc = rng.standard_normal(layout.numel).astype(np.float32)
-        a = cpu.select(acc, it)
-        b = dev.select(cupy.asarray(acc), it).get()
-        np.testing.assert_array_equal(a, b)
-        agg_idx = np.unique(np.concatenate([a, rng.integers(0, layout.numel, 3000)]))
-        agg_val = rng.standard_normal(agg_idx.size).astype(np.float32)
-        cpu.observe(agg_idx, agg_val, it)
-        dev.observe(cupy.asarray(agg_idx), cupy.asarray(agg_val), it)
-    assert cpu.state_digest() == dev.state_digest()
+def test_device_clipping_scales_the_gradient_on_the_device(dev):
+    g = np.random.default_rng(5).standard_normal(10_000).astype(np.float32)
+    device = Memory(10_000, clip_norm=1.0, dev=dev)
+    clipped = dev.read(device.clipped(dev.upload("gradient", g)))
+    assert np.linalg.norm(clipped) == pytest.approx(1.0, rel=1e-6)
+    np.testing.assert_allclose(clipped, g / np.linalg.norm(g.astype(np.float64)), rtol=1e-6)
+    small = g / np.float32(1e4)
+    np.testing.assert_array_equal(dev.read(device.clipped(dev.upload("gradient", small))), small)
 
 
-@gpu
-def test_gpu_sparse_mean_matches_the_cpu():
-    rng = np.random.default_rng(6)
-    n = 1_000_003
-    idx = [np.sort(rng.choice(n, 5000, replace=False)) for _ in range(8)]
-    val = [rng.standard_normal(5000).astype(np.float32) for _ in range(8)]
-    u_cpu, m_cpu = sparse_mean(np.zeros(n, np.float32), idx, val)
-    scratch = cupy.zeros(n, cupy.float32)
-    u_gpu, m_gpu = sparse_mean(scratch, idx, val)
-    np.testing.assert_array_equal(u_gpu.get(), u_cpu)
-    np.testing.assert_allclose(m_gpu.get(), m_cpu, rtol=1e-5, atol=1e-6)
-    assert not scratch.any()
-
-
-@gpu
-def test_cuda_tensors_cross_to_cupy_without_a_copy():
-    t = torch.zeros(8, device="cuda")
-    a = from_torch(t)
+def test_torch_tensors_cross_to_the_device_arrays_without_a_copy(dev):
+    t = torch.zeros(8, device="cuda" if isinstance(dev, CudaBackend) else "cpu")
+    a = dev.from_torch(t)
     a[3] = 5.0
-    assert t[3].item() == 5.0 and array_module(a) is cupy
-    assert to_torch(a).data_ptr() == t.data_ptr()
+    assert float(t[3]) == 5.0
+    assert dev.to_torch(a).data_ptr() == t.data_ptr()
 
 
-@gpu
-@pytest.mark.parametrize("policy", ["frequency", "ema", "core", "penalty"])
-def test_gpu_policies_take_raw_int32_aggregates(policy):
-    """The review's fault: a raw-format aggregate decodes as int32 and reached int64 kernels."""
-    layout = Layout([50_000], "model")
-    cpu = build_policy(policy, [], layout, 500, seed=1)
-    dev = build_policy(policy, [], layout, 500, seed=1, xp=cupy)
-    rng = np.random.default_rng(9)
-    for it in range(4):
-        acc = rng.standard_normal(layout.numel).astype(np.float32)
-        np.testing.assert_array_equal(cpu.select(acc, it), dev.select(cupy.asarray(acc), it).get())
-        agg_idx = np.unique(rng.integers(0, layout.numel, 1500))
-        msg = _raw_aggregate(agg_idx, rng.standard_normal(agg_idx.size).astype(np.float32))
-        assert msg.indices.dtype == np.int32
-        cpu.observe(*to_device(np, msg.indices, msg.values), it)
-        dev.observe(*to_device(cupy, msg.indices, msg.values), it)
-    assert cpu.state_digest() == dev.state_digest()
-
-
-@gpu
-def test_gpu_kernels_refuse_int32_indices_by_name():
-    acc = cupy.zeros(100, cupy.float32)
+def test_device_kernels_refuse_int32_indices_by_name(dev):
+    acc = dev.xp.zeros(100, dtype=np.float32)
+    memory = Memory(100, dev=dev)
     with pytest.raises(TypeError, match="psparse_take: indices must be a contiguous int64"):
-        kernels.take(acc, cupy.arange(5, dtype=cupy.int32))
+        memory.take(dev.upload("indices", np.arange(5, dtype=np.int32)))
+    assert acc.size == 100
 
 
 def test_server_device_cuda_without_a_gpu_is_a_clear_error():

@@ -16,6 +16,7 @@ import pytest
 from conftest import python_module, read_jsonl
 
 from psparse import kernels
+from psparse.backend import CudaBackend, EmulatedBackend
 from psparse.config import ConfigError, RunConfig
 from psparse.memory import SCALECOM_BETA, Memory
 from psparse.xp import cupy_or_none
@@ -154,18 +155,20 @@ def test_the_launcher_refuses_a_bad_beta_before_starting_anything(tmp_path):
     assert not (tmp_path / "run" / "logs").exists()
 
 
-@pytest.mark.skipif(cupy is None, reason="no CUDA device (CuPy path not run)")
-def test_gpu_scalecom_memory_matches_the_cpu():
-    cpu, dev = Memory(65_537, "scalecom", beta=0.3), Memory(65_537, "scalecom", beta=0.3,
-                                                            xp=cupy)
+def test_device_scalecom_memory_matches_the_cpu():
+    """The GPU path's memory (emulated on the CPU; on CUDA when there is a device)."""
+    dev = CudaBackend(cupy) if cupy is not None else EmulatedBackend(strict=True)
+    cpu, device = Memory(65_537, "scalecom", beta=0.3), Memory(65_537, "scalecom", beta=0.3,
+                                                               dev=dev)
     rng = np.random.default_rng(4)
     for _ in range(4):
         g = rng.standard_normal(65_537).astype(np.float32)
         a = cpu.add(g)
-        np.testing.assert_array_equal(dev.add(cupy.asarray(g)).get(), a)
+        np.testing.assert_array_equal(dev.read(device.add(dev.upload("gradient", g))), a)
         idx = kernels.topk_reference(a, 500)
-        np.testing.assert_array_equal(dev.take(cupy.asarray(idx)).get(), cpu.take(idx))
-        np.testing.assert_allclose(dev.filtered.get(), cpu.filtered, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(dev.read(device.take(dev.upload("indices", idx))),
+                                      cpu.take(idx))
+        np.testing.assert_array_equal(dev.read(device.filtered), cpu.filtered)
 
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "300",
