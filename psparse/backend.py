@@ -135,6 +135,24 @@ class Backend:
         import contextlib
         return contextlib.nullcontext()
 
+    # ------------------------------------------------------------------------------ graphs
+    def capture(self, work) -> Graph:
+        """Record the kernels ``work()`` launches as a graph (launched with ``Graph.launch``)
+        instead of running them: a round's selection as one launch (CUDA Graphs). Any
+        crossing to the host inside ``work`` fails the capture (``CaptureFailed``)."""
+        raise CaptureFailed(f"the {self.name} backend has no graphs")
+
+
+class CaptureFailed(RuntimeError):
+    """A graph could not be captured (a synchronisation inside, or no graph support)."""
+
+
+class Graph:
+    """A recorded sequence of launches; ``launch()`` runs it."""
+
+    def __init__(self, launch):
+        self.launch = launch
+
 
 # ------------------------------------------------------------------------------------ CUDA
 class CudaBackend(Backend):
@@ -210,6 +228,23 @@ class CudaBackend(Backend):
     def stream_scope(self):
         return self.stream
 
+    def capture(self, work):
+        stream = self.stream
+        crossings = (self.copy_backs, self.uploads, self.reads)
+        with stream:
+            stream.begin_capture()
+            try:
+                work()
+            except Exception as exc:
+                try:
+                    stream.end_capture()
+                finally:
+                    raise CaptureFailed(f"{type(exc).__name__}: {exc}") from None
+            graph = stream.end_capture()
+        if (self.copy_backs, self.uploads, self.reads) != crossings:
+            raise CaptureFailed("the captured work crossed to the host")
+        return Graph(lambda: graph.launch(stream))
+
 
 # -------------------------------------------------------------------------------- emulated
 class EmulatedBackend(Backend):
@@ -228,11 +263,37 @@ class EmulatedBackend(Backend):
             for name in emu.signatures:
                 self.emulators[name] = emu
         self.launches: list[str] = []
+        self._recording = None  # a capture's launches
 
     def launch(self, name, grid, args, checked=False):
+        if self._recording is not None:  # a capture: recorded, run when the graph is
+            self._recording.append((name, grid, args))
+            return
         raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
         self.emulators[name].launch(name, int(grid), THREADS, raw)
         self.launches.append(name)
+
+    def capture(self, work):
+        """As CUDA Graphs do: the launches recorded, not run; a crossing to the host, or array
+        work that is not a kernel launch (which a graph would not replay here), fails it."""
+        global _CAPTURING
+        self._recording = recorded = []
+        before = (self.copy_backs, self.uploads, self.reads)
+        _CAPTURING = True
+        try:
+            work()
+        except HostSync as exc:
+            raise CaptureFailed(str(exc)) from None
+        finally:
+            self._recording = None
+            _CAPTURING = False
+        if (self.copy_backs, self.uploads, self.reads) != before:
+            raise CaptureFailed("the captured work crossed to the host")
+
+        def replay():
+            for name, grid, args in recorded:
+                self.launch(name, grid, args, checked=True)
+        return Graph(replay)
 
     def check(self, name, args):
         raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
@@ -279,6 +340,14 @@ def wrap(a):
 
 
 # ---------------------------------------------------------------------- the strict arrays
+_CAPTURING = False  # an emulated graph capture is recording: array work would not replay
+
+
+def _not_while_capturing(what: str) -> None:
+    if _CAPTURING:
+        raise CaptureFailed(f"{what} inside a graph capture (only kernel launches replay)")
+
+
 _REFUSED = {"nonzero", "flatnonzero", "argwhere", "unique", "partition", "argpartition",
             "extract", "compress", "setdiff1d", "union1d", "intersect1d", "in1d", "isin",
             "trim_zeros", "array_equal", "allclose", "tolist"}
@@ -382,9 +451,11 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
         return DeviceArray(np.asarray(self._a[self._key(key)]))
 
     def __setitem__(self, key, value):
+        _not_while_capturing("an assignment to a device array")
         self._a[self._key(key)] = _unwrap(value)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _not_while_capturing(f"numpy.{ufunc.__name__}")
         if "out" in kwargs:
             kwargs["out"] = tuple(_unwrap(o) for o in kwargs["out"])
         result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
@@ -432,6 +503,7 @@ class StrictXP:
 
         @functools.wraps(attr)
         def function(*args, **kwargs):
+            _not_while_capturing(f"xp.{name}")
             return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
         return function
 

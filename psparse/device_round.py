@@ -24,17 +24,20 @@ strict emulated backend, whose arrays refuse every other way to the host.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import numpy as np
 import torch
 
+from .backend import CaptureFailed
 from .client import WorkerError
 from .device_policy import DeviceSelection, Fusion
 from .policies import PolicyError, check_output
 from .radix import RP_W
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
+GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
 
 
 class DeviceRound:
@@ -52,6 +55,14 @@ class DeviceRound:
         self.loss = xp.zeros(1, dtype=xp.float64)
         self.loss_torch = dev.to_torch(self.loss)
         self.all_indices = None  # every index, on the device (dense aggregates)
+        # small models are launch-bound: a one-phase round's selection as one CUDA graph per
+        # budget (PSPARSE_CUDA_GRAPH=1 / 0 forces it on / off)
+        choice = os.environ.get("PSPARSE_CUDA_GRAPH", "")
+        self.use_graphs = choice == "1" or (choice != "0" and dev.name == "cuda"
+                                            and net.numel <= GRAPH_UP_TO)
+        self.graphs: dict = {}  # budget k -> (graph, its DeviceSelection)
+        self._seen: set[int] = set()  # budgets that ran once (their engines exist)
+        self.graph_rounds = 0
         self.received_idx = xp.zeros(1, dtype=xp.int64)
         self.received_val = xp.zeros(1, dtype=xp.float32)
 
@@ -142,6 +153,18 @@ class DeviceRound:
         if self.whole:
             acc = memory.add_clipped(grad)
             return self._finish(it, None, acc, host_loss, staged, whole=True)
+        if self.use_graphs and policy.graph_safe and memory.clip_norm is None:
+            # the first round at a budget runs launch by launch (it builds the engines);
+            # the second captures the graph, which every later one replays
+            entry = self.graphs.get(policy.k)
+            if entry is None and policy.k in self._seen:
+                entry = self._capture(it)
+            self._seen.add(policy.k)
+            if entry is not None:
+                graph, chosen = entry
+                graph.launch()
+                self.graph_rounds += 1
+                return self._finish(it, chosen, None, host_loss, staged)
         fusion = Fusion(memory.accumulate_spec(grad) if policy.fuses_accumulation else None,
                         memory.accumulator, memory.velocity)
         if fusion.accumulate is None:
@@ -157,6 +180,34 @@ class DeviceRound:
         if fusion.accumulate is not None:  # the policy never read the accumulator
             memory.add_clipped(grad)
         return self._finish(it, chosen, None, host_loss, staged)
+
+    def _capture(self, it: int):
+        """The round's selection (accumulation and take fused) captured as a graph for the
+        current budget, or None (then graphs are off for this worker: said once)."""
+        s, dev = self.s, self.dev
+        policy, memory = s.policy, s.memory
+        fusion = Fusion(memory.accumulate_spec(self.grad), memory.accumulator,
+                        memory.velocity)
+        box = {}
+
+        def work():
+            policy.fusion = fusion
+            try:
+                box["chosen"] = policy.select(memory.accumulator, it)
+            finally:
+                policy.fusion = None
+        try:
+            graph = dev.capture(work)
+        except CaptureFailed as exc:
+            why = str(exc)
+        else:
+            if fusion.accumulate is None and isinstance(box.get("chosen"), DeviceSelection):
+                self.graphs[policy.k] = (graph, box["chosen"])
+                return self.graphs[policy.k]
+            why = "the selection is not the engine's alone"
+        self.use_graphs = False
+        s.say(f"no CUDA graph for {policy.describe()} ({why}): rounds run launch by launch")
+        return None
 
     def _proposal_round(self, it: int, fusion: Fusion):
         """Phase 1 of a two-phase round: the proposal back (a synchronisation), the group's

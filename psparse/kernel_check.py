@@ -71,9 +71,13 @@ class Report:
 
 
 def package_sources() -> list[CudaSource]:
-    """Every CUDA C source in the package with the kernels the runtime launches from it."""
+    """Every CUDA C source in the package with the kernels the runtime launches from it (the
+    backends build exactly these: psparse.backend.SOURCES)."""
+    from .radix_source import RADIX_SOURCE
     return [CudaSource("psparse/kernels.py:CUDA_SOURCE", kernels.CUDA_SOURCE,
-                       tuple(kernels.CUDA_KERNELS))]
+                       tuple(kernels.CUDA_KERNELS)),
+            CudaSource("psparse/radix_source.py:RADIX_SOURCE", RADIX_SOURCE,
+                       tuple(kernels.kernel_signatures(RADIX_SOURCE)))]
 
 
 def package_elementwise() -> list[ElementwiseSpec]:

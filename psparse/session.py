@@ -574,7 +574,10 @@ class Session:
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
         # the rounds' device crossings, before the reads of the final report below
-        device = self.dev.report(self.iterations - self.start) if self.dev is not None else None
+        device = None
+        if self.dev is not None:
+            device = {**self.dev.report(self.iterations - self.start),
+                      "graph_rounds": self.device_round.graph_rounds}
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
         self.client.finish(self.iterations - 1, values, self.net.checksum())
         info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,

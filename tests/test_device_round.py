@@ -24,10 +24,14 @@ RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations"
        "--eval-every", "6", "--seed", "5", "--quiet", "--threads", "1"]
 
 
-def launch(out, *args, emulate: str | None = "strict", timeout: float = 240):
-    env = {k: v for k, v in os.environ.items() if k != "PSPARSE_EMULATE_GPU"}
+def launch(out, *args, emulate: str | None = "strict", graph: bool = False,
+           timeout: float = 240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PSPARSE_EMULATE_GPU", "PSPARSE_CUDA_GRAPH")}
     if emulate:
         env["PSPARSE_EMULATE_GPU"] = emulate
+    if graph:
+        env["PSPARSE_CUDA_GRAPH"] = "1"
     env["PYTHONPATH"] = str(REPO / "tests")  # the planted policy
     return subprocess.run(python_module("psparse.launch", "--out", str(out), *RUN, *args),
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -141,3 +145,24 @@ def test_a_device_run_resumes_exactly(tmp_path):
         assert a["checksum"] == b["checksum"] and a["policy_state"] == b["policy_state"]
     assert without_timing(read_jsonl(cut / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "whole" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("policy", ["core", "frequency"])
+def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, policy):
+    """PSPARSE_CUDA_GRAPH=1 (on a GPU: the default up to 1M parameters): from the second
+    round at each budget the selection is one recorded graph, replayed. Under the emulator a
+    capture records the kernels and refuses any other device work, as a CUDA graph would not
+    replay it: the run must still equal the host's, through a density warm-up's budget
+    changes."""
+    args = ["--policy", policy, "--granularity", "layer", "--iterations", "60",
+            "--density-warmup", "1"]
+    device = launch(tmp_path / "device", *args, graph=True)
+    assert device.returncode == 0, device.stdout + device.stderr
+    host = launch(tmp_path / "host", *args, emulate=None)
+    assert host.returncode == 0, host.stdout + host.stderr
+    budgets = {row["budget"] for row in read_jsonl(tmp_path / "host" / "metrics.jsonl")}
+    assert len(budgets) > 1  # the warm-up changed the budget during the run
+    for d, h in zip(ranks(tmp_path / "device"), ranks(tmp_path / "host")):
+        assert d["checksum"] == h["checksum"]
+        assert d["device"]["graph_rounds"] == 60 - len(budgets), d["device"]  # 1 eager each
+        assert d["device"]["copy_backs"] == 60

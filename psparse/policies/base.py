@@ -152,6 +152,17 @@ class SelectionPolicy:
         return self.engines.select("select", self.device_key(accumulator), self.slice_k,
                                    self.fusion)
 
+    device_graph: bool | None = None  # may the device selection be a CUDA graph (None: auto)
+
+    @property
+    def graph_safe(self) -> bool:
+        """A one-phase round whose device selection is engine launches alone (the same every
+        round at one budget), so it can be captured once and replayed (a CUDA graph)."""
+        if self.device_graph is not None:
+            return self.device_graph
+        return not self.two_phase and type(self).select is SelectionPolicy.select and \
+            self.device_native
+
     @property
     def device_native(self) -> bool:
         """True when this class's device path stands for its host path: no class below the

@@ -19,6 +19,7 @@ from .base import Param, SelectionPolicy
 
 class Threshold(SelectionPolicy):
     name = "threshold"
+    device_graph = True  # its device select is one engine run
     params = {
         "lam": Param(float, 0.01, "send entries with |accumulator| >= lam",
                      lambda v: v > 0, "> 0"),
