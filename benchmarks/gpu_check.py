@@ -3,20 +3,29 @@
 Run through ``bash benchmarks/gpu_check.sh`` (which sets up the bundled wheels and data; see
 benchmarks/README.md). Steps, each with its own time limit, all within ``--budget`` seconds:
 
-1. device and versions (nvidia-smi, torch, CuPy, pyzmq);
+1. device and versions (nvidia-smi, torch, CuPy, pyzmq, numba, llvmlite);
 2. the kernel gate (``python -m psparse.kernel_check``: NVRTC compiles every kernel);
-3. the kernel tests (tests/test_kernels.py, tests/test_kernel_check.py); on a GPU no test may
-   be skipped for "no CUDA device";
-4. the selection benchmark (benchmarks/gpu_select.py): ours vs torch.topk vs a device copy;
+3. the kernel tests (tests/test_kernels.py, test_kernel_check.py, test_radix.py,
+   test_device_policies.py: on a GPU the radix engine and every policy's device path run on
+   the device, against the host's selections); no test may be skipped for "no CUDA device";
+4. the selection benchmark (benchmarks/gpu_select.py): the radix engine (eager and as a CUDA
+   graph) vs torch.topk vs a device copy, and each policy's device selection vs top-k's;
 5. LeNet/MNIST, 8 workers sharing the GPU, ``--device cuda --server-device cuda``, 2 epochs,
-   against the same run on the host (``--device cpu``, same seed): accuracy and union/k must be
-   within seed noise (1 point; 15%), time per iteration split into compute / select / wait;
-6. ResNet-20/CIFAR-10, 8 workers on the GPU, as many iterations as the remaining budget allows
+   against the same run selecting on the host (``--device cpu``, same seed): accuracy and
+   union/k within seed noise (1 point; 15%), the time split, and the device's crossings per
+   iteration (rank-R.json ``device``: copy backs, graph rounds: a graph that captured holds no
+   synchronisation); again under MPS where ``nvidia-cuda-mps-control`` exists (started and
+   stopped here);
+6. one worker on the GPU, the real deployment: ResNet-20/CIFAR-10, batch 128, its exchange's
+   device time (accumulate, select, copy back, apply: CUDA events) against its compute, and
+   the same run with the host-selection fallback (``PSPARSE_GPU_PATH=host``);
+7. ResNet-20/CIFAR-10, 8 workers on the GPU, as many iterations as the remaining budget allows
    (a 30-iteration probe measures the pace first), with the same time split.
 
 ``--cpu`` (``GPU_CHECK_CPU=1`` in the shell script) replaces every CUDA part with ``--device
-cpu`` and shortens the runs, so CI tests the plumbing on every commit: there the two LeNet
-runs have identical settings and must give identical metrics (determinism).
+cpu`` and shortens the runs, so CI tests the plumbing on every commit: there the LeNet "device"
+run is the GPU path on the emulated backend (``PSPARSE_EMULATE_GPU=strict``), which must give
+the host run's metrics to the bit, with one copy back per iteration and graph rounds.
 
 Writes to the output folder ``gpu_check.json`` (every figure), ``gpu_check.log`` (every step's
 whole output), ``test_kernels.log`` and ``gpu_select.log``; exits 1 if any step failed.
@@ -59,14 +68,17 @@ class Check:
         if echo:
             print(text, flush=True)
 
-    def run(self, step: str, cmd: list[str], limit: float, log_name: str | None = None) -> tuple:
-        """Run cmd with a time limit (capped by the budget); (exit code, output)."""
+    def run(self, step: str, cmd: list[str], limit: float, log_name: str | None = None,
+            env: dict | None = None) -> tuple:
+        """Run cmd with a time limit (capped by the budget); (exit code, output). ``env``:
+        variables added to this process's environment."""
         limit = max(5.0, min(limit, self.left() - 5))
         self.say(f"\n=== {step} ({time.strftime('%H:%M:%S')}, limit {limit:.0f} s)\n"
                  f"$ {' '.join(cmd)}")
         start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit,
+                                  env={**os.environ, **env} if env else None)
             code, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             code = 124
@@ -94,8 +106,11 @@ def device_info(check: Check) -> None:
     code, out = check.run("versions", [sys.executable, "-c", (
         "import sys, json, numpy, torch, zmq\n"
         "try:\n import cupy; cv = cupy.__version__\nexcept Exception as e: cv = f'none ({e})'\n"
+        "def version(name):\n try:\n  return __import__(name).__version__\n"
+        " except Exception as e:\n  return f'none ({e})'\n"
         "print(json.dumps({'python': sys.version.split()[0], 'numpy': numpy.__version__,"
         " 'torch': torch.__version__, 'cupy': cv, 'pyzmq': zmq.__version__,"
+        " 'numba': version('numba'), 'llvmlite': version('llvmlite'),"
         " 'cuda_available': torch.cuda.is_available(),"
         " 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))")], 60)
     if code == 0:
@@ -120,7 +135,9 @@ def kernel_gate_and_tests(check: Check) -> None:
         check.say("\n=== kernel gate: skipped (CuPy/NVRTC not installed here; make check-kernels)")
     code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",
                                            "-p", "no:cacheprovider", "tests/test_kernels.py",
-                                           "tests/test_kernel_check.py"], 120, "test_kernels.log")
+                                           "tests/test_kernel_check.py", "tests/test_radix.py",
+                                           "tests/test_device_policies.py"], 150,
+                          "test_kernels.log")
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", out)}
     check.figures["kernel_tests"] = counts
     no_gpu_skips = len(re.findall(r"SKIPPED.*no CUDA device", out))
@@ -137,19 +154,28 @@ def selection_benchmark(check: Check) -> None:
                                       "--json", str(result)], 100, "gpu_select.log")
     if result.exists():
         check.figures["selection"] = json.loads(result.read_text())
-        target = [r for r in check.figures["selection"]["rows"]
-                  if r["n"] == 25_000_000 and r["density"] == 0.001]
-        if target:
-            row = target[0]
-            check.figures["selection_targets_met"] = (row["speedup_vs_topk"] >= 3
-                                                      and row["copy_passes"] <= 3)
+        figures = check.figures["selection"]
+        rows = {(r["n"], r["density"]): r for r in figures["rows"]}
+        met = {}
+        if (25_000_000, 0.001) in rows:
+            row = rows[(25_000_000, 0.001)]
+            met["25M/0.1%: >= 3x torch.topk"] = row["speedup_vs_topk"] >= 3
+            met["25M/0.1%: <= 3 copy passes"] = row["copy_passes"] <= 3
+        if (1_000_000, 0.01) in rows:
+            met["1M/1%: >= 2x torch.topk"] = rows[(1_000_000, 0.01)]["speedup_vs_topk"] >= 2
+        met["every policy <= 1.5x top-k"] = all(p["vs_topk"] <= 1.5
+                                                for p in figures.get("policies", []))
+        check.figures["selection_targets"] = met
+        check.figures["selection_targets_met"] = all(met.values())
 
 
-def train(check: Check, name: str, args: list[str], limit: float) -> dict | None:
-    """One psparse-launch run; its summary plus the workers' mean time split per iteration."""
+def train(check: Check, name: str, args: list[str], limit: float,
+          env: dict | None = None) -> dict | None:
+    """One psparse-launch run; its summary plus the workers' mean time split per iteration
+    and rank 0's device crossings (rank-R.json ``device``)."""
     out = check.work / name
     code, _ = check.run(name, [sys.executable, "-m", "psparse.launch", "--out", str(out),
-                               *args], limit)
+                               *args], limit, env=env)
     summary_path = out / "summary.json"
     if not summary_path.exists():
         return None
@@ -164,6 +190,8 @@ def train(check: Check, name: str, args: list[str], limit: float) -> dict | None
     keep = ("status", "error", "iterations", "wall_s", "iterations_per_s", "test_acc",
             "union_over_k_mean", "broadcast_mb", "upload_mb", "final_loss")
     result = {key: summary.get(key) for key in keep} | split
+    if ranks and "device" in ranks[0]:
+        result["device"] = ranks[0]["device"]
     if code == 0 and summary.get("status") != "ok":
         check.fail(f"{name}: status {summary.get('status')}: {summary.get('error')}")
     check.figures[name] = result
@@ -176,20 +204,34 @@ def lenet(check: Check) -> None:
               "--seed", "0", "--quiet"]
     length = ["--iterations", "40", "--eval-every", "0"] if check.cpu else ["--epochs", "2"]
     device = ["--device", "cpu"] if check.cpu else ["--device", "cuda", "--server-device", "cuda"]
+    # CPU mode: the device run is the GPU path on the emulated backend (its CUDA C on the CPU,
+    # strict about crossings, graphs recorded): it must equal the host run to the bit
+    emulate = {"PSPARSE_EMULATE_GPU": "strict", "PSPARSE_CUDA_GRAPH": "1"} if check.cpu else None
     host = train(check, "lenet-mnist-host", [*common, *length, "--device", "cpu"], 110)
-    dev = train(check, "lenet-mnist-device", [*common, *length, *device], 110)
+    dev = train(check, "lenet-mnist-device", [*common, *length, *device], 110, env=emulate)
     if not (host and dev):
         check.fail("LeNet/MNIST: a run wrote no summary")
         return
-    if check.cpu:  # identical settings: the same metrics, to the bit (timing aside)
+    crossings = dev.get("device") or {}
+    check.figures["lenet_device_crossings"] = crossings
+    if crossings.get("copy_backs_per_iteration") != 1.0:
+        check.fail(f"LeNet/MNIST on the device: {crossings.get('copy_backs_per_iteration')} "
+                   "copy backs per iteration (expected 1)")
+    if not crossings.get("graph_rounds"):
+        check.fail("LeNet/MNIST on the device: no round ran as a CUDA graph (the capture "
+                   "failed: see the rank logs)")
+    if check.cpu:  # the same metrics, to the bit (timing aside)
         a = (check.work / "lenet-mnist-host" / "metrics.jsonl").read_text().splitlines()
         b = (check.work / "lenet-mnist-device" / "metrics.jsonl").read_text().splitlines()
         drop = re.compile(r'"(\w*_s|time\w*|round\w*)": [0-9.e-]+,? ?')
         same = [drop.sub("", x) for x in a] == [drop.sub("", x) for x in b]
         check.figures["lenet_same_metrics"] = same
         if not same:
-            check.fail("LeNet/MNIST: two identical CPU runs gave different metrics")
+            check.fail("LeNet/MNIST: the emulated GPU path and the host path gave different "
+                       "metrics")
         return
+    with_mps(check, lambda: train(check, "lenet-mnist-device-mps", [*common, *length, *device],
+                                  110))
     acc_gap = abs(dev["test_acc"] - host["test_acc"]) if None not in (
         dev["test_acc"], host["test_acc"]) else None
     union_gap = abs(dev["union_over_k_mean"] / host["union_over_k_mean"] - 1)
@@ -200,6 +242,71 @@ def lenet(check: Check) -> None:
     if union_gap > LENET_TOLERANCE["union_over_k_mean"]:
         check.fail(f"LeNet/MNIST: union/k {dev['union_over_k_mean']} on the device vs "
                    f"{host['union_over_k_mean']} on the host")
+
+
+def with_mps(check: Check, work) -> None:
+    """``work()`` under the CUDA Multi-Process Service, started and stopped here, where the
+    machine has nvidia-cuda-mps-control (8 processes then share the GPU without time slices)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if check.cpu or control is None:
+        check.say("\n=== MPS: not run (" + ("CPU mode" if check.cpu else
+                                            "no nvidia-cuda-mps-control on this machine") + ")")
+        check.figures["mps"] = "not run"
+        return
+    pipes = check.work / "mps"
+    pipes.mkdir(exist_ok=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipes), "CUDA_MPS_LOG_DIRECTORY": str(pipes)}
+    code, _ = check.run("mps start", [control, "-d"], 20, env=env)
+    if code != 0:
+        check.figures["mps"] = "did not start"
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        check.figures["mps"] = "ran"
+        work()
+    finally:
+        subprocess.run([control], input="quit\n", text=True, capture_output=True, timeout=30,
+                       env={**os.environ, **env})
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def one_worker(check: Check) -> None:
+    """ResNet-20/CIFAR-10 on one worker with batch 128 (one GPU per worker): the exchange's
+    device time against compute, and the CuPy path against the host-selection fallback."""
+    data = Path(os.environ.get("PSPARSE_DATA", ROOT / "data"))
+    if not any((data / name).exists() for name in ("cifar10-jpeg.tar.gz", "cifar10-jpeg",
+                                                   "cifar-10-batches-py")):
+        check.say(f"\n=== one worker: skipped (no CIFAR-10 in {data})")
+        if not check.cpu:
+            check.fail(f"one worker: no CIFAR-10 in {data} (make gpu-bundle)")
+        return
+    common = ["--workers", "1", "--model", "resnet20", "--dataset", "cifar10", "--policy",
+              "core", "--batch-size", "16" if check.cpu else "128", "--lr", "0.1",
+              "--momentum", "0.9", "--seed", "0", "--quiet", "--eval-every", "0",
+              "--iterations", "3" if check.cpu else "150",
+              "--device", "cpu" if check.cpu else "cuda"]
+    device = train(check, "resnet20-one-worker", common, 150)
+    host = train(check, "resnet20-one-worker-host-selection", common, 150,
+                 env={"PSPARSE_GPU_PATH": "host"})
+    if check.cpu or not (device and host):
+        return
+    crossings = device.get("device") or {}
+    exchange = crossings.get("select_device_ms_per_iteration", 0.0) + \
+        crossings.get("apply_device_ms_per_iteration", 0.0)
+    compute = device.get("compute_ms_per_iteration") or 0.0
+    check.figures["one_worker"] = {
+        "exchange_device_ms_per_iteration": round(exchange, 4),
+        "compute_ms_per_iteration": compute,
+        "exchange_over_compute": round(exchange / compute, 4) if compute else None,
+        "select_ms_device_path": device.get("select_ms_per_iteration"),
+        "select_ms_host_fallback": host.get("select_ms_per_iteration"),
+        "iterations_per_s_device_path": device.get("iterations_per_s"),
+        "iterations_per_s_host_fallback": host.get("iterations_per_s")}
 
 
 def resnet(check: Check) -> None:
@@ -260,7 +367,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.log").unlink(missing_ok=True)
     check = Check(out, args.budget, args.cpu)
-    for step in (device_info, kernel_gate_and_tests, selection_benchmark, lenet, resnet):
+    for step in (device_info, kernel_gate_and_tests, selection_benchmark, lenet, one_worker,
+                 resnet):
         if check.left() < 20:
             check.fail(f"{step.__name__}: no time left in the {args.budget:.0f} s budget")
             break

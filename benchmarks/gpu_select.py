@@ -2,15 +2,20 @@
 
 For n in {1M, 11.2M, 25M, 100M} floats and densities {0.1%, 1%} on one CUDA device:
 
-* ours: ``kernels.select_any`` (sampled threshold, one compaction pass, trim to k);
+* ours: the radix engine (``psparse.radix.RadixSelect``: a histogram pass, the threshold digit
+  found on the device, the candidates compacted in order, refinement, the ordered write), its
+  launches replayed as a CUDA graph (``graph``) and launched one by one from Python (``eager``);
 * ``torch.topk(x.abs(), k)`` on the same memory (through DLPack, no copy);
 * one device-to-device copy of n floats (how many "memory passes" selection costs).
 
-Each is the median of CUDA-event timings. Then, at 1M and 25M (1M on the host) and 0.1%, the
-time of each stage of our selection alone (``breakdown``). Targets (issue 5): at 25M / 0.1%, >= 3x faster than
-torch.topk and within 3 copy passes. Every selection is checked against torch's set first.
-Without a CUDA device (and CuPy) it says so and exits 0. ``--device cpu`` measures the same three
-on the host (numpy, wall-clock medians): the CPU mode of benchmarks/gpu_check.sh.
+Each is the median of CUDA-event timings. Every selection is checked against torch's set
+(the same set, or the same magnitudes where ties are cut elsewhere). Then each built-in
+policy's whole device selection (``select`` at 1% of 11.2M, its state built by a few rounds of
+aggregates) against top-k's in the same run. Targets (issue 27): at 25M / 0.1% >= 3x
+torch.topk and <= 3 copy passes; at 1M / 1% >= 2x torch.topk; every policy <= 1.5x top-k.
+
+Without a CUDA device (and CuPy) it says so and exits 0. ``--device cpu`` measures the host
+path instead (numpy, wall-clock medians): the CPU mode of benchmarks/gpu_check.sh.
 
     python benchmarks/gpu_select.py [--sizes 1e6,11.2e6] [--repeats 15] [--device cpu]
                                     [--json figures.json]
@@ -29,11 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from common import median_time, table  # noqa: E402
 
-from psparse import kernels  # noqa: E402
+from psparse import kernels, radix  # noqa: E402
 from psparse.xp import cupy_or_none, to_torch  # noqa: E402
 
 SIZES = [1_000_000, 11_200_000, 25_000_000, 100_000_000]
 DENSITIES = [0.001, 0.01]
+POLICIES = ["topk", "randomk", "threshold", "frequency", "ema", "penalty", "core"]
+TARGETS = {"speedup_25m_0.1%": 3.0, "copy_passes_25m_0.1%": 3.0, "speedup_1m_1%": 2.0,
+           "policy_vs_topk": 1.5}
 
 
 def cuda_median_ms(cupy, fn, repeats: int, warmup: int = 3) -> float:
@@ -65,9 +73,40 @@ def timer_and_gradient(xp, n: int, seed: int):
     return timer, x
 
 
-def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
-    """Table rows and figures for one size n (both densities), and whether every selection was
-    right. ``xp`` is cupy (CUDA events) or numpy (host clock)."""
+def same_selection(xp, x, ours, theirs) -> bool:
+    """The same set, or (ties cut elsewhere) the same magnitudes."""
+    theirs = xp.sort(theirs)
+    return bool(xp.array_equal(ours, theirs)) or bool(xp.array_equal(
+        xp.sort(xp.abs(x[ours])), xp.sort(xp.abs(x[theirs]))))
+
+
+class Ours:
+    """One selection of the radix engine, eager or replayed as a graph (CUDA), or the host
+    path's (numpy)."""
+
+    def __init__(self, dev, x, k: int):
+        self.dev, self.x, self.k = dev, x, k
+        if dev is None:
+            return
+        self.engine = radix.RadixSelect(dev, [(0, x.size)], [k], radix.Key(radix.KEY_ABS, x),
+                                        values=x)
+        self.engine.run()  # built and warm
+        self.graph = dev.capture(self.engine.run)
+
+    def eager(self):
+        if self.dev is None:
+            return kernels.select_any(self.x, self.k)[0]
+        with self.dev.stream_scope():
+            self.engine.run()
+        return self.engine.out_idx
+
+    def replay(self):
+        self.graph.launch()
+        return self.engine.out_idx
+
+
+def measure(xp, dev, torch, n: int, repeats: int) -> tuple[list, list, bool]:
+    """Table rows and figures for one size n (both densities)."""
     timer, x = timer_and_gradient(xp, n, 0)
     dst = xp.empty_like(x)
     xt = to_torch(x)  # the same memory
@@ -75,50 +114,61 @@ def measure(xp, torch, n: int, repeats: int) -> tuple[list, list, bool]:
     rows, figures, ok = [], [], True
     for density in DENSITIES:
         k = max(1, int(round(density * n)))
-        ours, _ = kernels.select_any(x, k)
+        ours = Ours(dev, x, k)
         theirs = xp.asarray(torch.topk(xt.abs(), k, sorted=False)[1].numpy()) if xp is np \
             else xp.from_dlpack(torch.topk(xt.abs(), k, sorted=False)[1])
-        # the same set, or (ties cut elsewhere) the same magnitudes
-        same = bool(xp.array_equal(ours, xp.sort(theirs))) or bool(xp.array_equal(
-            xp.sort(xp.abs(x[ours])), xp.sort(xp.abs(x[theirs]))))
+        got = ours.eager()
+        if dev is not None:
+            dev.stream.synchronize()
+        same = same_selection(xp, x, got[:k].astype(xp.int64), theirs)
         ok &= same
-        t_ours = timer(lambda: kernels.select_any(x, k), repeats)
+        t_eager = timer(ours.eager, repeats)
+        t_graph = timer(ours.replay, repeats) if dev is not None else t_eager
         t_torch = timer(lambda: torch.topk(xt.abs(), k, sorted=False), repeats)
-        rows.append([f"{n / 1e6:g}M", f"{density:.1%}", k, f"{t_copy:.3f}", f"{t_ours:.3f}",
-                     f"{t_torch:.3f}", f"{t_ours / t_copy:.2f}", f"{t_torch / t_ours:.2f}x",
-                     "yes" if same else "NO"])
+        best = min(t_eager, t_graph)
+        rows.append([f"{n / 1e6:g}M", f"{density:.1%}", k, f"{t_copy:.3f}", f"{t_eager:.3f}",
+                     f"{t_graph:.3f}", f"{t_torch:.3f}", f"{best / t_copy:.2f}",
+                     f"{t_torch / best:.2f}x", "yes" if same else "NO"])
         figures.append({"n": n, "density": density, "k": k, "copy_ms": round(t_copy, 4),
-                        "ours_ms": round(t_ours, 4), "torch_topk_ms": round(t_torch, 4),
-                        "copy_passes": round(t_ours / t_copy, 3),
-                        "speedup_vs_topk": round(t_torch / t_ours, 3), "same_set": same})
+                        "ours_ms": round(best, 4), "eager_ms": round(t_eager, 4),
+                        "graph_ms": round(t_graph, 4), "torch_topk_ms": round(t_torch, 4),
+                        "copy_passes": round(best / t_copy, 3),
+                        "speedup_vs_topk": round(t_torch / best, 3), "same_set": same})
     return rows, figures, ok
 
 
-BREAKDOWN_SIZES = [1_000_000, 25_000_000]
-
-
-def breakdown(xp, n: int, density: float, repeats: int) -> list:
-    """Where one selection's time goes, stage by stage as ``kernels.select`` runs them (each
-    timed alone, so the stages' sum can exceed the whole a little): the strided sample's
-    magnitudes, the sampled threshold (a partition of the sample, read back to the host), the
-    compaction pass (its hit counter read back), the trim to k; and, as a yardstick, one
-    launch of the smallest kernel. The GPU path's fixed cost (~0.7 ms on an H200 up to 25M)
-    was read from the code only; this measures it."""
-    timer, x = timer_and_gradient(xp, n, 1)
-    compact = kernels.compact_numpy if xp is np else kernels.compact_cupy
+def policies(xp, dev, n: int, density: float, repeats: int) -> list[dict]:
+    """Each built-in policy's device selection (its select, as a round runs it) against
+    top-k's, at one size; the policies' state built by a few aggregates first."""
+    from psparse.policies import Layout, build_policy
+    timer, acc = timer_and_gradient(xp, n, 2)
+    layout = Layout([n], "model")
     k = max(1, int(round(density * n)))
-    sample = xp.abs(x[::kernels.SAMPLE_STRIDE])
-    threshold = kernels.sample_threshold(sample, k, n)
-    idx, val, _ = compact(x, threshold, 2 * k + 1024)
-    tiny = xp.ones(1, xp.float32)
-    stages = [("sample |x|", lambda: xp.abs(x[::kernels.SAMPLE_STRIDE])),
-              ("threshold (read back)", lambda: kernels.sample_threshold(sample, k, n)),
-              ("compaction (count read back)", lambda: compact(x, threshold, 2 * k + 1024)),
-              ("trim to k", lambda: kernels.trim(idx, val, k)),
-              ("whole selection", lambda: kernels.select_any(x, k)),
-              ("one smallest launch", lambda: xp.abs(tiny))]
-    return [{"n": n, "density": density, "stage": name, "ms": round(timer(fn, repeats), 4)}
-            for name, fn in stages]
+    rng = np.random.default_rng(3)
+    out, base = [], None
+    for name in POLICIES:
+        args = ["lam=2.0"] if name == "threshold" else []
+        policy = build_policy(name, args, layout, k, dev=dev) if dev is not None else \
+            build_policy(name, args, layout, k)
+        for it in range(4):  # a few rounds of shared state
+            chosen = np.sort(rng.choice(n, 3 * k, replace=False)).astype(np.int64)
+            values = rng.standard_normal(chosen.size).astype(np.float32)
+            if dev is None:
+                policy.observe(chosen, values, it)
+            else:
+                policy.observe(dev.upload("i", chosen), dev.upload("v", values), it)
+        policy.select(acc, 5)  # the engines built
+
+        def select(policy=policy):
+            if dev is None:
+                return policy.select(acc, 5)
+            with dev.stream_scope():
+                return policy.select(acc, 5)
+        ms = timer(select, repeats)
+        base = ms if name == "topk" else base
+        out.append({"policy": name, "n": n, "density": density, "ms": round(ms, 4),
+                    "vs_topk": round(ms / base, 3)})
+    return out
 
 
 def main(argv=None) -> int:
@@ -128,41 +178,48 @@ def main(argv=None) -> int:
                    help="comma-separated n (floats); 1e6 notation allowed")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda (CuPy kernels, CUDA events) or cpu (numpy path, host clock)")
+                   help="cuda (the radix engine, CUDA events) or cpu (numpy path, host clock)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
     import torch
+    dev = None
     if args.device == "cuda":
         xp = cupy_or_none()
         if xp is None:
             print("gpu_select: no CUDA device (or CuPy not installed); nothing measured")
             return 0
+        from psparse.backend import CudaBackend
+        dev = CudaBackend(xp)
         device = (f"{xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
                   f"CuPy {xp.__version__}")
     else:
         xp, device = np, "host (numpy)"
     print(f"device: {device}, torch {torch.__version__}")
+    if dev is not None:  # everything on the backend's stream, torch's work too: one timeline
+        import contextlib
+        scope = contextlib.ExitStack()
+        scope.enter_context(dev.stream)
+        scope.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(dev.stream.ptr)))
     rows, figures, ok = [], [], True
     for n in (int(float(s)) for s in args.sizes.split(",")):
-        size_rows, size_figures, size_ok = measure(xp, torch, n, args.repeats)
+        size_rows, size_figures, size_ok = measure(xp, dev, torch, n, args.repeats)
         rows += size_rows
         figures += size_figures
         ok &= size_ok
         if xp is not np:
             xp.get_default_memory_pool().free_all_blocks()
-    print(table(rows, ["n", "density", "k", "copy ms", "ours ms", "torch.topk ms",
-                       "ours/copy", "speedup vs topk", "same set"]))
-    print("targets: at 25M / 0.1%: speedup >= 3x, ours/copy <= 3")
-    stages = []
-    for n in BREAKDOWN_SIZES if args.device == "cuda" else BREAKDOWN_SIZES[:1]:
-        stages += breakdown(xp, n, 0.001, args.repeats)
-    print("\nwhere the time goes (density 0.1%; each stage timed alone, medians):")
-    print(table([[f"{s['n'] / 1e6:g}M", s["stage"], f"{s['ms']:.4f}"] for s in stages],
-                ["n", "stage", "ms"]))
+    print(table(rows, ["n", "density", "k", "copy ms", "eager ms", "graph ms",
+                       "torch.topk ms", "ours/copy", "speedup vs topk", "same set"]))
+    print("targets: at 25M / 0.1% speedup >= 3x and ours/copy <= 3; at 1M / 1% speedup >= 2x")
+    n_pol = 11_200_000 if args.device == "cuda" else 1_000_000
+    per_policy = policies(xp, dev, n_pol, 0.01, max(3, args.repeats // 3))
+    print(f"\neach policy's device selection at {n_pol / 1e6:g}M / 1% (target: <= 1.5x top-k):")
+    print(table([[r["policy"], f"{r['ms']:.3f}", f"{r['vs_topk']:.2f}x"] for r in per_policy],
+                ["policy", "ms", "vs top-k"]))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "rows": figures,
-                                               "stages": stages, "all_sets_right": ok},
-                                              indent=1))
+                                               "policies": per_policy, "targets": TARGETS,
+                                               "all_sets_right": ok}, indent=1))
     return 0 if ok else 1
 
 

@@ -53,6 +53,7 @@ class Backend:
     def __init__(self):
         self.signatures = signatures()
         self.copy_backs = 0  # synchronising device-to-host crossings of the rounds so far
+        self.copied = None  # where the last copy back ended on the device's timeline
         self.uploads = 0
         self.reads = 0  # reads outside the rounds (checkpoints, digests, the final report)
         self._dummies: dict = {}
@@ -135,6 +136,14 @@ class Backend:
         import contextlib
         return contextlib.nullcontext()
 
+    def mark(self):
+        """A point on the device's timeline (``elapsed_ms`` between two once both passed)."""
+        import time
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, stop) -> float:
+        return 1e3 * (stop - start)
+
     # ------------------------------------------------------------------------------ graphs
     def capture(self, work) -> Graph:
         """Record the kernels ``work()`` launches as a graph (launched with ``Graph.launch``)
@@ -195,6 +204,7 @@ class CudaBackend(Backend):
         self.copy_backs += 1
         for device, host in pairs:
             device.get(stream=self.stream, out=host)
+        self.copied = self.mark()  # the copies' end on the device's timeline (passed below)
         self.stream.synchronize()
 
     def read(self, array):
@@ -227,6 +237,14 @@ class CudaBackend(Backend):
 
     def stream_scope(self):
         return self.stream
+
+    def mark(self):
+        event = self.xp.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def elapsed_ms(self, start, stop) -> float:
+        return self.xp.cuda.get_elapsed_time(start, stop)
 
     def capture(self, work):
         stream = self.stream
@@ -316,6 +334,7 @@ class EmulatedBackend(Backend):
         self.copy_backs += 1
         for device, host in pairs:
             host[...] = raw(device)
+        self.copied = self.mark()
 
     def read(self, array):
         self.reads += 1
@@ -516,6 +535,10 @@ def device_backend(device, log=print):
     if emulated is not None:
         return emulated
     if device.type != "cuda":
+        return None
+    if os.environ.get("PSPARSE_GPU_PATH") == "host":  # the fallback, for comparisons
+        log("PSPARSE_GPU_PATH=host: selection runs on the host (one gradient copy per "
+            "iteration)")
         return None
     from .xp import CUPY_HINT, cupy_or_none
     cupy = cupy_or_none()

@@ -63,6 +63,10 @@ class DeviceRound:
         self.graphs: dict = {}  # budget k -> (graph, its DeviceSelection)
         self._seen: set[int] = set()  # budgets that ran once (their engines exist)
         self.graph_rounds = 0
+        # the device's own time on the exchange (events on its stream): selection with its
+        # fused error feedback, and applying the aggregate; read once they have passed
+        self.device_ms = {"select": 0.0, "apply": 0.0}
+        self._apply_marks = None
         self.received_idx = xp.zeros(1, dtype=xp.int64)
         self.received_val = xp.zeros(1, dtype=xp.float32)
 
@@ -74,12 +78,18 @@ class DeviceRound:
         s.net.gather_grad()  # torch's stream: gradients that are not views of the flat buffer
         with dev.stream_scope():
             dev.follow_torch()
+            start = dev.mark()
             host_loss, staged = self._stage_loss(loss)
             indices, values, host_loss, checksum = self._choose(it, host_loss, staged)
+            self._time_device("select", start, dev.copied)  # passed: the copy back waited
+            if self._apply_marks is not None:  # the previous round's, passed by now
+                self._time_device("apply", *self._apply_marks)
             t2 = time.perf_counter()
             agg = s.client.push(it, indices, values, host_loss, checksum, s._dense_buffer())
             t3 = time.perf_counter()
+            begin = dev.mark()
             self._apply(agg, it)
+            self._apply_marks = (begin, dev.mark())
             dev.lead_torch()
         s._t_last = time.perf_counter()
         s._times["compute_s"] += s._t_last - t3
@@ -133,6 +143,16 @@ class DeviceRound:
             raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
                               "(lower the learning rate, or use clip_norm)")
         return host_loss
+
+    def _time_device(self, phase: str, start, stop) -> None:
+        self.device_ms[phase] += self.dev.elapsed_ms(start, stop)
+
+    def report(self, rounds: int) -> dict:
+        """rank-R.json's ``device``: the backend's crossings, graph rounds, device time."""
+        per = max(1, rounds)
+        return {**self.dev.report(rounds), "graph_rounds": self.graph_rounds,
+                "select_device_ms_per_iteration": round(self.device_ms["select"] / per, 4),
+                "apply_device_ms_per_iteration": round(self.device_ms["apply"] / per, 4)}
 
     def _stage_loss(self, loss) -> tuple[float | None, bool]:
         """A loss tensor is copied into the device slot, to come back with the round's copy

@@ -574,10 +574,8 @@ class Session:
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
         # the rounds' device crossings, before the reads of the final report below
-        device = None
-        if self.dev is not None:
-            device = {**self.dev.report(self.iterations - self.start),
-                      "graph_rounds": self.device_round.graph_rounds}
+        device = self.device_round.report(self.iterations - self.start) \
+            if self.device_round is not None else None
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
         self.client.finish(self.iterations - 1, values, self.net.checksum())
         info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
