@@ -261,3 +261,14 @@ def test_protocol_lists_every_agreed_option():
     para = para[:para.index("\n\n")]
     missing = [k for k in RunConfig().agreed() if f"`{k}`" not in para]
     assert not missing, f"docs/protocol.md's config list lacks {missing}"
+
+
+def test_every_environment_variable_the_package_reads_is_documented():
+    """PSPARSE_* variables the code reads (os.environ) appear in README.md or docs/*.md."""
+    import re
+    root = Path(__file__).resolve().parent.parent
+    code = "\n".join(p.read_text() for p in (root / "psparse").rglob("*.py"))
+    docs = README + "\n".join(p.read_text() for p in (root / "docs").glob("*.md"))
+    used = set(re.findall(r"\bPSPARSE_[A-Z_]+\b", code))
+    missing = sorted(v for v in used if f"`{v}" not in docs and f"${v}" not in docs)
+    assert not missing, f"undocumented environment variables: {missing}"
