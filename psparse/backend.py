@@ -486,6 +486,10 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
     def __getattr__(self, name):
         if name in _REFUSED:
             _refuse(f".{name}()")
+        if name.startswith("__"):  # __array_interface__ & co: numpy would read the memory
+            if name.startswith("__array"):
+                _refuse("np.asarray / implicit conversion")
+            raise AttributeError(name)
         attr = getattr(self._a, name)
         if not callable(attr):
             return _rewrap(attr)

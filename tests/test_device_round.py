@@ -166,3 +166,35 @@ def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, polic
         assert d["checksum"] == h["checksum"]
         assert d["device"]["graph_rounds"] == 60 - len(budgets), d["device"]  # 1 eager each
         assert d["device"]["copy_backs"] == 60
+
+
+def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
+    import numpy as np
+
+    from psparse.backend import EmulatedBackend, HostSync
+    dev = EmulatedBackend(strict=True)
+    xp = dev.xp
+    a = dev.upload("a", np.arange(10, dtype=np.float32))
+    scalar = a.max()
+    refused = {
+        "bool()": lambda: bool(scalar), "int()": lambda: int(scalar),
+        "float()": lambda: float(scalar), "an index": lambda: [0, 1][a[1:2].astype(np.int64)],
+        ".item()": lambda: scalar.item(), ".get()": lambda: a.get(),
+        ".tolist()": lambda: a.tolist(), "np.asarray": lambda: np.asarray(a),
+        "iterating": lambda: list(a), "boolean-mask indexing": lambda: a[a > 3],
+        ".nonzero()": lambda: a.nonzero(), "xp.flatnonzero()": lambda: xp.flatnonzero(a),
+        "xp.unique()": lambda: xp.unique(a), "xp.partition()": lambda: xp.partition(a, 3),
+        "a host numpy array mixed": lambda: a + np.ones(10, np.float32),
+        "xp.asarray of host data": lambda: xp.asarray(np.ones(3)),
+        "indexing a device array with a host array": lambda: a[np.array([1, 2])],
+    }
+    for what, attempt in refused.items():
+        with pytest.raises(HostSync, match=what.split(" (")[0].replace("(", r"\(").replace(
+                ")", r"\)")):
+            attempt()
+    # what a device allows: arithmetic, reductions to device scalars, gathers, metadata
+    b = (a * 2 + 1)[dev.upload("i", np.array([1, 9], np.int64))]
+    assert b.shape == (2,) and a.size == 10 and len(a) == 10
+    assert dev.read(b).tolist() == [3.0, 19.0] and dev.reads == 1
+    dev.copy_back([(scalar.reshape(1), out := np.zeros(1, np.float32))])
+    assert out[0] == 9.0 and dev.copy_backs == 1
