@@ -50,6 +50,9 @@ class DeviceSelection:
     taken: bool
     variable: bool = False
     engine: radix.RadixSelect | None = None
+    # reports of earlier selections of the same round whose non-finite counts count too (a
+    # candidate pool: the NaN it ranked last never reaches the final selection)
+    also: tuple = ()
 
     @property
     def capacity(self) -> int:

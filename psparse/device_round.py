@@ -117,7 +117,7 @@ class DeviceRound:
                 raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
             extra, loss_host, weights = self._extras(staged, checksum_due)
             indices, values = self._copy_back_selection(it, chosen, policy.max_push, "select",
-                                                        extra)
+                                                        extra, part)
         host_loss = self._read_loss(it, host_loss, staged, loss_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
@@ -244,22 +244,28 @@ class DeviceRound:
         group = s.client.propose(it, idx.astype(np.int64, copy=False), val)
         return dev.upload("group", np.asarray(group, dtype=np.int64))
 
-    def _copy_back_selection(self, it, chosen, limit, method, extra=()):
+    def _copy_back_selection(self, it, chosen, limit, method, extra=(), part: int = 0):
         """(indices, values) of a selection on the host, through one copy back (with the
-        ``extra`` pairs), the policy's output checked."""
+        ``extra`` pairs), the policy's output checked. The pinned buffers are the method's and
+        the part's: ZeroMQ sends them without a copy, and parts are in flight together (each
+        buffer is reused once its round's aggregate has come back)."""
+        method_tag = f"{method}{part}"
         dev, policy = self.dev, self.s.policy
         if isinstance(chosen, DeviceSelection):
             cap = chosen.capacity
             report = dev.pinned("report", chosen.report.size, np.int64)
-            idx = dev.pinned(f"{method}-idx", cap, chosen.indices.dtype)
-            val = dev.pinned(f"{method}-val", cap, np.float32)
+            idx = dev.pinned(f"{method_tag}-idx", cap, chosen.indices.dtype)
+            val = dev.pinned(f"{method_tag}-val", cap, np.float32)
             if chosen.taken:  # gathered and zeroed by the engine: what follows a take
                 self.s.memory.after_take()
             pairs = [(chosen.report, report), (chosen.indices, idx)]
             if chosen.values is not None:
                 pairs.append((chosen.values, val))
+            earlier = [dev.pinned(f"report-{n}", r.size, np.int64)
+                       for n, r in enumerate(chosen.also)]
+            pairs += list(zip(chosen.also, earlier))
             dev.copy_back(pairs + list(extra))
-            bad = int(report.reshape(-1, RP_W)[:, 1].sum())
+            bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
             if bad:
                 raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
                                   f"{bad} NaN or inf entries")
@@ -290,8 +296,8 @@ class DeviceRound:
         values = self.s.memory.take(chosen) if method == "select" else \
             self.s.memory.accumulator[chosen]
         flags = dev.pinned("flags", 2, np.uint64)
-        idx = dev.pinned(f"{method}-idx", chosen.size, np.int64)
-        val = dev.pinned(f"{method}-val", chosen.size, np.float32)
+        idx = dev.pinned(f"{method_tag}-idx", chosen.size, np.int64)
+        val = dev.pinned(f"{method_tag}-val", chosen.size, np.float32)
         dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
         where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
         if flags[FLAG_RANGE]:

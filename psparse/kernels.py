@@ -518,6 +518,36 @@ extern "C" __global__ void psparse_decaying_add(const long long* indices, const 
     }
 }
 
+extern "C" __global__ void psparse_push_add(const long long* indices, const float* values,
+                                            long long n, float* sum, unsigned char* touched) {
+    // the server's sum, one push at a time in rank order: sum[indices] += values, touched = 1
+    // (a push's indices are distinct: no atomics, and the order of additions is the host's)
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        long long at = indices[j];
+        sum[at] = __fadd_rn(sum[at], values[j]);
+        touched[at] = 1;
+    }
+}
+
+extern "C" __global__ void psparse_dense_add(const float* values, long long n, float* sum,
+                                             unsigned char* touched) {
+    // a dense push: every entry
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
+        sum[j] = __fadd_rn(sum[j], values[j]);
+        touched[j] = 1;
+    }
+}
+
+extern "C" __global__ void psparse_divide(float* values, const long long* report, float by) {
+    // values[:report[0]] /= by (the mean of the union's sums; report: a radix select's)
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < report[0];
+         j += stride)
+        values[j] = __fdiv_rn(values[j], by);
+}
+
 extern "C" __global__ void psparse_mark(const long long* indices, const long long* segs,
                                         const long long* report, long long nseg,
                                         unsigned char* mask, int value) {

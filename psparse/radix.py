@@ -47,7 +47,8 @@ MAXBINS = 4096
 SG_W, ST_W, RP_W = 10, 8, 2
 ST_PREFIX, ST_NEED, ST_MODE, ST_CAND = 0, 1, 2, 3
 MODE_BUF, MODE_FULL, MODE_ALL, MODE_NONE = 0, 1, 2, 3
-KEY_ABS, KEY_EMA, KEY_PENALTY, KEY_PRIORITY, KEY_CORE, KEY_FREQ, KEY_THRESHOLD = range(7)
+KEY_ABS, KEY_EMA, KEY_PENALTY, KEY_PRIORITY, KEY_CORE, KEY_FREQ, KEY_THRESHOLD, KEY_MASK = \
+    range(8)
 ACC_NONE, ACC_RESIDUAL, ACC_DGC, ACC_FILTERED = range(4)
 CORE_KEY = 0x7F7FFFFF  # a core entry's key: float32's largest finite value (the host's too)
 # (shift, bits) of each digit, most significant first: 31-bit keys (bit 31 of a non-negative
@@ -77,6 +78,8 @@ def keys_reference(mode: int, x, aux=None, mask=None, p0: float = 0.0, top: floa
     elif mode == KEY_PRIORITY:
         mag = np.asarray(aux, np.float32)
         mag = np.abs(mag) if p0 != 0 else mag
+    if mode == KEY_MASK:
+        return np.asarray(mask, bool).astype(np.uint64), np.zeros(x.size, bool)
     bad = ~np.isfinite(mag)
     keys = np.where(bad, 0, mag.view(np.uint32)).astype(np.uint64)
     if mode == KEY_CORE:
@@ -175,6 +178,7 @@ class RadixSelect:
         self.segments = [(int(lo), int(hi)) for lo, hi in segments]
         self.ks = [max(0, min(int(k), hi - lo)) for k, (lo, hi) in zip(ks, self.segments)]
         self.total_k = sum(self.ks)
+        self.selects_all = all(k in (0, hi - lo) for k, (lo, hi) in zip(self.ks, self.segments))
         self.levels = key.levels
         self.exclude_zero = exclude_zero
         segs, tiles, chunks = self._tables()
@@ -241,18 +245,21 @@ class RadixSelect:
         units = ntiles + self.nchunks
         ex = np.int32(self.exclude_zero)
         (shift0, bits0), later = self.levels[0], self.levels[1:]
+        if self.selects_all:  # every segment takes all (or none): no threshold to find
+            later = ()
         launches = [
             ("psparse_rs_scan", nseg, (self.segs, self.state, self.hist, np.int32(0),
                                        np.int32(shift0), np.int32(bits0), np.int32(not later),
-                                       ex)),
+                                       ex))]
+        if not self.selects_all:
+            launches += [
             ("psparse_rs_count_cand", ntiles, (*key_args, self.tiles, self.state, self.count_a)),
             ("psparse_rs_scan_units", 1, (self.count_a, self.count_a, np.int64(ntiles),
                                           self.off_a, self.off_b, np.int32(0), self.segs,
                                           np.int64(nseg), np.int64(ntiles), self.state,
                                           self.report)),
             ("psparse_rs_write_cand", ntiles, (*key_args, self.tiles, self.segs, self.state,
-                                               self.off_a, self.cand_key, self.cand_pos)),
-        ]
+                                               self.off_a, self.cand_key, self.cand_pos))]
         for level, (shift, bits) in enumerate(later, start=1):
             launches.append(("psparse_rs_hist", self.hist_blocks + self.nchunks, (
                 *key_args, self.tiles, np.int64(ntiles), np.int64(self.hist_blocks),
@@ -285,6 +292,10 @@ class RadixSelect:
         momentum) folded into the first pass (acc must be ``key.x``), or None."""
         dev = self.dev
         mode, acc, grad, velocity, filtered, momentum = accumulate or (ACC_NONE,) + (None,) * 5
+        if self.selects_all and mode == ACC_NONE:  # no histogram needed: straight to the write
+            for name, grid, args in self._launches:
+                dev.launch(name, grid, args, checked=True)
+            return
         shift, bits = self.levels[0]
         dev.launch("psparse_rs_hist0", self.hist_blocks, (
             *self._key_args(), np.int32(mode), dev.or_dummy(acc, np.float32),

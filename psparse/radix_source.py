@@ -47,6 +47,7 @@ RADIX_SOURCE = r"""
 #define KEY_CORE 4
 #define KEY_FREQ 5
 #define KEY_THRESHOLD 6
+#define KEY_MASK 7
 
 #define ACC_NONE 0
 #define ACC_RESIDUAL 1
@@ -93,6 +94,8 @@ __device__ __forceinline__ u64 rs_key(const KeySrc& s, long long p, long long se
         m = fabsf(s.x[g]);
         if (isfinite(m) && !(m >= s.p0)) return 0ull;  // below the threshold: never selected
         break;
+    case KEY_MASK:  // a byte mask: 1 where set (the server's touched entries)
+        return s.mask[g] ? 1ull : 0ull;
     case KEY_FREQ: {
         float prio = s.aux[g];
         m = fabsf(s.x[g]);

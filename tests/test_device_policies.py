@@ -78,3 +78,23 @@ def test_the_device_path_selects_what_the_host_selects(dev, name, args, granular
         device.observe(dev.upload("indices", indices.astype(np.int64)),
                        dev.upload("values", values), it)
     assert host.state_digest() == device.state_digest()
+
+
+@pytest.mark.parametrize("name", ["topk", "threshold", "frequency", "ema", "penalty", "core"])
+def test_a_nan_in_the_accumulator_is_counted_by_the_selection(dev, name):
+    """The round refuses to send when the engine counted a NaN or inf (``report``, and the
+    candidate pool's for frequency, whose final selection never sees the NaN it ranked last)."""
+    from psparse.device_policy import Fusion
+    from psparse.memory import Memory
+    from psparse.radix import RP_W
+    layout = Layout([5000, 3000], "layer")
+    policy = build_policy(name, [], layout, 50, dev=dev)
+    memory = Memory(8000, dev=dev)
+    gradient = np.random.default_rng(1).standard_normal(8000).astype(np.float32)
+    gradient[6001] = np.nan
+    policy.fusion = Fusion(memory.accumulate_spec(dev.upload("gradient", gradient)),
+                           memory.accumulator, memory.velocity)
+    selection = policy.select(memory.accumulator, 0)
+    bad = [int(dev.read(r).reshape(-1, RP_W)[:, 1].sum())
+           for r in (selection.report, *selection.also)]
+    assert sum(bad) == 1, bad

@@ -62,7 +62,10 @@ class Frequency(SelectionPolicy):
         segments = [(int(b), int(b) + p) for b, p in zip(pool.starts, pool.ks)]
         key = radix.Key(radix.KEY_FREQ, accumulator, aux=self.priority.stored,
                         gather=pool.engine.out_idx)
-        return self.engines.select("select", key, self.slice_k, self.fusion, segments=segments)
+        chosen = self.engines.select("select", key, self.slice_k, self.fusion,
+                                     segments=segments)
+        chosen.also = (pool.report,)  # the pool's pass saw the whole accumulator
+        return chosen
 
     def select_slice(self, acc, k, offset):
         pool = min(acc.size, int(np.ceil(self.c * k)))
