@@ -1,12 +1,16 @@
-"""The GPU exchange's synchronisation discipline, proven on the CPU with real processes.
+"""The GPU exchange's synchronisation discipline, proven on the CPU.
 
-``PSPARSE_EMULATE_GPU=strict`` makes every worker run the GPU path (psparse/device_round.py) on
-the strict emulated backend: the CUDA C kernels on the CPU and device arrays that raise
+``PSPARSE_EMULATE_GPU=strict`` makes a worker run the GPU path (psparse/device_round.py) on the
+strict emulated backend: the CUDA C kernels on the CPU and device arrays that raise
 ``HostSync`` on every implicit read to the host (``float()``, ``int()``, ``bool()``,
 ``.item()``, ``.get()``, ``np.asarray``, boolean masks, ``nonzero``...). A run that finishes
-under it made only the crossings it counts (rank-R.json ``device``): one copy back per
-iteration (two-phase policies one more per proposal they send, one per bucket of a round in
-parts), and no other read. And it ends bit-identical to the host path's run.
+under it made only the crossings it counts (the session's ``device`` report, rank-R.json): one
+copy back per iteration (two-phase policies one more per proposal they send, one per bucket of
+a round in parts), and no other read. And it ends bit-identical to the host path's run.
+
+Most runs here are two ``psparse.connect`` sessions in threads of the test process against a
+real server process (a user's loop, as docs/api.md shows it); the launcher's own path, a
+planted read and a resume run as real worker processes.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
-from conftest import REPO, python_module, read_jsonl
+import torch
+from conftest import REPO, ServerProcess, python_module, read_jsonl
+
+import psparse
 
 RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations", "12",
        "--eval-every", "6", "--seed", "5", "--quiet", "--threads", "1"]
@@ -49,22 +57,71 @@ POLICIES = ["topk", "randomk", "threshold", "frequency", "ema", "penalty", "core
             "cltk"]
 
 
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def train(port: int, rank: int, model, iterations: int, out, **options):
+    """A user's loop through psparse.connect; (final weight checksum, the device report)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    with psparse.connect(model, optimizer, rank=rank, world_size=2, iterations=iterations,
+                         server=f"127.0.0.1:{port}", out=str(out), **options) as ps:
+        for _ in range(iterations):
+            x, y = torch.randn(16, 64, generator=data), torch.randint(0, 10, (16,),
+                                                                       generator=data)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            ps.exchange(loss)  # a tensor: on the device path it is read with the round's copy
+            optimizer.step()
+            optimizer.zero_grad()
+        report = ps.device_round.report(iterations) if ps.device_round is not None else None
+        return ps.net.checksum(), report
+
+
+def two_workers(out, monkeypatch, emulate: bool, iterations: int = 12, graph: bool = False,
+                **options):
+    """Two sessions in threads of this process against a real server process: the results of
+    ``train`` per rank. ``emulate``: the GPU path on the strict emulated backend."""
+    for name, on in (("PSPARSE_EMULATE_GPU", emulate), ("PSPARSE_CUDA_GRAPH", graph)):
+        if on:
+            monkeypatch.setenv(name, "strict" if name == "PSPARSE_EMULATE_GPU" else "1")
+        else:
+            monkeypatch.delenv(name, raising=False)
+    server = ServerProcess(out, 2)
+    models = [small_model(), small_model()]  # seeded one after the other, not in threads
+    results, errors = [None, None], []
+
+    def work(rank):
+        try:
+            results[rank] = train(server.port, rank, models[rank], iterations, out, **options)
+        except BaseException as exc:  # shown by the assertion below
+            errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    code, output = server.wait()
+    assert not errors and code == 0, "\n".join(errors) + output
+    return results
+
+
+POLICY_OPTIONS = {"threshold": {"policy_args": {"lam": "0.002"}}}
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_one_copy_back_per_message_and_the_host_paths_result(tmp_path, policy):
-    args = ["--policy", policy, "--granularity", "layer", "--density", "0.05"]
-    if policy == "threshold":
-        args += ["--policy-arg", "lam=0.002"]
-    device = launch(tmp_path / "device", *args)
-    assert device.returncode == 0, device.stdout + device.stderr
-    host = launch(tmp_path / "host", *args, emulate=None)
-    assert host.returncode == 0, host.stdout + host.stderr
-    dev_ranks, host_ranks = ranks(tmp_path / "device"), ranks(tmp_path / "host")
+def test_one_copy_back_per_message_and_the_host_paths_result(tmp_path, monkeypatch, policy):
+    options = {"policy": policy, "granularity": "layer", "density": 0.05,
+               **POLICY_OPTIONS.get(policy, {})}
+    device = two_workers(tmp_path / "device", monkeypatch, True, **options)
+    host = two_workers(tmp_path / "host", monkeypatch, False, **options)
     iterations = 12
-    for rank, (d, h) in enumerate(zip(dev_ranks, host_ranks)):
-        assert d["checksum"] == h["checksum"]  # bit-identical weights
-        assert d["push_bytes"] == h["push_bytes"]
-        crossings = d["device"]
-        assert crossings["backend"] == "emulated-strict" and "device" not in h
+    for rank, ((dev_sum, crossings), (host_sum, none)) in enumerate(zip(device, host)):
+        assert dev_sum == host_sum and none is None  # bit-identical weights
+        assert crossings["backend"] == "emulated-strict"
         if policy == "vote":  # the proposal and the push: two messages, two copies back
             expected = 2 * iterations
         elif policy == "cltk":  # the leader (every other round here) also sends a proposal
@@ -73,9 +130,22 @@ def test_one_copy_back_per_message_and_the_host_paths_result(tmp_path, policy):
             expected = iterations
         assert crossings["copy_backs"] == expected, crossings
         assert crossings["reads"] == 0, crossings  # nothing else came back in a round
-    for name in ("metrics.jsonl", "eval.jsonl"):
-        assert without_timing(read_jsonl(tmp_path / "device" / name)) == \
-            without_timing(read_jsonl(tmp_path / "host" / name)), name
+    assert without_timing(read_jsonl(tmp_path / "device" / "metrics.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "host" / "metrics.jsonl"))
+
+
+def test_the_launcher_runs_the_gpu_path_under_the_emulator(tmp_path):
+    """PSPARSE_EMULATE_GPU reaches workers started by psparse-launch; rank-R.json says what
+    crossed; the run equals the host path's."""
+    device = launch(tmp_path / "device", "--policy", "core")
+    assert device.returncode == 0, device.stdout + device.stderr
+    host = launch(tmp_path / "host", "--policy", "core", emulate=None)
+    assert host.returncode == 0, host.stdout + host.stderr
+    for d, h in zip(ranks(tmp_path / "device"), ranks(tmp_path / "host")):
+        assert d["checksum"] == h["checksum"] and "device" not in h
+        assert d["device"]["copy_backs_per_iteration"] == 1.0 and d["device"]["reads"] == 0
+    assert without_timing(read_jsonl(tmp_path / "device" / "eval.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "host" / "eval.jsonl"))
 
 
 def test_a_planted_read_of_a_device_scalar_fails_the_run(tmp_path):
@@ -90,32 +160,31 @@ def test_a_planted_read_of_a_device_scalar_fails_the_run(tmp_path):
     assert "HostSync" in error and "float()" in error, error
 
 
-@pytest.mark.parametrize("extra", [["--overlap", "--bucket-mb", "0.002"], ["--bucket-mb", "0.002"]],
-                         ids=["overlap", "buckets"])
-def test_rounds_in_parts_copy_back_once_per_part(tmp_path, extra):
-    args = ["--policy", "core", "--granularity", "layer", "--density", "0.05", *extra]
-    device = launch(tmp_path / "device", *args)
-    assert device.returncode == 0, device.stdout + device.stderr
-    host = launch(tmp_path / "host", *args, emulate=None)
-    assert host.returncode == 0, host.stdout + host.stderr
-    for d, h in zip(ranks(tmp_path / "device"), ranks(tmp_path / "host")):
-        assert d["checksum"] == h["checksum"]
-        parts = len(d["overlap"]["parts"]) - 1
-        assert parts > 1 and d["device"]["copy_backs"] == 12 * parts, d["device"]
+def test_rounds_in_parts_copy_back_once_per_part(tmp_path, monkeypatch):
+    """--overlap: each bucket's part pushed from an autograd hook, its own copy back."""
+    options = {"policy": "core", "granularity": "layer", "density": 0.05, "overlap": True,
+               "bucket_mb": 0.005}
+    device = two_workers(tmp_path / "device", monkeypatch, True, **options)
+    host = two_workers(tmp_path / "host", monkeypatch, False, **options)
+    parts = len(json.loads((tmp_path / "device" / "rank-0.json").read_text())["overlap"]
+                ["parts"]) - 1
+    assert parts > 1
+    for (dev_sum, crossings), (host_sum, _) in zip(device, host):
+        assert dev_sum == host_sum
+        assert crossings["copy_backs"] == 12 * parts, crossings
 
 
-@pytest.mark.parametrize("extra", [["--memory", "dgc", "--momentum", "0"],
-                                   ["--memory", "scalecom", "--policy", "cltk"],
-                                   ["--density", "1"]],
-                         ids=["dgc", "scalecom", "dense"])
-def test_memories_and_the_dense_round_on_the_device(tmp_path, extra):
-    device = launch(tmp_path / "device", *extra)
-    assert device.returncode == 0, device.stdout + device.stderr
-    host = launch(tmp_path / "host", *extra, emulate=None)
-    assert host.returncode == 0, host.stdout + host.stderr
-    for d, h in zip(ranks(tmp_path / "device"), ranks(tmp_path / "host")):
-        assert d["checksum"] == h["checksum"]
-        assert d["device"]["reads"] == 0
+@pytest.mark.parametrize("options", [{"memory": "scalecom", "policy": "cltk"},
+                                     {"memory": "dgc", "momentum": 0.0},
+                                     {"density": 1.0}],
+                         ids=["scalecom", "dgc", "dense"])
+def test_memories_and_the_dense_round_on_the_device(tmp_path, monkeypatch, options):
+    device = two_workers(tmp_path / "device", monkeypatch, True, **options)
+    host = two_workers(tmp_path / "host", monkeypatch, False, **options)
+    for rank, ((dev_sum, crossings), (host_sum, _)) in enumerate(zip(device, host)):
+        assert dev_sum == host_sum
+        led = 6 * (options.get("policy") == "cltk")  # a leader's proposals (every other round)
+        assert crossings["reads"] == 0 and crossings["copy_backs"] == 12 + led, crossings
 
 
 def test_a_device_run_resumes_exactly(tmp_path):
@@ -147,25 +216,23 @@ def test_a_device_run_resumes_exactly(tmp_path):
         without_timing(read_jsonl(tmp_path / "whole" / "metrics.jsonl"))
 
 
-@pytest.mark.parametrize("policy", ["core", "frequency"])
-def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, policy):
+@pytest.mark.parametrize("policy", ["core", "frequency", "ema"])
+def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, monkeypatch, policy):
     """PSPARSE_CUDA_GRAPH=1 (on a GPU: the default up to 1M parameters): from the second
     round at each budget the selection is one recorded graph, replayed. Under the emulator a
     capture records the kernels and refuses any other device work, as a CUDA graph would not
-    replay it: the run must still equal the host's, through a density warm-up's budget
-    changes."""
-    args = ["--policy", policy, "--granularity", "layer", "--iterations", "60",
-            "--density-warmup", "1"]
-    device = launch(tmp_path / "device", *args, graph=True)
-    assert device.returncode == 0, device.stdout + device.stderr
-    host = launch(tmp_path / "host", *args, emulate=None)
-    assert host.returncode == 0, host.stdout + host.stderr
+    replay it: the run must still equal the host's, through budget changes (a density
+    warm-up)."""
+    options = {"policy": policy, "granularity": "layer", "density_warmup": 1.0}
+    kw = {"iterations": 30, "batches_per_epoch": 10}
+    device = two_workers(tmp_path / "device", monkeypatch, True, graph=True, **options, **kw)
+    host = two_workers(tmp_path / "host", monkeypatch, False, **options, **kw)
     budgets = {row["budget"] for row in read_jsonl(tmp_path / "host" / "metrics.jsonl")}
     assert len(budgets) > 1  # the warm-up changed the budget during the run
-    for d, h in zip(ranks(tmp_path / "device"), ranks(tmp_path / "host")):
-        assert d["checksum"] == h["checksum"]
-        assert d["device"]["graph_rounds"] == 60 - len(budgets), d["device"]  # 1 eager each
-        assert d["device"]["copy_backs"] == 60
+    for (dev_sum, crossings), (host_sum, _) in zip(device, host):
+        assert dev_sum == host_sum
+        assert crossings["graph_rounds"] == 30 - len(budgets), crossings  # 1 eager each
+        assert crossings["copy_backs"] == 30
 
 
 def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
