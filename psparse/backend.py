@@ -49,6 +49,8 @@ class Backend:
 
     xp = np
     sm_count = 1
+    capturing = False  # a graph capture is recording (nothing may be built or crossed)
+    torch_device = "cpu"  # where torch tensors of this backend's memory live
 
     def __init__(self):
         self.signatures = signatures()
@@ -165,26 +167,44 @@ class Graph:
 
 # ------------------------------------------------------------------------------------ CUDA
 class CudaBackend(Backend):
-    """CuPy kernels on one CUDA device, on psparse's own stream."""
+    """CuPy kernels on one CUDA device, on psparse's own stream.
+
+    The stream is made this thread's current CuPy stream, so every CuPy operation of the worker
+    (allocations' memsets, fancy-index updates, elementwise work) is ordered with the kernels
+    and the copies on it; threads of their own (an autograd hook, ``--overlap``) enter
+    ``stream_scope()``. Torch's stream and this one are ordered by events (``follow_torch``,
+    ``lead_torch``) on ``device``."""
 
     name = "cuda"
+    torch_device = "cuda"
 
-    def __init__(self, cupy):
+    def __init__(self, cupy, device_index: int | None = None):
         super().__init__()
         self.xp = cupy
-        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.device_index = cupy.cuda.Device().id if device_index is None else device_index
+        self.sm_count = cupy.cuda.Device(self.device_index).attributes["MultiProcessorCount"]
         self.functions = {}
         for source in SOURCES:
             self.functions.update(kernels.build_cupy_kernels(
                 cupy, source, tuple(kernels.kernel_signatures(source))))
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
+        self._staged: dict = {}  # pinned buffer name -> the event after its last upload
 
     def launch(self, name, grid, args, checked=False):
+        if grid <= 0:  # nothing to do (CuPy would launch one block)
+            return
         if not checked:
             self.check(name, args)
-        self.functions[name]((int(grid),), (THREADS,), args)
+        self.functions[name]((int(grid),), (THREADS,), args, stream=self.stream)
+
+    @property
+    def capturing(self) -> bool:
+        return self.stream.is_capturing()
 
     def constant(self, host):
+        if self.capturing:
+            raise CaptureFailed("a table uploaded inside a graph capture")
         with self.stream:
             return self.xp.asarray(np.ascontiguousarray(host))
 
@@ -194,16 +214,23 @@ class CudaBackend(Backend):
 
     def upload(self, name, host, out=None):
         self.uploads += 1
+        done = self._staged.get(name)
+        if done is not None:  # its previous copy has run (in a round, long since: no wait)
+            done.synchronize()
         staging = self.pinned(name, host.size, host.dtype)
         staging[...] = host
         out = self.xp.empty(host.size, dtype=host.dtype) if out is None else out
         out.set(staging, stream=self.stream)
+        self._staged[name] = self.mark()
         return out
 
     def copy_back(self, pairs):
         self.copy_backs += 1
-        for device, host in pairs:
-            device.get(stream=self.stream, out=host)
+        for device, host in pairs:  # asynchronous each (CuPy >= 13 would wait on every get)
+            try:
+                device.get(stream=self.stream, out=host, blocking=False)
+            except TypeError:  # CuPy before 13: get on a stream never waits
+                device.get(stream=self.stream, out=host)
         self.copied = self.mark()  # the copies' end on the device's timeline (passed below)
         self.stream.synchronize()
 
@@ -211,7 +238,7 @@ class CudaBackend(Backend):
         self.reads += 1
         out = np.empty(array.shape, dtype=array.dtype)
         array.get(stream=self.stream, out=out)
-        self.stream.synchronize()
+        self.stream.synchronize()  # CuPy >= 13 has waited already; older CuPy had not
         return out
 
     def from_torch(self, tensor):
@@ -223,7 +250,8 @@ class CudaBackend(Backend):
 
     def _torch_stream(self):
         import torch
-        return self.xp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = torch.cuda.current_stream(torch.device("cuda", self.device_index))
+        return self.xp.cuda.ExternalStream(stream.cuda_stream)
 
     def follow_torch(self):
         event = self.xp.cuda.Event(disable_timing=True)
@@ -256,9 +284,13 @@ class CudaBackend(Backend):
             except Exception as exc:
                 try:
                     stream.end_capture()
-                finally:
-                    raise CaptureFailed(f"{type(exc).__name__}: {exc}") from None
-            graph = stream.end_capture()
+                except Exception:
+                    pass
+                raise CaptureFailed(f"{type(exc).__name__}: {exc}") from None
+            try:
+                graph = stream.end_capture()
+            except Exception as exc:  # the capture was invalidated (e.g. a synchronisation)
+                raise CaptureFailed(f"{type(exc).__name__}: {exc}") from None
         if (self.copy_backs, self.uploads, self.reads) != crossings:
             raise CaptureFailed("the captured work crossed to the host")
         return Graph(lambda: graph.launch(stream))
@@ -283,7 +315,13 @@ class EmulatedBackend(Backend):
         self.launches: list[str] = []
         self._recording = None  # a capture's launches
 
+    @property
+    def capturing(self) -> bool:
+        return self._recording is not None
+
     def launch(self, name, grid, args, checked=False):
+        if grid <= 0:  # nothing to do
+            return
         if self._recording is not None:  # a capture: recorded, run when the graph is
             self._recording.append((name, grid, args))
             return
@@ -318,6 +356,8 @@ class EmulatedBackend(Backend):
         kernels.check_launch(name, raw, self.signatures[name])
 
     def constant(self, host):
+        if self.capturing:
+            raise CaptureFailed("a table uploaded inside a graph capture")
         return wrap(np.array(host, copy=True)) if self.strict else np.array(host, copy=True)
 
     def upload(self, name, host, out=None):
@@ -551,7 +591,7 @@ def device_backend(device, log=print):
             f"{CUPY_HINT} for the GPU kernels)")
         return None
     cupy.cuda.Device(device.index or 0).use()
-    return CudaBackend(cupy)
+    return CudaBackend(cupy, device.index or 0)
 
 
 def emulated_from_env():

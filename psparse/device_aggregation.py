@@ -72,8 +72,9 @@ class DeviceAggregator:
                 at_val += size
             union = self._compaction()
             union.run()
-            dev.launch("psparse_mark", 1, (union.out_idx, union.segs, union.report, np.int64(1),
-                                           self.touched, np.int32(0)))
+            dev.launch("psparse_mark", max(1, min(-(-total // 256), 8 * dev.sm_count)), (
+                union.out_idx, union.segs, union.report, np.int64(1), self.touched,
+                np.int32(0)))
             dev.launch_over("psparse_divide", min(total, self.numel), (
                 union.out_val, union.report, np.float32(len(values))))
             cap = min(total, self.numel)

@@ -134,7 +134,8 @@ class DeviceEngines:
         """mask[i] = value at every index a selection chose (on the device: the counts of a
         variable-count selection are read there)."""
         engine = selection.engine
-        self.dev.launch("psparse_mark", len(engine.segments), (
+        total = sum(engine.ks)
+        self.dev.launch("psparse_mark", max(1, min(-(-total // 256), 8 * self.dev.sm_count)), (
             engine.out_idx, engine.segs, engine.report, np.int64(len(engine.segments)), mask,
             np.int32(value)))
 

@@ -60,8 +60,8 @@ class DeviceRound:
         choice = os.environ.get("PSPARSE_CUDA_GRAPH", "")
         self.use_graphs = choice == "1" or (choice != "0" and dev.name == "cuda"
                                             and net.numel <= GRAPH_UP_TO)
-        self.graphs: dict = {}  # budget k -> (graph, its DeviceSelection)
-        self._seen: set[int] = set()  # budgets that ran once (their engines exist)
+        self.graphs: dict = {}  # (budget k, live ranks) -> (graph, its DeviceSelection)
+        self._seen: set = set()  # those that ran once (their engines exist)
         self.graph_rounds = 0
         # the device's own time on the exchange (events on its stream): selection with its
         # fused error feedback, and applying the aggregate; read once they have passed
@@ -76,10 +76,10 @@ class DeviceRound:
         t1 = time.perf_counter()
         s._times["compute_s"] += t1 - s._t_last
         s.net.gather_grad()  # torch's stream: gradients that are not views of the flat buffer
+        host_loss, staged = self._stage_loss(loss)  # torch's stream too: before the event
         with dev.stream_scope():
             dev.follow_torch()
             start = dev.mark()
-            host_loss, staged = self._stage_loss(loss)
             indices, values, host_loss, checksum = self._choose(it, host_loss, staged)
             self._time_device("select", start, dev.copied)  # passed: the copy back waited
             if self._apply_marks is not None:  # the previous round's, passed by now
@@ -103,9 +103,10 @@ class DeviceRound:
         part sent. Part 0 (pushed last, by exchange) carries the loss and the checksum."""
         s, dev = self.s, self.dev
         policy, memory = s.policy, s.memory
+        host_loss, staged = self._stage_loss(loss) if part == 0 else (None, False)
         with dev.stream_scope():
             dev.follow_torch()
-            host_loss, staged = self._stage_loss(loss) if part == 0 else (None, False)
+            start = dev.mark()
             fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
                             memory.accumulator, memory.velocity)
             policy.engines.layers, policy.fusion = (first, end), fusion
@@ -118,6 +119,7 @@ class DeviceRound:
             extra, loss_host, weights = self._extras(staged, checksum_due)
             indices, values = self._copy_back_selection(it, chosen, policy.max_push, "select",
                                                         extra, part)
+            self._time_device("select", start, dev.copied)
         host_loss = self._read_loss(it, host_loss, staged, loss_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
@@ -155,11 +157,14 @@ class DeviceRound:
                 "apply_device_ms_per_iteration": round(self.device_ms["apply"] / per, 4)}
 
     def _stage_loss(self, loss) -> tuple[float | None, bool]:
-        """A loss tensor is copied into the device slot, to come back with the round's copy
-        (True); a host number is kept as it is."""
-        if isinstance(loss, torch.Tensor):
+        """A loss tensor on the backend's device is copied into the device slot on torch's
+        stream (call it before ``follow_torch``), to come back with the round's copy (True); a
+        host number, or a tensor elsewhere, is read as it is."""
+        if isinstance(loss, torch.Tensor) and loss.device.type == self.dev.torch_device:
             self.loss_torch.copy_(loss.detach().reshape(-1)[:1].to(torch.float64))
             return None, True
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(-1)[0]
         return (None if loss is None else float(loss)), False
 
     def _choose(self, it: int, host_loss, staged: bool):
@@ -176,10 +181,11 @@ class DeviceRound:
         if self.use_graphs and policy.graph_safe and memory.clip_norm is None:
             # the first round at a budget runs launch by launch (it builds the engines);
             # the second captures the graph, which every later one replays
-            entry = self.graphs.get(policy.k)
-            if entry is None and policy.k in self._seen:
-                entry = self._capture(it)
-            self._seen.add(policy.k)
+            budget = (policy.k, tuple(policy.live))  # core's split follows the live ranks
+            entry = self.graphs.get(budget)
+            if entry is None and budget in self._seen:
+                entry = self._capture(it, budget)
+            self._seen.add(budget)
             if entry is not None:
                 graph, chosen = entry
                 graph.launch()
@@ -201,7 +207,7 @@ class DeviceRound:
             memory.add_clipped(grad)
         return self._finish(it, chosen, None, host_loss, staged)
 
-    def _capture(self, it: int):
+    def _capture(self, it: int, budget):
         """The round's selection (accumulation and take fused) captured as a graph for the
         current budget, or None (then graphs are off for this worker: said once)."""
         s, dev = self.s, self.dev
@@ -222,8 +228,8 @@ class DeviceRound:
             why = str(exc)
         else:
             if fusion.accumulate is None and isinstance(box.get("chosen"), DeviceSelection):
-                self.graphs[policy.k] = (graph, box["chosen"])
-                return self.graphs[policy.k]
+                self.graphs[budget] = (graph, box["chosen"])
+                return self.graphs[budget]
             why = "the selection is not the engine's alone"
         self.use_graphs = False
         s.say(f"no CUDA graph for {policy.describe()} ({why}): rounds run launch by launch")
@@ -330,6 +336,17 @@ class DeviceRound:
         return indices, values, host_loss, checksum
 
     # -------------------------------------------------------------------------- aggregate
+    def apply(self, agg, it: int) -> None:
+        """A round in parts: its merged aggregate applied as a whole round's is, timed."""
+        dev = self.dev
+        with dev.stream_scope():
+            if self._apply_marks is not None:
+                self._time_device("apply", *self._apply_marks)
+            begin = dev.mark()
+            self._apply(agg, it)
+            self._apply_marks = (begin, dev.mark())
+            dev.lead_torch()
+
     def _apply(self, agg, it: int) -> None:
         """The aggregate up (once), observed by the policy there, into the gradient."""
         s, dev, xp = self.s, self.dev, self.dev.xp

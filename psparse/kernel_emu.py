@@ -30,7 +30,7 @@ arguments a CuPy ``RawKernel`` call would, checked against the C signature the s
 ``~/.cache/psparse``) by a hash of the source.
 
     emu = EmulatedKernels(kernels.CUDA_SOURCE)
-    emu.launch("psparse_take", grid, block, (indices, n, acc, velocity, flag, out))
+    emu.launch("psparse_take", grid, block, (indices, n, acc, numel, velocity, flag, out))
 """
 
 from __future__ import annotations

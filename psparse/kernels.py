@@ -380,13 +380,15 @@ def sorted_union(indices: list):
 
 
 # ------------------------------------------------------------------------------ CUDA code
-# All of psparse's GPU kernels, in one CUDA C source that CuPy compiles once per process (and
-# caches on disk). They are plain __global__ functions rather than ElementwiseKernels so that
-# the whole of what the package can launch is this text: `make check-kernels` compiles it with
-# NVRTC on machines without a GPU (psparse/kernel_check.py). Indices are int64 (long long)
-# everywhere: received int32 indices are widened once, at the boundary (xp.to_device).
-# Every kernel is a grid-stride loop over n elements; float maths uses the _rn intrinsics so
-# the compiler cannot fuse a multiply and an add (numpy rounds after each).
+# The GPU path's element kernels, one CUDA C source that CuPy compiles once per process (and
+# caches on disk); the selection engine's is psparse/radix_source.py. They are plain
+# __global__ functions rather than ElementwiseKernels so that the whole of what the package can
+# launch is these texts: `make check-kernels` compiles them with NVRTC on machines without a GPU
+# (psparse/kernel_check.py), psparse/kernel_emu.py runs them on the CPU for the tests. Indices
+# the kernels take are int64 (long long): received int32 indices are widened once, as they are
+# uploaded. Most are grid-stride loops over n elements (a backend's ``launch_over``); the
+# decayed state's decisions run on one thread. Float maths uses the _rn intrinsics so the
+# compiler cannot fuse a multiply and an add (numpy rounds after each).
 CUDA_SOURCE = r"""
 extern "C" __global__ void psparse_dgc_accumulate(const float* grad, float momentum,
                                                   float* velocity, float* acc, long long n) {
@@ -400,11 +402,15 @@ extern "C" __global__ void psparse_dgc_accumulate(const float* grad, float momen
 }
 
 extern "C" __global__ void psparse_take(const long long* indices, long long n, float* acc,
-                                        float* velocity, int has_velocity, float* out) {
-    // gather the values sent and zero the accumulator (and DGC velocity, if any) there
+                                        long long numel, float* velocity, int has_velocity,
+                                        float* out) {
+    // gather the values sent and zero the accumulator (and DGC velocity, if any) there; an
+    // index out of [0, numel) (a policy's fault, refused once the check flags are read) is
+    // skipped, so the fault is reported instead of corrupting memory
     long long stride = (long long)blockDim.x * gridDim.x;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride) {
         long long at = indices[j];
+        if (at < 0 || at >= numel) { out[j] = 0.0f; continue; }
         out[j] = acc[at];
         acc[at] = 0.0f;
         if (has_velocity) velocity[at] = 0.0f;
@@ -552,10 +558,13 @@ extern "C" __global__ void psparse_mark(const long long* indices, const long lon
                                         const long long* report, long long nseg,
                                         unsigned char* mask, int value) {
     // mask[i] = value for each segment's selected indices of a radix select (psparse/radix.py:
-    // segs[s * 10 + 5] is its output base, report[s * 2] how many it selected)
-    for (long long s = blockIdx.x; s < nseg; s += gridDim.x) {
+    // segs[s * 10 + 5] is its output base, report[s * 2] how many it selected); every block
+    // takes its share of every segment (grid-stride), so a long one is not one block's work
+    long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long s = 0; s < nseg; s++) {
         long long base = segs[s * 10 + 5], count = report[s * 2];
-        for (long long j = threadIdx.x; j < count; j += blockDim.x)
+        for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < count;
+             j += stride)
             mask[indices[base + j]] = (unsigned char)value;
     }
 }

@@ -154,7 +154,7 @@ class Memory:
             if indices.size:
                 self.dev.launch_over("psparse_take", indices.size, (
                     indices, np.int64(indices.size), self.accumulator,
-                    self.dev.or_dummy(self.velocity, np.float32),
+                    np.int64(self.accumulator.size), self.dev.or_dummy(self.velocity, np.float32),
                     np.int32(self.velocity is not None), values))
         self.after_take()
         return values

@@ -80,15 +80,15 @@ def keys_reference(mode: int, x, aux=None, mask=None, p0: float = 0.0, top: floa
         mag = np.abs(mag) if p0 != 0 else mag
     if mode == KEY_MASK:
         return np.asarray(mask, bool).astype(np.uint64), np.zeros(x.size, bool)
-    bad = ~np.isfinite(mag)
-    keys = np.where(bad, 0, mag.view(np.uint32)).astype(np.uint64)
+    bad = ~np.isfinite(mag) | (mag < 0)  # a negative score has no key (a bad priority)
+    keys = np.where(bad | (mag == 0), 0, mag.view(np.uint32)).astype(np.uint64)
     if mode == KEY_CORE:
         keys[np.asarray(mask, bool) & ~bad] = CORE_KEY
     elif mode == KEY_THRESHOLD:
         keys[~bad & ~(mag >= np.float32(p0))] = 0
     elif mode == KEY_FREQ:
-        prio = np.asarray(aux, np.float32)
-        bad |= ~np.isfinite(prio)
+        prio = np.asarray(aux, np.float32) + np.float32(0)  # -0.0 + 0 is +0.0
+        bad |= ~np.isfinite(prio) | (prio < 0)
         keys = (prio.view(np.uint32).astype(np.uint64) << np.uint64(32)) | \
             mag.view(np.uint32).astype(np.uint64)
         keys[bad] = 0
@@ -173,6 +173,9 @@ class RadixSelect:
     def __init__(self, dev, segments, ks, key: Key, *, exclude_zero: bool = False,
                  index_dtype=np.int64, values=None, take: bool = False, velocity=None,
                  out_idx=None, out_val=None):
+        if dev.capturing:  # its tables and buffers would be graph nodes: build it before
+            from .backend import CaptureFailed
+            raise CaptureFailed("a selection engine built inside a graph capture")
         xp = self.xp = dev.xp
         self.dev, self.key = dev, key
         self.segments = [(int(lo), int(hi)) for lo, hi in segments]
@@ -301,7 +304,8 @@ class RadixSelect:
             *self._key_args(), np.int32(mode), dev.or_dummy(acc, np.float32),
             dev.or_dummy(grad, np.float32), dev.or_dummy(velocity, np.float32),
             dev.or_dummy(filtered, np.float32), np.float32(momentum or 0.0), self.tiles,
-            np.int64(self.ntiles), self.state, self.hist, np.int32(shift), np.int32(bits)))
+            np.int64(self.ntiles), self.segs, self.state, self.hist, np.int32(shift),
+            np.int32(bits)))
         for name, grid, args in self._launches:
             dev.launch(name, grid, args, checked=True)
 

@@ -99,14 +99,15 @@ __device__ __forceinline__ u64 rs_key(const KeySrc& s, long long p, long long se
     case KEY_FREQ: {
         float prio = s.aux[g];
         m = fabsf(s.x[g]);
-        if (!isfinite(m) || !isfinite(prio)) { *bad = 1; return 0ull; }
+        if (!isfinite(m) || !isfinite(prio) || prio < 0.0f) { *bad = 1; return 0ull; }
+        if (prio == 0.0f) prio = 0.0f;  // -0.0 ranks as 0
         return ((u64)__float_as_uint(prio) << 32) | (u64)__float_as_uint(m);
     }
     default:
         m = fabsf(s.x[g]);
     }
-    if (!isfinite(m)) { *bad = 1; return 0ull; }
-    return (u64)__float_as_uint(m);
+    if (!isfinite(m) || m < 0.0f) { *bad = 1; return 0ull; }  // a negative score: no key
+    return m == 0.0f ? 0ull : (u64)__float_as_uint(m);  // -0.0 is 0
 }
 
 #define RS_KEY_SRC KeySrc src = {key_mode, x, aux, mask, gather, use_gather, p0, pdev}
@@ -189,8 +190,8 @@ extern "C" __global__ void psparse_rs_hist0(int key_mode, const float* x, const 
                                             const float* grad, float* velocity,
                                             const float* filtered, float momentum,
                                             const long long* tiles, long long ntiles,
-                                            long long* state, unsigned int* hist, int shift,
-                                            int bits) {
+                                            const long long* segs, long long* state,
+                                            unsigned int* hist, int shift, int bits) {
     RS_KEY_SRC;
     __shared__ unsigned sh[RS_MAXBINS];
     __shared__ int sh_bad;
@@ -207,13 +208,14 @@ extern "C" __global__ void psparse_rs_hist0(int key_mode, const float* x, const 
             if (current >= 0) rs_flush(sh, &sh_bad, nb, current, hist, state);
             current = seg;
         }
+        int selecting = segs[seg * SG_W + SG_K] > 0;
         for (long long p = lo + threadIdx.x; p < hi; p += RS_THREADS) {
             if (accumulate != ACC_NONE)
                 rs_accumulate(accumulate, use_gather ? gather[p] : p, acc, grad, velocity,
                               filtered, momentum);
             int bad = 0;
             u64 key = rs_key(src, p, seg, &bad);
-            if (bad) atomicAdd(&sh_bad, 1);
+            if (bad && selecting) atomicAdd(&sh_bad, 1);  // as the host: selected slices only
             atomicAdd(&sh[(unsigned)(key >> shift) & (unsigned)(nb - 1)], 1u);
         }
     }
@@ -532,8 +534,8 @@ __device__ void rs_write_final(const KeySrc& src, const long long* tiles, long l
         unsigned rs, rt, ts, tt;
         rs_rank2(strict, tie, sh, &rs, &rt, &ts, &tt);
         long long before_tie = ties + rt;
-        if (strict || (tie && before_tie < need)) {
-            long long at = above + rs + (before_tie < need ? before_tie : need);
+        long long at = above + rs + (before_tie < need ? before_tie : need);
+        if ((strict || (tie && before_tie < need)) && at < sg[SG_K]) {  // never past its k
             long long g = src.use_gather ? src.gather[p] : p;
             idx_out[at] = (IndexT)g;
             if (write_values) val_out[at] = values[g];

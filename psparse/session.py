@@ -257,9 +257,7 @@ class Parts:
         self.in_round = False
         self.last_trace = self.trace
         if s.device_round is not None:
-            with s.dev.stream_scope():
-                s.device_round._apply(agg, it)
-                s.dev.lead_torch()
+            s.device_round.apply(agg, it)
         else:
             s._apply(agg, it)
         s._t_last = time.perf_counter()

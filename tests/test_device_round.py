@@ -181,7 +181,7 @@ def test_rounds_in_parts_copy_back_once_per_part(tmp_path, monkeypatch):
 def test_memories_and_the_dense_round_on_the_device(tmp_path, monkeypatch, options):
     device = two_workers(tmp_path / "device", monkeypatch, True, **options)
     host = two_workers(tmp_path / "host", monkeypatch, False, **options)
-    for rank, ((dev_sum, crossings), (host_sum, _)) in enumerate(zip(device, host)):
+    for (dev_sum, crossings), (host_sum, _) in zip(device, host):
         assert dev_sum == host_sum
         led = 6 * (options.get("policy") == "cltk")  # a leader's proposals (every other round)
         assert crossings["reads"] == 0 and crossings["copy_backs"] == 12 + led, crossings

@@ -130,10 +130,17 @@ def test_dgc_accumulate_and_take_are_the_numpy_formulas(emu):
     np.testing.assert_array_equal(acc, want_acc)
     idx = np.sort(rng.choice(n, 300, replace=False)).astype(np.int64)
     out = np.zeros(300, np.float32)
-    emu.launch("psparse_take", _grid(300), 256, (idx, np.int64(300), acc, vel, np.int32(1), out))
+    emu.launch("psparse_take", _grid(300), 256, (idx, np.int64(300), acc, np.int64(n), vel,
+                                                  np.int32(1), out))
     np.testing.assert_array_equal(out, want_acc[idx])
     assert not acc[idx].any() and not vel[idx].any()
     assert np.count_nonzero(acc) == n - 300
+    # an index out of range (a policy's fault, reported by the check flags) is skipped
+    bad = np.array([5, n, -1], np.int64)
+    out = np.full(3, 9.0, np.float32)
+    emu.launch("psparse_take", 1, 256, (bad, np.int64(3), acc, np.int64(n), vel, np.int32(1),
+                                        out))
+    assert out.tolist() == [want_acc[5], 0.0, 0.0]
 
 
 def test_scatter_and_the_output_checks(emu):

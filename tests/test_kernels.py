@@ -141,10 +141,10 @@ def test_kernel_launches_are_checked_against_the_c_signatures():
     assert all(c in kernels.C_TYPES for sig in kernels.CUDA_KERNELS.values() for c, _ in sig)
     sig = kernels.CUDA_KERNELS["psparse_take"]
     f32, i64 = np.zeros(8, np.float32), np.arange(4, dtype=np.int64)
-    good = (i64, np.int64(4), f32, f32, np.int32(0), np.zeros(4, np.float32))
+    good = (i64, np.int64(4), f32, np.int64(8), f32, np.int32(0), np.zeros(4, np.float32))
     kernels.check_launch("psparse_take", good, sig)
     bad = {"int32 array": (i64.astype(np.int32),) + good[1:],
-           "6 parameters": good[:-1],
+           "7 parameters": good[:-1],
            "not contiguous": good[:2] + (np.zeros(16, np.float32)[::2],) + good[3:],
            "numpy int64 scalar": (i64, 4) + good[2:]}
     for expected, args in bad.items():

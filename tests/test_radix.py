@@ -223,3 +223,24 @@ def test_a_selection_among_earlier_candidates_reads_through_gather(dev):
     _, _, idx, _, _, _ = _run(dev, x, [(0, 3000)], [100], radix.KEY_FREQ,
                               arrays={"aux": aux, "gather": pool})
     np.testing.assert_array_equal(idx[:100], want)
+
+
+def test_a_negative_score_is_counted_not_selected_past_k(dev):
+    """A key mode read as an unsigned priority over negative values (a user's state, say):
+    their sign bit would rank them above everything and the write run past k; they are
+    counted as bad instead, and nothing is written beyond a segment's k."""
+    rng = np.random.default_rng(9)
+    aux = rng.random(10_000).astype(np.float32)
+    aux[rng.choice(10_000, 300, replace=False)] *= -1
+    aux[:3] = -0.0  # -0.0 is 0, not negative
+    _, report, idx, _, _, _ = _run(dev, np.zeros(10_000, np.float32), [(0, 6000), (6000, 10_000)],
+                                   [50, 40], radix.KEY_PRIORITY, arrays={"aux": aux})
+    negative = aux < 0
+    assert report[:, 1].tolist() == [int(negative[:6000].sum()), int(negative[6000:].sum())]
+    assert report[:, 0].tolist() == [50, 40]
+    assert (idx[:50] < 6000).all() and (idx[50:90] >= 6000).all()
+
+
+def test_engines_over_empty_segments_launch_nothing_that_writes(dev):
+    engine, report, _, _, _, _ = _run(dev, np.zeros(0, np.float32), [(0, 0), (0, 0)], [0, 0])
+    assert report.tolist() == [[0, 0], [0, 0]] and engine.total_k == 0
