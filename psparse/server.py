@@ -509,14 +509,15 @@ class Server:
         """Send one message to every worker; its wire bytes summed over workers.
 
         Encoded per worker: each connection's key cache knows different sets (a run in parts
-        keeps one per connection and part).
+        keeps one per connection and part); the index frame itself is encoded once.
         """
         ranks = sorted(self.members.active)
         part = fields.get("part")
+        shared: dict = {}  # the index frame encoded once, one copy of the set for every cache
         messages = [protocol.encode(msg_type, indices, values,
                                     model_size=model_size or self.numel,
                                     cache=self.caches[r if part is None else (r, part)],
-                                    **fields) for r in ranks]
+                                    shared=shared, **fields) for r in ranks]
         self._pace(sum(wire_bytes(m) for m in messages))
         return sum(self._send(self.members.rank_peer[r], m, it=fields.get("iter"))
                    for r, m in zip(ranks, messages))
