@@ -30,16 +30,16 @@ import numpy as np
 
 from .jit import as_pointer, kernel, trailing_zeros
 
-MIN_BLOCK_BITS, MAX_BLOCK_BITS = 13, 18  # 32 KiB .. 1 MiB of float32 scratch (L1d .. L2)
+MIN_BLOCK_BITS, BLOCK_BITS, MAX_BLOCK_BITS = 13, 16, 18  # 32 KiB .. 1 MiB of float32 scratch
 PAD = 64  # scratch entries past the block, read by the unconditional emission of an empty slot
 
 
-def block_bits_for(numel: int, entries: int, pushes: int) -> int:
-    """Block size (log2) so that a push's run in a block holds ~256 entries on average: fewer,
-    and the per-run overhead (a search, a loop exit) dominates; the scratch must stay in L2."""
-    per_push = max(1, entries // max(1, pushes))
-    bits = int(np.ceil(np.log2(max(2.0, 256.0 * numel / per_push))))
-    return int(min(MAX_BLOCK_BITS, max(MIN_BLOCK_BITS, bits)))
+def block_bits_for(numel: int) -> int:
+    """Block size (log2): 2**16 entries (a 256 KiB scratch and its 8 KiB bitmap, in L2), or the
+    whole model when it is smaller. Measured best at 11.2M/1% and 25M/0.1% among 2**13..2**18
+    (benchmarks/bench_aggregation.py --variants): smaller blocks pay a search and a loop exit
+    per push and block, larger ones a scratch that leaves L2."""
+    return int(min(BLOCK_BITS, max(MIN_BLOCK_BITS, int(np.ceil(np.log2(max(2, numel)))))))
 
 
 def emission_for(numel: int, entries: int) -> tuple[bool, int]:
@@ -77,16 +77,15 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
     score). Writes the union to ``out_index`` and the sums to ``out_value`` (room for
     sum(lengths) + PAD entries) and returns its size. ``scratch`` (2**block_bits + PAD zeros,
     float32) and ``bits`` (2**block_bits / 64 zeros, uint64) are left zeroed. ``grouped``: the
-    union is sparse (few bitmap words hold a bit), find its words through summary words.
-    Input that breaks
-    the contract (unsorted, duplicates) gives a wrong answer but never writes out of bounds.
+    union is sparse (few bitmap words hold a bit): find its words through summary words;
+    ``unrolled``: set bits per word read out without a branch. Input that breaks the contract
+    (unsorted, duplicates) gives a wrong answer but never writes out of bounds.
     """
     pushes = lengths.size
     block = np.int64(1) << block_bits
-    block_size = np.uint64(block)  # compared with the unsigned offsets (int64 vs uint64: float)
     position = np.zeros(pushes, np.int64)
     none_left = np.iinfo(np.int64).max
-    count = 0
+    count = np.int64(0)
     while True:
         first = none_left  # the smallest index not yet summed: its block is next
         for r in range(pushes):
@@ -106,50 +105,88 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
             index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
             value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
             stop = _run_end(index, start, n, lo + block)
-            for t in range(start, stop):
-                j = np.uint64(np.int64(index[t]) - lo)
-                if j >= block_size:  # never, for sorted input; unsorted input may not corrupt memory
-                    continue
-                v = value[t]
-                scratch[j] += abs(v) if absolute else v
-                bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
+            if absolute:
+                _add_run_abs(index, value, np.uint64(start), np.uint64(stop), lo,
+                             np.uint64(block), scratch, bits)
+            else:
+                _add_run(index, value, np.uint64(start), np.uint64(stop), lo,
+                         np.uint64(block), scratch, bits)
             if stop > start:
                 last = max(last, np.int64(index[stop - 1]) - lo)
             position[r] = stop
-        w0, w1 = (first - lo) >> 6, (last >> 6) + 1
-        if grouped:  # sparse bitmaps: a summary word per 64 words says which hold bits
-            for g in range(w0, w1, 64):
-                summary = np.uint64(0)
-                for w in range(g, min(g + 64, w1)):
-                    summary |= np.uint64(bits[w] != 0) << np.uint64(w - g)
-                while summary:
-                    w = g + np.int64(trailing_zeros(summary))
-                    summary &= summary - np.uint64(1)
-                    count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
-        else:  # dense bitmaps: (nearly) every word holds bits, the test is predictable
-            for w in range(w0, w1):
-                if bits[w] != 0:
-                    count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
+        w0, w1 = np.uint64((first - lo) >> 6), np.uint64((last >> 6) + 1)
+        if grouped:
+            count = _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count,
+                                      np.uint64(unrolled))
+        else:
+            count = _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count,
+                              np.uint64(unrolled))
+    return count
+
+
+# The loops below index with unsigned integers: numba then emits no wraparound code for
+# negative indices, and the few live values fit in registers.
+@kernel
+def _add_run(index, value, start, stop, lo, block, scratch, bits):
+    """scratch[index - lo] += value over [start, stop), marking each entry in ``bits``."""
+    for t in range(start, stop):
+        j = np.uint64(np.int64(index[t]) - lo)
+        if j < block:  # always, for sorted input: unsorted input may not corrupt memory
+            scratch[j] += value[t]
+            bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
+
+
+@kernel
+def _add_run_abs(index, value, start, stop, lo, block, scratch, bits):
+    """``_add_run`` of |value| (the vote's score)."""
+    for t in range(start, stop):
+        j = np.uint64(np.int64(index[t]) - lo)
+        if j < block:
+            scratch[j] += abs(value[t])
+            bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
+
+
+@kernel
+def _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
+    """Dense bitmaps: (nearly) every word holds bits, so testing each is predictable."""
+    for w in range(w0, w1):
+        if bits[w] != np.uint64(0):
+            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
+    return count
+
+
+@kernel
+def _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
+    """Sparse bitmaps: a summary word per 64 words says which hold bits (testing each word
+    would mispredict a branch for a quarter of them)."""
+    for g in range(w0, w1, np.uint64(64)):
+        summary = np.uint64(0)
+        for w in range(g, min(g + np.uint64(64), w1)):
+            summary |= np.uint64(bits[w] != np.uint64(0)) << (w - g)
+        while summary:
+            w = g + trailing_zeros(summary)
+            summary &= summary - np.uint64(1)
+            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
     return count
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
 def _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled):
-    """Read out (index order) and clear the set bits of bitmap word w and their scratch sums."""
+    """Read out (index order) and clear the set bits of bitmap word w and their sums."""
     word = bits[w]
     bits[w] = 0
-    base = w << 6
+    base = w << np.uint64(6)
     for _ in range(unrolled):  # an empty slot writes past count, harmlessly
-        present = word != 0
-        j = base + np.int64(trailing_zeros(word))  # base + 64 (the pad) when empty
-        out_index[count] = lo + j
+        present = word != np.uint64(0)
+        j = base + trailing_zeros(word)  # base + 64 (the pad) when empty
+        out_index[count] = lo + np.int64(j)
         out_value[count] = scratch[j]
         scratch[j] = np.float32(0.0) if present else scratch[j]
         count += present
         word &= word - np.uint64(1)
     while word:
-        j = base + np.int64(trailing_zeros(word))
-        out_index[count] = lo + j
+        j = base + trailing_zeros(word)
+        out_index[count] = lo + np.int64(j)
         out_value[count] = scratch[j]
         scratch[j] = 0.0
         count += 1
@@ -283,13 +320,15 @@ def warm_up() -> None:
         addresses = np.array([idx.ctypes.data], np.int64)
         values = np.array([val.ctypes.data], np.int64)
         lengths = np.array([2], np.int64)
-        out_idx, out_val = np.empty(2 + PAD, dtype), np.empty(2 + PAD, np.float32)
+        out_val = np.empty(2 + PAD, np.float32)
         scratch = np.zeros((1 << MIN_BLOCK_BITS) + PAD, np.float32)
         bits = np.zeros((1 << MIN_BLOCK_BITS) // 64, np.uint64)
-        for absolute in (False, True):
-            for grouped in (False, True):
-                sparse_sum(addresses, values, lengths, idx, absolute, out_idx, out_val,
-                           MIN_BLOCK_BITS, scratch, bits, grouped, 2)
+        for out_dtype in {np.int32, dtype}:  # the union in the model's natural dtype
+            out_idx = np.empty(2 + PAD, out_dtype)
+            for absolute in (False, True):
+                for grouped in (False, True):
+                    sparse_sum(addresses, values, lengths, idx, absolute, out_idx, out_val,
+                               MIN_BLOCK_BITS, scratch, bits, grouped, 2)
             dense_sum(np.zeros(4, np.float32), addresses, values, lengths,
                       np.zeros(1, np.bool_), idx, absolute, np.empty(4, np.float32),
                       np.float32(1))
