@@ -186,8 +186,10 @@ class KeyCache:
 
     @staticmethod
     def shared_slot(indices: np.ndarray) -> list:
-        """A slot for ``remember(..., slot=)``: the set's own int64 copy and its key, unset."""
-        return [np.array(indices, dtype=np.int64), None]
+        """A slot for ``remember(..., slot=)``: the set (a copy unless it is read-only) and its
+        key, unset."""
+        return [indices if not indices.flags.writeable else np.array(indices, dtype=np.int64),
+                None]
 
     def _key(self, slot: list) -> bytes:
         if slot[1] is None:

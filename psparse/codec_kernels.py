@@ -10,6 +10,7 @@ callers (psparse/codec.py, psparse/protocol.py) turn them into the protocol's er
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -34,7 +35,18 @@ def _leading_zeros(typingctx, word):
     return types.uint64(types.uint64), codegen
 
 
-@kernel
+@intrinsic
+def _store_u32(typingctx, address, value):
+    """Store the low 32 bits of ``value`` at byte address ``address`` (any alignment, the
+    machine's byte order: little-endian, as codec.py asserts)."""
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store(builder.trunc(args[1], ir.IntType(32)), pointer, align=1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.uint64), codegen
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
 def _varint_length(gap):
     """Bytes of ``gap`` as an LEB128 varint: ceil(bit length / 7), at least 1."""
     bits = np.uint64(64) - _leading_zeros(gap | np.uint64(1))
@@ -57,26 +69,72 @@ def delta_size(indices):
 def encode_delta(indices, out, capacity):
     """Write the delta form of sorted ``indices`` to ``out`` (capacity + ENCODE_SLACK bytes)
     and return its size, or -1 as soon as it would exceed ``capacity`` bytes (then another
-    form is smaller: the caller stops paying for this one)."""
-    size = np.int64(0)
-    previous = np.int64(0)
-    for i in range(indices.size):
+    form is smaller: the caller stops paying for this one).
+
+    A varint's first four bytes go out as one 32-bit store whatever its length (the next
+    varint, or the slack, overwrites what lies past it): its four 7-bit groups spread to byte
+    boundaries, with the continuation bits of the bytes that exist but the last.
+    """
+    n = indices.size
+    base = out.ctypes.data
+    # runs unchecked as long as even 10 bytes per index stay within the capacity (each run
+    # as long as what is left allows), then the last few indices checked one by one
+    size, done = np.int64(0), np.int64(0)
+    while done < n:
+        run = min(n - done, (capacity - size) // MAX_VARINT_BYTES)
+        if run < 64:
+            break
+        size = _encode_run(indices, done, done + run, size, base, out)
+        done += run
+    previous = np.int64(indices[done - 1]) if done > 0 else np.int64(0)
+    for i in range(done, n):
         current = np.int64(indices[i])
         gap = np.uint64(current - previous)
         previous = current
         length = _varint_length(gap)
         if size + length > capacity:
             return -1
-        # the first four groups are written whether they exist or not (no branch on the
-        # length): the next varint, or the slack, overwrites what is past this one
-        for g in range(4):
-            more = np.uint8(0x80) if g + 1 < length else np.uint8(0)
-            out[size + g] = np.uint8((gap >> np.uint64(7 * g)) & np.uint64(0x7F)) | more
-        for g in range(4, length):  # gaps of 2**28 and more
-            more = np.uint8(0x80) if g + 1 < length else np.uint8(0)
-            out[size + g] = np.uint8((gap >> np.uint64(7 * g)) & np.uint64(0x7F)) | more
+        _store_u32(base + size, _first_four(gap, length))
+        if length > 4:  # gaps of 2**28 and more
+            _write_tail(out, size, gap, length)
         size += length
     return size
+
+
+@kernel
+def _encode_run(indices, start, stop, size, base, out):
+    """encode_delta's loop over indices[start:stop] without the capacity check."""
+    previous = np.int64(indices[start - 1]) if start > 0 else np.int64(0)
+    for i in range(start, stop):
+        current = np.int64(indices[i])
+        gap = np.uint64(current - previous)
+        previous = current
+        length = _varint_length(gap)
+        _store_u32(base + size, _first_four(gap, length))
+        if length > 4:  # gaps of 2**28 and more
+            _write_tail(out, size, gap, length)
+        size += length
+    return size
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _first_four(gap, length):
+    """A varint's first four bytes as a little-endian 32-bit word."""
+    seven = np.uint64(0x7F)
+    spread = (gap & seven) | ((gap << np.uint64(1)) & (seven << np.uint64(8))) \
+        | ((gap << np.uint64(2)) & (seven << np.uint64(16))) \
+        | ((gap << np.uint64(3)) & (seven << np.uint64(24)))
+    more = np.uint64(0x80808080) & ((np.uint64(1) << np.uint64(8 * min(length - 1, 4)))
+                                     - np.uint64(1))
+    return spread | more
+
+
+@kernel
+def _write_tail(out, at, gap, length):
+    """Bytes 4.. of a varint longer than four."""
+    for g in range(4, length):
+        follow = np.uint8(g + 1 < length) << np.uint8(7)  # the continuation bit
+        out[at + g] = np.uint8((gap >> np.uint64(7 * g)) & np.uint64(0x7F)) | follow
 
 
 @kernel
@@ -85,31 +143,69 @@ def decode_delta(data, count, out):
 
     Returns (varints in the frame, flags): TOO_LONG a varint of more than 10 bytes,
     GROUP_OVERFLOW a 10th group above 1 (a gap of 2**64 or more), ZERO_GAP a repeated index,
-    SUM_OVERFLOW an index of 2**63 or more. Every byte takes the same path: the varint's
-    end, the running index and the checks are selects, not branches.
+    SUM_OVERFLOW an index of 2**63 or more. Every byte takes the same path: the end of a
+    varint is a mask that the running index, gap and shift are combined with (no select for
+    the compiler to turn into a branch), and the per-byte work is only that; the checks
+    follow in passes of their own (the order of the indices: one compare each; varints of 10
+    or more bytes, rare, flagged by the shift and then examined one by one).
     """
-    flags = 0
-    varints = np.int64(0)
     gap = np.uint64(0)
     shift = np.uint64(0)
     index = np.uint64(0)
+    varints = np.uint64(0)
+    slots = np.uint64(count)
+    long_varint = np.uint64(0)
+    seven, one = np.uint64(7), np.uint64(1)
     for p in range(data.size):
         byte = np.uint64(data[p])
-        group = byte & np.uint64(0x7F)
-        flags |= TOO_LONG if shift >= np.uint64(7 * MAX_VARINT_BYTES) else 0
-        flags |= GROUP_OVERFLOW if (shift == np.uint64(63) and group > np.uint64(1)) else 0
-        gap |= group << min(shift, np.uint64(63))
-        end = byte < np.uint64(0x80)
-        following = index + gap
-        wrapped = following < index or following > INT64_MAX
-        flags |= SUM_OVERFLOW if (end and wrapped) else 0
-        flags |= ZERO_GAP if (end and varints > 0 and gap == np.uint64(0)) else 0
-        out[min(varints, count)] = np.int64(following)  # count + 1 slots: always in bounds
-        index = following if end else index
-        varints += end
-        gap = np.uint64(0) if end else gap
-        shift = np.uint64(0) if end else shift + np.uint64(7)
-    return varints, flags
+        last = (byte >> seven) ^ one  # 1 on a varint's last byte, else 0
+        keep = last - one  # all ones inside a varint, 0 on its last byte
+        long_varint |= np.uint64(shift >= np.uint64(63))  # a 10th byte (or later)
+        gap |= (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
+        out[min(varints, slots)] = np.int64(index + gap)  # count + 1 slots: in bounds
+        index += gap & ~keep
+        gap &= keep
+        shift = (shift + seven) & keep
+        varints += last
+    flags = 0
+    if long_varint:
+        flags |= _long_varints(data)
+    if varints == slots:
+        flags |= _disorder(out, count)
+    return np.int64(varints), np.int64(flags)
+
+
+@kernel
+def _long_varints(data):
+    """TOO_LONG / GROUP_OVERFLOW for a frame holding a varint of 10 or more bytes."""
+    flags = 0
+    run = 0
+    for p in range(data.size):
+        byte = data[p]
+        if run == 9 and (byte & 0x7F) > 1:
+            flags |= GROUP_OVERFLOW
+        if run >= MAX_VARINT_BYTES:
+            flags |= TOO_LONG
+        run = run + 1 if byte & 0x80 else 0
+    return flags
+
+
+@kernel
+def _disorder(out, count):
+    """ZERO_GAP (an index repeated) and SUM_OVERFLOW (an index past 2**63 - 1, or a sum that
+    wrapped) of decoded indices: strictly increasing as unsigned 64-bit values, the last one
+    below 2**63."""
+    if count == 0:
+        return 0
+    values = out[:count].view(np.uint64)
+    repeated, wrapped = False, False
+    for i in range(1, count):
+        repeated |= values[i] == values[i - 1]
+        wrapped |= values[i] < values[i - 1]
+    flags = ZERO_GAP if repeated else 0
+    if wrapped or values[count - 1] > INT64_MAX:
+        flags |= SUM_OVERFLOW
+    return flags
 
 
 @kernel
