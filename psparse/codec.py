@@ -66,21 +66,26 @@ def _encode_delta_within(indices: np.ndarray, capacity: int) -> np.ndarray | Non
     return None if size < 0 else out[:size]
 
 
-def decode_delta(data: np.ndarray, count: int) -> np.ndarray:
-    """Indices from a delta frame; refuses a frame that does not hold exactly ``count``
-    strictly increasing indices below 2^63 (so the result needs no sortedness check). One
-    pass over the frame (codec_kernels.decode_delta), the problems reported in the order the
-    protocol names them."""
+def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
+    """Indices (of ``dtype``, int32 or int64) from a delta frame; refuses a frame that does not
+    hold exactly ``count`` strictly increasing indices below 2^63 (so the result needs no
+    sortedness check). One pass over the frame (codec_kernels.decode_delta), the problems
+    reported in the order the protocol names them. int32 indices above 2^31 - 1 come back as
+    int64 (the caller's range check refuses them)."""
     if data.size == 0:
         if count:
             raise CodecError(f"delta frame is empty but count is {count}")
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=dtype)
     if data[-1] & 0x80:
         raise CodecError("delta frame ends inside a varint")
-    if count > data.size:  # every varint is at least one byte
-        raise CodecError(f"delta frame holds {_varint_count(data)} varints, count is {count}")
-    out = np.empty(count + 1, dtype=np.int64)
-    varints, flags = codec_kernels.decode_delta(data, count, out)
+    dtype = np.dtype(dtype)
+    out = np.empty(data.size + 1, dtype=dtype)  # at most one varint per byte
+    varints, flags, last = codec_kernels.decode_delta(data, count, out,
+                                                      35 if dtype == np.int32 else 63)
+    if flags & codec_kernels.WIDE or (dtype == np.int32 and not 0 <= last < 2**31):
+        # int32 output: no gap reached 2^35 (so nothing wrapped and the last index is the
+        # largest), or decode again as int64 for an exact answer
+        return decode_delta(data, count, np.int64)
     if varints != count:
         raise CodecError(f"delta frame holds {varints} varints, count is {count}")
     if flags & codec_kernels.TOO_LONG:
@@ -92,10 +97,6 @@ def decode_delta(data: np.ndarray, count: int) -> np.ndarray:
     if flags & codec_kernels.SUM_OVERFLOW:
         raise CodecError("delta-encoded indices overflow")
     return out[:count]
-
-
-def _varint_count(data: np.ndarray) -> int:
-    return int(codec_kernels.decode_delta(data, 0, np.empty(1, np.int64))[0])
 
 
 def encode_bitmap(indices: np.ndarray, numel: int) -> np.ndarray:
@@ -231,8 +232,11 @@ class KeyCache:
 if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
     from . import reference as _reference
 
-    delta_size, encode_delta, decode_delta = (_reference.delta_size, _reference.encode_delta,
-                                              _reference.decode_delta)
+    delta_size, encode_delta = _reference.delta_size, _reference.encode_delta
+
+    def decode_delta(data, count, dtype=np.int64):  # noqa: F811 (int64, as it always was)
+        return _reference.decode_delta(data, count)
+
     encode_bitmap, decode_bitmap = _reference.encode_bitmap, _reference.decode_bitmap
 
     def encode_smallest(indices, numel, index_itemsize=4):  # noqa: F811 (as it was)

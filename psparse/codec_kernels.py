@@ -25,7 +25,7 @@ INT64_MAX = np.uint64(2**63 - 1)
 # check_sparse's flags
 BAD_ORDER, NEGATIVE, OUT_OF_RANGE, NOT_FINITE = 1, 2, 4, 8
 # decode_delta's flags (the count of varints comes back separately)
-TOO_LONG, GROUP_OVERFLOW, ZERO_GAP, SUM_OVERFLOW = 1, 2, 4, 8
+TOO_LONG, GROUP_OVERFLOW, ZERO_GAP, SUM_OVERFLOW, WIDE = 1, 2, 4, 8, 16
 
 
 @intrinsic
@@ -138,41 +138,50 @@ def _write_tail(out, at, gap, length):
 
 
 @kernel
-def decode_delta(data, count, out):
-    """Parse a delta frame into ``out`` (count + 1 int64 slots; the indices are out[:count]).
+def decode_delta(data, count, out, wide_shift):
+    """Parse a delta frame into ``out`` (data.size + 1 slots of the indices' dtype, int32 or
+    int64; the indices are out[:count]).
 
-    Returns (varints in the frame, flags): TOO_LONG a varint of more than 10 bytes,
-    GROUP_OVERFLOW a 10th group above 1 (a gap of 2**64 or more), ZERO_GAP a repeated index,
-    SUM_OVERFLOW an index of 2**63 or more. Every byte takes the same path: the end of a
-    varint is a mask that the running index, gap and shift are combined with (no select for
-    the compiler to turn into a branch), and the per-byte work is only that; the checks
-    follow in passes of their own (the order of the indices: one compare each; varints of 10
-    or more bytes, rare, flagged by the shift and then examined one by one).
+    Returns (varints in the frame, flags, the last index as int64 bits): TOO_LONG a varint of
+    more than 10 bytes, GROUP_OVERFLOW a 10th group above 1 (a gap of 2**64 or more), ZERO_GAP
+    a repeated index, SUM_OVERFLOW an index of 2**63 or more, WIDE a varint reaching the group
+    at bit ``wide_shift`` (35 for int32 output: its gap may not fit, decode again as int64; 63
+    for int64: a 10-byte varint, examined by ``_long_varints``). Every byte takes the same
+    path: a varint's end is a mask that the running index, gap and shift are combined with (no
+    select for the compiler to turn into a branch), and the per-byte work is only that; the
+    checks follow in passes of their own. (Decoding the two halves of a frame as two chains in
+    one loop was tried: slower, the loop is bound by its instructions, not by the chain.)
     """
     gap = np.uint64(0)
     shift = np.uint64(0)
     index = np.uint64(0)
     varints = np.uint64(0)
-    slots = np.uint64(count)
-    long_varint = np.uint64(0)
-    seven, one = np.uint64(7), np.uint64(1)
+    widest = np.uint64(0)
     for p in range(data.size):
-        byte = np.uint64(data[p])
-        last = (byte >> seven) ^ one  # 1 on a varint's last byte, else 0
-        keep = last - one  # all ones inside a varint, 0 on its last byte
-        long_varint |= np.uint64(shift >= np.uint64(63))  # a 10th byte (or later)
-        gap |= (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
-        out[min(varints, slots)] = np.int64(index + gap)  # count + 1 slots: in bounds
-        index += gap & ~keep
-        gap &= keep
-        shift = (shift + seven) & keep
-        varints += last
+        gap, shift, index, varints, widest = _step(data[p], gap, shift, index, varints, widest,
+                                                   out)
     flags = 0
-    if long_varint:
+    if widest >= np.uint64(wide_shift):
+        if wide_shift < 63:
+            return np.int64(varints), WIDE, np.int64(index)
         flags |= _long_varints(data)
-    if varints == slots:
+    if varints == np.uint64(count):
         flags |= _disorder(out, count)
-    return np.int64(varints), np.int64(flags)
+    return np.int64(varints), np.int64(flags), np.int64(index)
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _step(byte, gap, shift, index, varints, widest, out):
+    """One byte of a delta frame: (gap, shift, index, varints, widest) after it; the index
+    so far is written at out[varints] whether the varint ended or not (varints <= bytes)."""
+    byte = np.uint64(byte)
+    last = (byte >> np.uint64(7)) ^ np.uint64(1)  # 1 on a varint's last byte, else 0
+    keep = last - np.uint64(1)  # all ones inside a varint, 0 on its last byte
+    widest = max(widest, shift)
+    gap |= (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
+    out[varints] = index + gap
+    index += gap & ~keep
+    return gap & keep, (shift + np.uint64(7)) & keep, index, varints + last, widest
 
 
 @kernel
@@ -193,17 +202,18 @@ def _long_varints(data):
 @kernel
 def _disorder(out, count):
     """ZERO_GAP (an index repeated) and SUM_OVERFLOW (an index past 2**63 - 1, or a sum that
-    wrapped) of decoded indices: strictly increasing as unsigned 64-bit values, the last one
-    below 2**63."""
+    wrapped) of decoded int64 indices: strictly increasing as unsigned 64-bit values, the last
+    one below 2**63. (For int32 output no gap reached 2**35, so nothing wrapped, and the caller
+    bounds the last index.)"""
     if count == 0:
         return 0
-    values = out[:count].view(np.uint64)
     repeated, wrapped = False, False
     for i in range(1, count):
-        repeated |= values[i] == values[i - 1]
-        wrapped |= values[i] < values[i - 1]
+        a, b = np.uint64(out[i - 1]), np.uint64(out[i])
+        repeated |= b == a
+        wrapped |= b < a
     flags = ZERO_GAP if repeated else 0
-    if wrapped or values[count - 1] > INT64_MAX:
+    if wrapped or np.uint64(out[count - 1]) > INT64_MAX:
         flags |= SUM_OVERFLOW
     return flags
 
@@ -294,7 +304,8 @@ def warm_up() -> None:
                 check_sparse(view, vals, 8, True)
         check_sparse(idx.astype(np.int64), values, -1, False)
     frame = np.frombuffer(bytes([1, 4]), np.uint8)
-    decode_delta(frame, 2, np.empty(3, np.int64))
+    for dtype, wide in ((np.int32, 35), (np.int64, 63)):
+        decode_delta(frame, 2, np.empty(3, dtype), wide)
     decode_bitmap(frame, 2, np.empty(2, np.int64))
     all_finite(np.frombuffer(values.tobytes(), np.float32))
     all_finite(values)

@@ -304,7 +304,7 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
                                 f"{idx_dtype.itemsize}")
         indices = np.frombuffer(idx_buf, dtype=idx_dtype)
     else:
-        indices = _decode_index_format(fmt, idx_buf, count, numel, cache)
+        indices = _decode_index_format(fmt, idx_buf, count, numel, cache, idx_dtype)
     values = None
     if val_frame is not None:
         val_dtype = VALUE_DTYPES.get(header["value_dtype"])
@@ -354,11 +354,11 @@ def all_finite(values: np.ndarray) -> bool:
     return bool(codec_kernels.all_finite(values))
 
 
-def _decode_index_format(fmt, buf, count, numel, cache) -> np.ndarray:
+def _decode_index_format(fmt, buf, count, numel, cache, dtype=np.int64) -> np.ndarray:
     data = np.frombuffer(buf, dtype=np.uint8)
     try:
-        if fmt == "delta":
-            return codec.decode_delta(data, count)
+        if fmt == "delta":  # in the header's dtype, as a raw frame is
+            return codec.decode_delta(data, count, dtype)
         if fmt == "bitmap":
             if numel is None:
                 raise ProtocolError("bitmap index frame needs the model size")

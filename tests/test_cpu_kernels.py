@@ -278,12 +278,39 @@ def gap_sum_near_2_63(frame: bytes) -> bool:
 
 
 @HYPOTHESIS
-@given(st.binary(max_size=40), st.integers(0, 45))
-def test_hostile_delta_frames_are_refused_as_the_reference_refuses_them(frame, count):
+@given(st.binary(max_size=40), st.integers(0, 45), st.sampled_from([np.int32, np.int64]))
+def test_hostile_delta_frames_are_refused_as_the_reference_refuses_them(frame, count, dtype):
     data = np.frombuffer(frame, np.uint8)
-    got, want = decoded(codec.decode_delta, data, count), decoded(reference.decode_delta, data,
-                                                                 count)
+    got = decoded(codec.decode_delta, data, count, dtype)
+    want = decoded(reference.decode_delta, data, count)
     assert got == want or (gap_sum_near_2_63(frame) and want == "delta-encoded indices overflow")
+
+
+def test_long_hostile_delta_frames_are_refused_as_the_reference_refuses_them():
+    """Frames of thousands of varints: bytes changed anywhere, cut short, or given the wrong
+    count."""
+    rng = np.random.default_rng(17)
+    base = codec.encode_delta(np.sort(rng.choice(2**20, 3000, replace=False))).tobytes()
+    for trial in range(300):
+        frame = bytearray(base)
+        for _ in range(int(rng.integers(1, 4))):
+            at = int(rng.integers(0, len(frame)))
+            frame[at] = int(rng.choice([0x00, 0x80, 0xFF, 0x01, rng.integers(0, 256)]))
+        if trial % 7 == 0:
+            frame = frame[:int(rng.integers(1, len(frame)))]
+        count = 3000 + int(rng.choice([0, 0, 0, -1, 1]))
+        data = np.frombuffer(bytes(frame), np.uint8)
+        for dtype in (np.int32, np.int64):
+            assert decoded(codec.decode_delta, data, count, dtype) == \
+                decoded(reference.decode_delta, data, count)
+
+
+def test_int32_delta_decoding_falls_back_to_int64_beyond_int32():
+    for idx in ([5, 2**31 - 1], [5, 2**31], [2**33], [1, 2**35 + 2], [0, 2**32 + 3]):
+        frame = codec.encode_delta(np.array(idx, np.int64))
+        got = codec.decode_delta(frame, len(idx), np.int32)
+        assert got.tolist() == idx
+        assert got.dtype == (np.int32 if idx[-1] < 2**31 else np.int64)
 
 
 @HYPOTHESIS
