@@ -91,10 +91,11 @@ class Aggregator:
         entries: what the broadcast sends) whatever the pushes' (a delta-coded push decodes to
         int64), and int64 with a dense push (every index).
         """
-        if self.xp is not np or REFERENCE:
-            union, mean = sparse_mean(self.accumulator,
-                                      [self.all_indices if i is None else i for i in indices],
-                                      values)
+        if self.xp is not np or REFERENCE:  # the GPU, or the numpy reference on the host
+            mean_of = sparse_mean if self.xp is not np else reference.sparse_mean
+            union, mean = mean_of(self.accumulator,
+                                  [self.all_indices if i is None else i for i in indices],
+                                  values)
             return to_host(union), to_host(mean)
         return self._host_sum(indices, values, absolute=False)
 
