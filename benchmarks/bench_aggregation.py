@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import half_shared_pushes as pushes  # noqa: E402
 from common import record, table  # noqa: E402
 
 from psparse import agg_kernels, aggregation, reference  # noqa: E402
@@ -45,16 +46,6 @@ from psparse.jit import address_table, as_pointer  # noqa: E402
 WORKERS = 8
 CASES = [("LeNet-5", 61_706, 0.01), ("11.2M", 11_200_000, 0.01), ("25M", 25_000_000, 0.001)]
 TARGET = 0.25  # of memcpy's throughput
-
-
-def pushes(rng, numel: int, k: int, n: int):
-    shared = rng.choice(numel, k // 2, replace=False)
-    idx = []
-    for _ in range(n):
-        own = rng.choice(numel, k, replace=False)
-        own = own[~np.isin(own, shared)][: k - k // 2]
-        idx.append(np.sort(np.concatenate([shared, own])).astype(np.int32))
-    return idx, [rng.standard_normal(i.size).astype(np.float32) for i in idx]
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

@@ -40,7 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_aggregation import pushes  # noqa: E402
+from common import half_shared_pushes as pushes  # noqa: E402
 from common import record, table  # noqa: E402
 
 from psparse import protocol  # noqa: E402

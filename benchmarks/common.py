@@ -46,7 +46,8 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- bench.json
-RESULTS = Path(__file__).resolve().parent / "results" / "bench.json"
+RESULTS = Path(os.environ.get("PSPARSE_BENCH_JSON")
+               or Path(__file__).resolve().parent / "results" / "bench.json")
 
 
 def commit() -> str:
@@ -75,3 +76,16 @@ def record(results: dict, path: Path = RESULTS) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def half_shared_pushes(rng, numel: int, k: int, n: int):
+    """N sorted int32 pushes of k entries each, half of every push shared by all and half its
+    own (as bench_scale.py's aggregation part), with standard-normal float32 values."""
+    import numpy as np
+    shared = rng.choice(numel, k // 2, replace=False)
+    idx = []
+    for _ in range(n):
+        own = rng.choice(numel, k, replace=False)
+        own = own[~np.isin(own, shared)][: k - k // 2]
+        idx.append(np.sort(np.concatenate([shared, own])).astype(np.int32))
+    return idx, [rng.standard_normal(i.size).astype(np.float32) for i in idx]
