@@ -18,8 +18,11 @@ Compilation is paid once per process tree: ``psparse-launch`` calls ``warm_up()`
 forks the server and the workers, which inherit the compiled code; a process started alone
 loads each kernel from the cache on its first call.
 
-``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels (slow; for
-checking a result against the reference, as tests/test_identical_runs.py does).
+``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
+server's arithmetic (aggregation.py), the index coding (codec.py) and the frame checks
+(protocol.py) -- slow; for checking a result against the reference, as
+tests/test_identical_runs.py does. (The shards' split and merge in client.py, plain integer
+copies, always run compiled; tests/test_cpu_kernels.py holds them to their reference.)
 """
 
 from __future__ import annotations
