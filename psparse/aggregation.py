@@ -20,13 +20,11 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from . import agg_kernels, reference
 from .agg_kernels import emission_for
-from .jit import REFERENCE, address_table
+from .jit import REFERENCE, Reusable, address_table
 from .kernels import NonFiniteError, sparse_mean
 from .protocol import dense_is_smaller, index_dtype_for
 from .xp import cupy_or_none, to_host
@@ -250,33 +248,6 @@ class ServerLimit:
         agg_kernels.partition_kept(candidates, values, kept, kept_index, kept_value,
                                    self.support, self.residual)
         return kept_index, kept_value
-
-
-class Reusable:
-    """Output arrays reused from round to round once nothing else holds them.
-
-    A round's aggregate is a view of one of these; it is sent without a copy, and ZeroMQ holds
-    a reference until the frame is on the wire. An array whose only references are this pool's
-    is free again: reusing it spares the page faults of fresh memory (a fresh 7 MB output costs
-    ~2 ms of faults at 11.2M/1%, about what the sum itself costs)."""
-
-    KEEP = 4  # arrays held for reuse (a round takes two; a slow peer may hold a round's)
-
-    def __init__(self):
-        self._arrays: list[np.ndarray] = []
-
-    def take(self, size: int, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        for n, array in enumerate(self._arrays):
-            # references: the list, the loop variable, getrefcount's argument
-            if array.dtype == dtype and array.size >= size and sys.getrefcount(array) <= 3:
-                self._arrays.append(self._arrays.pop(n))  # most recently used last
-                return array
-        array = np.empty(size, dtype)
-        self._arrays.append(array)
-        if len(self._arrays) > self.KEEP:
-            self._arrays.pop(0)
-        return array
 
 
 def top_k(x: np.ndarray, k: int, nonnegative: bool = False) -> np.ndarray:

@@ -21,11 +21,14 @@ import sys
 import numpy as np
 
 from . import codec_kernels
-from .jit import REFERENCE
+from .jit import REFERENCE, Reusable
 
 FORMATS = ("raw", "delta", "bitmap", "cached")
 _MAX_VARINT_BYTES = codec_kernels.MAX_VARINT_BYTES
 assert sys.byteorder == "little", "the bitmap kernels read frames as little-endian words"
+# decoded index frames: a server holds each rank's until its next push (the message, then the
+# key cache), so about two per rank are in use at once
+_DECODED = Reusable(keep=48)
 
 
 class CodecError(ValueError):
@@ -79,7 +82,7 @@ def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
     if data[-1] & 0x80:
         raise CodecError("delta frame ends inside a varint")
     dtype = np.dtype(dtype)
-    out = np.empty(data.size + 1, dtype=dtype)  # at most one varint per byte
+    out = _DECODED.take(data.size + 1, dtype)  # at most one varint per byte
     varints, flags, last = codec_kernels.decode_delta(data, count, out,
                                                       35 if dtype == np.int32 else 63)
     if flags & codec_kernels.WIDE or (dtype == np.int32 and not 0 <= last < 2**31):
@@ -114,11 +117,12 @@ def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
                          f"for {numel} entries")
     if numel % 8 and int(data[-1]) >> (numel % 8):  # only the last byte has bits past numel
         raise CodecError("bitmap has bits set beyond the model size")
-    out = np.empty(min(count, numel), dtype=np.int64)  # a count beyond numel cannot match
-    found = codec_kernels.decode_bitmap(data, out.size, out)
+    slots = min(count, numel)  # a count beyond numel cannot match
+    out = _DECODED.take(slots, np.int64)
+    found = codec_kernels.decode_bitmap(data, slots, out)
     if found != count:
         raise CodecError(f"bitmap holds {found} indices, count is {count}")
-    return out
+    return out[:count]
 
 
 def _sizes(indices: np.ndarray, numel: int, index_itemsize: int) -> dict:
