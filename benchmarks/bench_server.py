@@ -208,6 +208,7 @@ def main(argv=None) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+    floor = scatter_floor_seconds(sets)
     w = {n: statistics.median(v) for n, v in wall.items()}
     # /proc counts CPU in clock ticks (10 ms): the mean over every block, not a median of blocks
     c = {n: statistics.fmean(v) for n, v in cpu.items()}
@@ -224,6 +225,12 @@ def main(argv=None) -> int:
     print(f"ours / relay: {ratio:.0%} by CPU (target {TARGET:.0%}), {wall_ratio:.0%} by wall "
           f"time; one core at ours' CPU per round: {core_entries / 1e6:.0f} M entries/s in, "
           f"{core_gbit:.2f} Gbit/s in and out")
+    floor_ratio = None
+    if floor is not None:
+        floor_ratio = c["relay"] / (c["relay"] + floor)
+        print(f"floor: the relay plus the aggregation's scatter floor ({floor * 1e3:.2f} ms, "
+              f"bench_aggregation.py's: every entry added into a cache-sized scratch, no union, "
+              f"nothing decoded or encoded) would be {floor_ratio:.0%} of the relay")
     record({"shard_round_vs_relay": {
         "numel": NUMEL, "density": DENSITY, "pushes": WORKERS, "k": k,
         "bytes_in": bytes_in, "bytes_out": bytes_out, "ratio": round(ratio, 4),
@@ -231,9 +238,34 @@ def main(argv=None) -> int:
         "ms_per_round": {n: round(w[n] * 1e3, 3) for n in w},
         "cpu_ms_per_round": {n: round(c[n] * 1e3, 3) for n in c},
         "one_core_entries_per_s": round(core_entries), "one_core_gbit_per_s": round(core_gbit, 3),
+        "floor_ratio": None if floor_ratio is None else round(floor_ratio, 4),
+        "scatter_floor_ms": None if floor is None else round(floor * 1e3, 3),
         "baseline": "raw ZeroMQ ROUTER relay sending the same precomputed aggregate bytes; "
                     "process CPU per round"}})
     return 0
+
+
+def scatter_floor_seconds(sets) -> float | None:
+    """bench_aggregation.py's scatter floor on this benchmark's pushes, median of 9 (None
+    without the compiled kernels: a run at a commit before them)."""
+    try:
+        from bench_aggregation import scatter_floor
+
+        from psparse.agg_kernels import block_bits_for
+        from psparse.jit import address_table
+    except ImportError:
+        return None
+    times = []
+    for n in range(9):
+        idx, val = sets[n % len(sets)]
+        index_addresses, lengths = address_table(idx)
+        value_addresses, _ = address_table(val)
+        bits = block_bits_for(NUMEL)
+        scratch = np.zeros(1 << bits, np.float32)
+        t = time.perf_counter()
+        scatter_floor(index_addresses, value_addresses, lengths, bits, scratch)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def answers_union(sets, agg) -> int:
