@@ -81,8 +81,11 @@ gpu-check-cpu: data
 lint: install
 	$(VENV)/bin/ruff check psparse tests benchmarks experiments
 
+# every script merges its own figures into benchmarks/results/bench.json (benchmarks/README.md)
 bench: install
+	$(PY) benchmarks/bench_jit.py
 	$(PY) benchmarks/bench_select.py
+	$(PY) benchmarks/bench_aggregation.py
 	$(PY) benchmarks/bench_protocol.py
 	$(PY) benchmarks/bench_server.py
 

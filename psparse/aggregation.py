@@ -4,9 +4,11 @@ Everything here takes and returns plain arrays and ints; psparse/server.py hands
 workers sent (in rank order) and sends what it returns (docs/protocol.md, "Sequences" and
 "Budgets"):
 
-* ``Aggregator.mean``: the pushes summed in rank order into one model-sized scratch
-  accumulator (host numpy, or CuPy with ``--server-device cuda``), divided by their number, at
-  the sorted union of their indices; a dense push covers every index.
+* ``Aggregator.mean``: the pushes summed in rank order, divided by their number, at the sorted
+  union of their indices; a dense push covers every index. On the host a compiled kernel
+  (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by
+  block in a cache-sized scratch; with ``--server-device cuda`` CuPy sums them into a
+  model-sized accumulator on the GPU (``kernels.sparse_mean``).
 * ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
   (``candidates``: the same with their scores, what a key-range shard sends).
 * ``Aggregator.check_budget``: a push or proposal against the step the agreed run sets for its
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import sorted_union, sparse_mean
+from . import agg_kernels, reference
+from .agg_kernels import emission_for
+from .jit import REFERENCE, Reusable, address_table
+from .kernels import NonFiniteError, sparse_mean
 from .protocol import dense_is_smaller, index_dtype_for
-from .sparsify import topk_exact
 from .xp import cupy_or_none, to_host
 
 __all__ = ["Aggregator", "BudgetError", "ServerLimit", "array_module_for"]
@@ -45,18 +49,28 @@ def array_module_for(device: str):
 class Aggregator:
     """The round arithmetic for one model of ``numel`` entries.
 
-    Holds the server's only model-sized buffers: pushes are summed into ``accumulator``, then
-    the touched entries are read out and zeroed again, so no round allocates or clears numel
-    floats. Results always come back as host (numpy) arrays.
+    On the host the pushes are summed block by block into a scratch of at most 2**18 entries
+    (``agg_kernels``), left zeroed after every round; the model-sized ``accumulator`` is used
+    only by a dense push (and on the GPU). Results always come back as host (numpy) arrays.
     """
 
     def __init__(self, numel: int, xp=np):
         self.numel = numel
         self.xp = xp
-        self.accumulator = xp.zeros(numel, dtype=xp.float32)
+        self._accumulator = None if xp is np else xp.zeros(numel, dtype=xp.float32)
         self.index_dtype = index_dtype_for(numel)  # the natural index size (dense switch)
-        self._dense_out = np.empty(numel, dtype=np.float32)  # for dense broadcasts
+        self._dense_out = None  # for dense broadcasts, allocated by the first
         self._all_indices = None
+        self._outputs = Reusable()
+        self._scratch = self._bits = np.empty(0)  # sized by the first round's block
+
+    @property
+    def accumulator(self):
+        """The model-sized scratch (zeroed between rounds): on the host allocated only when a
+        dense push (or the numpy reference) first needs it."""
+        if self._accumulator is None:
+            self._accumulator = np.zeros(self.numel, dtype=np.float32)
+        return self._accumulator
 
     @property
     def all_indices(self) -> np.ndarray:
@@ -69,12 +83,59 @@ class Aggregator:
         """(sorted union of the pushes' indices, their mean there), summed in list order.
 
         ``indices[i]`` None is a dense push: ``values[i]`` is the whole vector. The sum runs in
-        list (rank) order, so on the host the result does not depend on arrival order.
+        list (rank) order, so on the host the result does not depend on arrival order. The
+        pushes' indices are sorted and duplicate-free in [0, numel), as the protocol
+        guarantees. The union is in the model's natural index dtype (int32 up to 2**31 - 1
+        entries: what the broadcast sends) whatever the pushes' (a delta-coded push decodes to
+        int64), and int64 with a dense push (every index).
         """
-        union, mean = sparse_mean(self.accumulator,
+        if self.xp is not np or REFERENCE:  # the GPU, or the numpy reference on the host
+            mean_of = sparse_mean if self.xp is not np else reference.sparse_mean
+            union, mean = mean_of(self.accumulator,
                                   [self.all_indices if i is None else i for i in indices],
                                   values)
-        return to_host(union), to_host(mean)
+            return to_host(union), to_host(mean)
+        return self._host_sum(indices, values, absolute=False)
+
+    def _host_sum(self, indices: list, values: list, absolute: bool):
+        """The compiled rank-order sum (of |value| with ``absolute``) over the pushes, divided
+        by their number: (union, mean)."""
+        pushes = len(values)
+        if pushes == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        values = [np.ascontiguousarray(v, dtype=np.float32) for v in values]
+        dense = np.array([i is None for i in indices], dtype=np.bool_)
+        given = [np.ascontiguousarray(i) for i in indices if i is not None]
+        dtype = np.result_type(*given) if given and not dense.any() else np.dtype(np.int64)
+        if dtype not in (np.int32, np.int64):
+            dtype = np.dtype(np.int64)
+        index_arrays = [self.all_indices if i is None else np.ascontiguousarray(i, dtype=dtype)
+                        for i in indices]  # a dense push's entry: never read, only its length
+        for i, v in zip(index_arrays, values):
+            if i.size != v.size:
+                raise ValueError(f"a push has {v.size} values for {i.size} indices")
+        index_addresses, lengths = address_table(index_arrays)
+        value_addresses, _ = address_table(values)
+        divisor = np.float32(pushes)
+        proto = np.empty(0, dtype)  # the indices' dtype, for the kernel's views
+        if dense.any():
+            out = np.empty(self.numel, np.float32)
+            agg_kernels.dense_sum(self.accumulator, index_addresses, value_addresses, lengths,
+                                  dense, proto, absolute, out, divisor)
+            return self.all_indices, out
+        total = int(lengths.sum())
+        out_index = self._outputs.take(total + agg_kernels.PAD, self.index_dtype)
+        out_value = self._outputs.take(total + agg_kernels.PAD, np.float32)
+        grouped, unrolled = emission_for(self.numel, total)
+        block_bits = agg_kernels.block_bits_for(self.numel)
+        if self._scratch.size < (1 << block_bits) + agg_kernels.PAD:  # zeroed, left zeroed
+            self._scratch = np.zeros((1 << block_bits) + agg_kernels.PAD, np.float32)
+            self._bits = np.zeros(max(1, (1 << block_bits) // 64), np.uint64)
+        count = agg_kernels.sparse_sum(
+            index_addresses, value_addresses, lengths, proto, absolute, out_index, out_value,
+            block_bits, self._scratch, self._bits, grouped, unrolled)
+        agg_kernels.divide(out_value, count, divisor)
+        return out_index[:count], out_value[:count]
 
     def vote(self, indices: list, values: list, keep: int) -> tuple[np.ndarray, int]:
         """The two-phase vote over proposals given in rank order: the sorted ``keep`` proposed
@@ -88,11 +149,16 @@ class Aggregator:
         """``vote`` with the scores: (the kept indices, their mean |value|, how many distinct
         indices were proposed). A key-range shard sends these, and the workers keep the best
         ``keep`` over all shards by the same rule (a global best is among its shard's best)."""
-        union, mean_abs = (to_host(a) for a in sparse_mean(
-            self.accumulator, list(indices), [np.abs(v) for v in values]))
+        if REFERENCE and self.xp is np:
+            return reference.candidates(self.accumulator, indices, values, keep)
+        if self.xp is np:
+            union, mean_abs = self._host_sum(list(indices), list(values), absolute=True)
+        else:
+            union, mean_abs = (to_host(a) for a in sparse_mean(
+                self.accumulator, list(indices), [np.abs(v) for v in values]))
         if keep >= union.size:
             return union, mean_abs, int(union.size)
-        chosen = topk_exact(mean_abs, keep, nonnegative=True)
+        chosen = top_k(mean_abs, keep, nonnegative=True)
         return union[chosen], mean_abs[chosen], int(union.size)
 
     def goes_dense(self, count: int) -> bool:
@@ -103,6 +169,8 @@ class Aggregator:
     def densify(self, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
         """The whole vector: ``values`` at ``indices``, zero elsewhere (a buffer reused by every
         call: send it before the next)."""
+        if self._dense_out is None:
+            self._dense_out = np.empty(self.numel, dtype=np.float32)
         self._dense_out[:] = 0.0
         self._dense_out[indices] = values
         return self._dense_out
@@ -163,16 +231,34 @@ class ServerLimit:
         """(indices, values) to broadcast; the residual keeps the rest."""
         if self.support.size == 0 and union.size <= limit:
             return union, mean
-        candidates = sorted_union([union, self.support])
-        values = self.residual[candidates]  # fancy indexing: a copy
-        values[np.searchsorted(candidates, union)] += mean
-        self.residual[self.support] = 0.0
-        if candidates.size <= limit:
+        if REFERENCE:
+            return reference.limit_apply(self, union, mean, limit)
+        capacity = union.size + self.support.size
+        candidates = np.empty(capacity, np.int64)
+        values = np.empty(capacity, np.float32)
+        count = agg_kernels.merge_residual(np.ascontiguousarray(union), mean, self.support,
+                                           self.residual, candidates, values)
+        candidates, values = candidates[:count], values[:count]
+        if count <= limit:
             self.support = np.empty(0, dtype=np.int64)
             return candidates, values
-        keep = topk_exact(values, limit)
-        held = np.ones(candidates.size, dtype=bool)
-        held[keep] = False
-        self.support = candidates[held]
-        self.residual[self.support] = values[held]
-        return candidates[keep], values[keep]
+        kept = top_k(values, limit)
+        kept_index, kept_value = np.empty(limit, np.int64), np.empty(limit, np.float32)
+        self.support = np.empty(count - limit, np.int64)
+        agg_kernels.partition_kept(candidates, values, kept, kept_index, kept_value,
+                                   self.support, self.residual)
+        return kept_index, kept_value
+
+
+def top_k(x: np.ndarray, k: int, nonnegative: bool = False) -> np.ndarray:
+    """Sorted positions of the k largest |x| (exact; ties to the lower position), as
+    ``sparsify.topk_exact``, compiled (``agg_kernels.top_k``). ``nonnegative``: x >= 0."""
+    n = x.size
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    out = np.empty(k, dtype=np.int64)
+    if agg_kernels.top_k(np.ascontiguousarray(x, dtype=np.float32), k, nonnegative, out) < 0:
+        raise NonFiniteError("the accumulator holds NaN or inf")
+    return out

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from . import keyranges, protocol
+from . import agg_kernels, keyranges, protocol
+from .aggregation import top_k
 from .codec import KeyCache
 from .protocol import ProtocolError
-from .sparsify import topk_exact
 from .transport import Channel, PeerGone, TransportTimeout
 
 
@@ -359,10 +359,16 @@ class ShardedClient:
             c.received_bytes = value if n == 0 else 0
 
     def _parts(self, indices: np.ndarray):
-        """(shard client, slice of ``indices``, the shard's first key) per shard."""
-        return [(c, part, int(self.edges[n]))
-                for n, (c, part) in enumerate(zip(self.shards, keyranges.split_sorted(
-                    indices, self.edges)))]
+        """(shard client, slice of ``indices``, that slice made shard-relative in the shard's
+        wire dtype) per shard: one pass over each slice (``agg_kernels.shifted_copy``)."""
+        parts = []
+        for n, (c, part) in enumerate(zip(self.shards, keyranges.split_sorted(indices,
+                                                                              self.edges))):
+            local = np.empty(part.stop - part.start, dtype=c.index_dtype)
+            agg_kernels.shifted_copy(indices, part.start, part.stop, -int(self.edges[n]),
+                                     local, 0)
+            parts.append((c, part, local))
+        return parts
 
     def register(self, run: dict, checksum: str, start: int) -> protocol.Message:
         for c in self.shards:
@@ -372,25 +378,24 @@ class ShardedClient:
         return readies[0]
 
     def propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
-        indices = np.asarray(indices, dtype=np.int64)
-        for c, part, lo in self._parts(indices):
-            c.send_propose(it, indices[part] - lo, values[part])
+        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        for c, part, local in self._parts(indices):
+            c.send_propose(it, local, values[part])
         got = [c.await_candidates(it) for c in self.shards]
-        keys = np.concatenate([m.indices.astype(np.int64) + int(self.edges[n])
-                               for n, m in enumerate(got)])
+        keys = global_indices([m.indices for m in got], self.edges)
         scores = np.concatenate([m.values for m in got])
         keep = protocol.step_at(self.run, it)[1]  # the push cap: what the group keeps
         if keep >= keys.size:
             return keys
-        return keys[topk_exact(scores, keep, nonnegative=True)]
+        return keys[top_k(scores, keep, nonnegative=True)]
 
     def push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
              checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
-        indices = np.asarray(indices, dtype=np.int64)
-        for c, part, lo in self._parts(indices):
-            hi = lo + c.numel
-            c.send_push(it, indices[part] - lo, values[part], loss, checksum,
-                        None if dense_buffer is None else dense_buffer[lo:hi])
+        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        for n, (c, part, local) in enumerate(self._parts(indices)):
+            lo = int(self.edges[n])
+            c.send_push(it, local, values[part], loss, checksum,
+                        None if dense_buffer is None else dense_buffer[lo:lo + c.numel])
         got = [c.await_aggregate(it) for c in self.shards]
         return merge_aggregates(got, self.edges)
 
@@ -434,12 +439,22 @@ def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protoc
             if m.get("dense"):
                 values[lo:lo + m.values.size] = m.values
             else:
-                values[m.indices.astype(np.int64) + lo] = m.values
+                agg_kernels.shifted_scatter(values, m.indices, m.values, lo)
         header.update(dense=True, count=numel)
         return protocol.Message("aggregate", header, None, values)
-    indices = np.concatenate([m.indices.astype(np.int64) + int(edges[n])
-                              for n, m in enumerate(parts)])
+    indices = global_indices([m.indices for m in parts], edges)
     values = np.concatenate([m.values for m in parts])
     header.update(count=int(indices.size))
     header.pop("dense", None)
     return protocol.Message("aggregate", header, indices, values)
+
+
+def global_indices(parts: list[np.ndarray], edges: np.ndarray) -> np.ndarray:
+    """Shard-relative index arrays (shard n's first key is edges[n]) as one int64 array of
+    global indices, written in one pass per part (``agg_kernels.shifted_copy``)."""
+    out = np.empty(sum(p.size for p in parts), dtype=np.int64)
+    at = 0
+    for n, p in enumerate(parts):
+        agg_kernels.shifted_copy(p, 0, p.size, int(edges[n]), out, at)
+        at += p.size
+    return out

@@ -16,11 +16,19 @@ aggregate repeats them again, so two of the three index frames become keys.
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import numpy as np
 
+from . import codec_kernels
+from .jit import REFERENCE, Reusable
+
 FORMATS = ("raw", "delta", "bitmap", "cached")
-_MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
+_MAX_VARINT_BYTES = codec_kernels.MAX_VARINT_BYTES
+assert sys.byteorder == "little", "the bitmap kernels read frames as little-endian words"
+# decoded index frames: a server holds each rank's until its next push (the message, then the
+# key cache), so about two per rank are in use at once
+_DECODED = Reusable(keep=48)
 
 
 class CodecError(ValueError):
@@ -34,87 +42,72 @@ def set_key(indices: np.ndarray) -> bytes:
                            digest_size=8).digest()
 
 
-def _gaps(indices: np.ndarray) -> np.ndarray:
-    """The first index, then the gaps to each previous index, as unsigned 64-bit integers."""
-    gaps = np.empty(indices.size, dtype=np.uint64)
-    if indices.size:
-        gaps[0] = indices[0]
-        np.subtract(indices[1:], indices[:-1], out=gaps[1:], dtype=np.int64, casting="unsafe")
-    return gaps
+def _as_index_array(indices) -> np.ndarray:
+    """A contiguous int32/int64 view of ``indices`` (no copy when it already is one)."""
+    indices = np.ascontiguousarray(indices)
+    if indices.dtype not in (np.int32, np.int64):
+        indices = indices.astype(np.int64)
+    return indices
 
 
-def varint_lengths(gaps: np.ndarray) -> np.ndarray:
-    """Bytes each gap takes as an LEB128 varint (1 to 10)."""
-    n = np.ones(gaps.size, dtype=np.uint8)
-    top = int(gaps.max(initial=0))
-    for j in range(1, _MAX_VARINT_BYTES):
-        if top < (1 << (7 * j)):
-            break  # no gap needs more groups: skip the remaining passes
-        n += gaps >= np.uint64(1 << (7 * j))
-    return n
-
-
-def _delta_frame(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """LEB128 bytes of ``gaps`` whose lengths are ``lengths``: one (count x longest) byte table,
-    row i holding gap i's groups (continuation bit set on all but its last), read out row by
-    row where a group exists."""
-    longest = int(lengths.max(initial=0))
-    if longest <= 1:
-        return gaps.astype(np.uint8)  # every gap below 128: one byte each, no high bit
-    table = np.empty((gaps.size, longest), dtype=np.uint8)
-    present = np.empty((gaps.size, longest), dtype=bool)  # column by column: numpy's
-    for j in range(longest):  # broadcasting over a 2-wide inner axis is several times slower
-        np.greater(lengths, j, out=present[:, j])
-        group = (gaps >> np.uint64(7 * j)).astype(np.uint8) & np.uint8(0x7F)
-        np.bitwise_or(group, (lengths > j + 1).view(np.uint8) << np.uint8(7), out=table[:, j])
-    return np.compress(present.ravel(), table.ravel())
+def delta_size(indices: np.ndarray) -> int:
+    """Bytes of the delta form of a sorted set (one pass, nothing allocated)."""
+    return int(codec_kernels.delta_size(_as_index_array(indices)))
 
 
 def encode_delta(indices: np.ndarray) -> np.ndarray:
-    gaps = _gaps(indices)
-    return _delta_frame(gaps, varint_lengths(gaps))
+    indices = _as_index_array(indices)
+    return _encode_delta_within(indices, _MAX_VARINT_BYTES * indices.size)
 
 
-def decode_delta(data: np.ndarray, count: int) -> np.ndarray:
-    """Indices from a delta frame; refuses a frame that does not hold exactly ``count``
-    strictly increasing indices below 2^63 (so the result needs no sortedness check)."""
+def _encode_delta_within(indices: np.ndarray, capacity: int) -> np.ndarray | None:
+    """The delta frame (a view of a buffer of ``capacity`` + slack bytes), or None when it
+    needs more than ``capacity`` bytes: encoding stops there, having cost no more than the
+    bytes it wrote."""
+    out = np.empty(capacity + codec_kernels.ENCODE_SLACK, dtype=np.uint8)
+    size = codec_kernels.encode_delta(indices, out, capacity)
+    return None if size < 0 else out[:size]
+
+
+def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
+    """Indices (of ``dtype``, int32 or int64) from a delta frame; refuses a frame that does not
+    hold exactly ``count`` strictly increasing indices below 2^63 (so the result needs no
+    sortedness check). One pass over the frame (codec_kernels.decode_delta), the problems
+    reported in the order the protocol names them. int32 indices above 2^31 - 1 come back as
+    int64 (the caller's range check refuses them)."""
     if data.size == 0:
         if count:
             raise CodecError(f"delta frame is empty but count is {count}")
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=dtype)
     if data[-1] & 0x80:
         raise CodecError("delta frame ends inside a varint")
-    ends = np.flatnonzero(data < 0x80)  # the last byte of every varint
-    if ends.size != count:
-        raise CodecError(f"delta frame holds {ends.size} varints, count is {count}")
-    if ends.size == data.size:  # every varint one byte: the gaps are the bytes
-        gaps = data.astype(np.uint64)
-    else:
-        starts = np.empty_like(ends)
-        starts[0] = 0
-        np.add(ends[:-1], 1, out=starts[1:])
-        lengths = ends - starts + 1
-        longest = int(lengths.max())
-        if longest > _MAX_VARINT_BYTES:
-            raise CodecError("varint longer than 10 bytes")
-        gaps = (data[starts] & 0x7F).astype(np.uint64)
-        for j in range(1, longest):
-            at = np.flatnonzero(lengths > j)
-            group = data[starts[at] + j] & 0x7F
-            if j == _MAX_VARINT_BYTES - 1 and group.max() > 1:
-                raise CodecError("delta-encoded indices overflow")  # a gap of 2^64 or more
-            gaps[at] |= group.astype(np.uint64) << np.uint64(7 * j)
-    if count > 1 and np.count_nonzero(gaps[1:]) != count - 1:
+    dtype = np.dtype(dtype)
+    out = _DECODED.take(data.size + 1, dtype)  # at most one varint per byte
+    varints, flags, last = codec_kernels.decode_delta(data, count, out,
+                                                      35 if dtype == np.int32 else 63)
+    if flags & codec_kernels.WIDE or (dtype == np.int32 and not 0 <= last < 2**31):
+        # int32 output: no gap reached 2^35 (so nothing wrapped and the last index is the
+        # largest), or decode again as int64 for an exact answer
+        return decode_delta(data, count, np.int64)
+    if varints != count:
+        raise CodecError(f"delta frame holds {varints} varints, count is {count}")
+    if flags & codec_kernels.TOO_LONG:
+        raise CodecError("varint longer than 10 bytes")
+    if flags & codec_kernels.GROUP_OVERFLOW:
+        raise CodecError("delta-encoded indices overflow")  # a gap of 2^64 or more
+    if flags & codec_kernels.ZERO_GAP:
         raise CodecError("delta gaps must be positive (indices strictly increasing)")
-    if gaps.sum(dtype=np.float64) >= 2**63:
+    if flags & codec_kernels.SUM_OVERFLOW:
         raise CodecError("delta-encoded indices overflow")
-    return np.cumsum(gaps).view(np.int64)
+    return out[:count]
 
 
 def encode_bitmap(indices: np.ndarray, numel: int) -> np.ndarray:
-    mask = np.zeros(numel, dtype=bool)
-    mask[indices] = True
-    return np.packbits(mask, bitorder="little")
+    words = np.zeros((numel + 63) // 64, dtype=np.uint64)
+    outside = codec_kernels.encode_bitmap(_as_index_array(indices), words, numel)
+    if outside:
+        raise IndexError(f"{outside} indices outside [0, {numel}) for a bitmap of the model")
+    return words.view(np.uint8)[:(numel + 7) // 8]
 
 
 def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
@@ -124,23 +117,22 @@ def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
                          f"for {numel} entries")
     if numel % 8 and int(data[-1]) >> (numel % 8):  # only the last byte has bits past numel
         raise CodecError("bitmap has bits set beyond the model size")
-    indices = np.flatnonzero(np.unpackbits(data, count=numel, bitorder="little"))
-    if indices.size != count:
-        raise CodecError(f"bitmap holds {indices.size} indices, count is {count}")
-    return indices
+    slots = min(count, numel)  # a count beyond numel cannot match
+    out = _DECODED.take(slots, np.int64)
+    found = codec_kernels.decode_bitmap(data, slots, out)
+    if found != count:
+        raise CodecError(f"bitmap holds {found} indices, count is {count}")
+    return out[:count]
 
 
-def _sizes(indices: np.ndarray, numel: int, index_itemsize: int):
-    """({format: bytes}, gaps, varint lengths) of a set; delta is sized only where it can win
-    (a varint is at least one byte, so not when the bitmap is smaller than one per index)."""
+def _sizes(indices: np.ndarray, numel: int, index_itemsize: int) -> dict:
+    """{format: bytes} of a set; delta is sized only where it can win (a varint is at least
+    one byte, so not when the bitmap is smaller than one per index)."""
     n = indices.size
     sizes = {"raw": n * index_itemsize, "bitmap": (numel + 7) // 8}
-    gaps = lengths = None
     if n and n <= sizes["bitmap"]:
-        gaps = _gaps(indices)
-        lengths = varint_lengths(gaps)
-        sizes["delta"] = int(lengths.sum(dtype=np.int64))
-    return sizes, gaps, lengths
+        sizes["delta"] = delta_size(indices)
+    return sizes
 
 
 def _smallest(sizes: dict) -> str:
@@ -149,20 +141,26 @@ def _smallest(sizes: dict) -> str:
 
 def choose(indices: np.ndarray, numel: int, index_itemsize: int = 4) -> tuple[str, int]:
     """The smallest encoding for this set and its size in bytes (key caching aside)."""
-    sizes = _sizes(indices, numel, index_itemsize)[0]
+    sizes = _sizes(_as_index_array(indices), numel, index_itemsize)
     fmt = _smallest(sizes)
     return fmt, sizes[fmt]
 
 
 def encode_smallest(indices: np.ndarray, numel: int,
                     index_itemsize: int = 4) -> tuple[str, np.ndarray]:
-    """(format, frame) of the smallest encoding, as ``choose`` picks it; the gaps that size the
-    delta form are computed once and, when it wins, encoded."""
-    sizes, gaps, lengths = _sizes(indices, numel, index_itemsize)
-    fmt = _smallest(sizes)
-    if fmt == "delta":
-        return fmt, _delta_frame(gaps, lengths)
-    return fmt, indices if fmt == "raw" else encode_bitmap(indices, numel)
+    """(format, frame) of the smallest encoding, as ``choose`` picks it, in one pass over the
+    indices where delta wins: the delta form is written straight away, and given up as soon
+    as it grows past the raw or the bitmap form (ties go to raw, then delta, then bitmap)."""
+    indices = _as_index_array(indices)
+    n = indices.size
+    raw, bitmap = n * index_itemsize, (numel + 7) // 8
+    if n and n <= bitmap:
+        frame = _encode_delta_within(indices, min(raw - 1, bitmap))
+        if frame is not None:
+            return "delta", frame
+    if raw <= bitmap:
+        return "raw", indices
+    return "bitmap", encode_bitmap(indices, numel)
 
 
 class KeyCache:
@@ -176,9 +174,27 @@ class KeyCache:
     def __init__(self):
         self._slots: dict[bool, list] = {}  # sent? -> [int64 indices, key or None]
 
-    def remember(self, indices: np.ndarray, sent: bool, key: bytes | None = None) -> None:
-        # a copy: the caller's array may change (or be a view of a received frame)
-        self._slots[sent] = [np.array(indices, dtype=np.int64), key]
+    def remember(self, indices: np.ndarray, sent: bool, key: bytes | None = None,
+                 slot: list | None = None) -> None:
+        """Hold ``indices`` as the set last sent (or received). A copy, unless the array is
+        read-only (a received frame, which nobody can change) or ``slot`` is given: one
+        [indices, key] held by every connection a broadcast went to (``shared_slot``), so the
+        set is copied, and its key hashed, once for all of them."""
+        if slot is not None:
+            if key is not None and slot[1] is None:
+                slot[1] = key
+            self._slots[sent] = slot
+        elif not indices.flags.writeable:
+            self._slots[sent] = [indices, key]
+        else:  # the caller's array may change
+            self._slots[sent] = [np.array(indices, dtype=np.int64), key]
+
+    @staticmethod
+    def shared_slot(indices: np.ndarray) -> list:
+        """A slot for ``remember(..., slot=)``: the set (a copy unless it is read-only) and its
+        key, unset."""
+        return [indices if not indices.flags.writeable else np.array(indices, dtype=np.int64),
+                None]
 
     def _key(self, slot: list) -> bytes:
         if slot[1] is None:
@@ -215,3 +231,20 @@ class KeyCache:
             if self._key(slot) == key:
                 return slot[0]
         raise CodecError("cached index set unknown to the receiver")
+
+
+if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
+    from . import reference as _reference
+
+    delta_size, encode_delta = _reference.delta_size, _reference.encode_delta
+
+    def decode_delta(data, count, dtype=np.int64):  # noqa: F811 (int64, as it always was)
+        return _reference.decode_delta(data, count)
+
+    encode_bitmap, decode_bitmap = _reference.encode_bitmap, _reference.decode_bitmap
+
+    def encode_smallest(indices, numel, index_itemsize=4):  # noqa: F811 (as it was)
+        fmt = _smallest(_sizes(np.asarray(indices), numel, index_itemsize))
+        if fmt == "delta":
+            return fmt, encode_delta(indices)
+        return fmt, indices if fmt == "raw" else encode_bitmap(indices, numel)

@@ -9,6 +9,8 @@ exits non-zero: no orphans, no hang.
 Processes are forked from the launcher after it has imported torch once: a fresh interpreter
 spends ~6 CPU-seconds importing torch (and torch.optim's lazy import of torch._dynamo), which for
 8 workers on 2 cores is ~25 s of start-up; forked children share the parent's imported modules.
+The compiled CPU kernels (psparse/jit.py) are compiled or loaded from numba's cache before the
+fork for the same reason.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import cluster, keyranges, plugin
+from . import cluster, jit, keyranges, plugin
 from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .provenance import provenance
@@ -180,6 +182,9 @@ class Launch:
             # above); in cluster modes nothing is forked that needs it.
             importlib.import_module("psparse.worker")
             importlib.import_module("torch._dynamo")
+            # Likewise the compiled CPU kernels: compiled (first run on this machine) or loaded
+            # from numba's cache once, here, instead of in every child (psparse/jit.py).
+            jit.warm_up()
         what = f"script {shlex.join(self.script)}" if self.script else f"{cfg.model}/{cfg.dataset}"
         self._print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
                     f"{self.out}")

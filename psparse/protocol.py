@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from . import codec
+from . import codec, codec_kernels
 from .codec import CodecError, KeyCache
+from .jit import REFERENCE
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -130,11 +131,14 @@ def index_dtype_for(numel: int) -> str:
 
 
 def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray | None = None,
-           *, model_size: int | None = None, cache: KeyCache | None = None, **fields) -> list:
+           *, model_size: int | None = None, cache: KeyCache | None = None,
+           shared: dict | None = None, **fields) -> list:
     """Build the frames of one message. Sparse types take ``indices`` and ``values``.
 
     With ``model_size`` the index frame takes the smallest of the raw, delta and bitmap encodings
     (``codec``); with a ``cache`` too, a set the receiver already holds goes as an 8-byte key.
+    ``shared``: the same dict for every message of one broadcast (the same indices to several
+    connections): the index frame is encoded once, and the key caches share one copy.
     """
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
@@ -152,7 +156,7 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),
                       value_dtype="float32")
-        frame = _index_frame(header, indices, model_size, cache)  # may set index_format
+        frame = _index_frame(header, indices, model_size, cache, shared)  # may set index_format
         return [msgpack.packb(header), frame, values]
     if msg_type in INDEX_TYPES:
         if indices is None:
@@ -161,22 +165,30 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         if indices.dtype not in (np.int32, np.int64):
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype))
-        frame = _index_frame(header, indices, model_size, cache)
+        frame = _index_frame(header, indices, model_size, cache, shared)
         return [msgpack.packb(header), frame]
     return [msgpack.packb(header)]
 
 
-def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: KeyCache | None):
+def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: KeyCache | None,
+                 shared: dict | None = None):
     """The index frame in its smallest form; records the chosen form in the header."""
     key = cache.match(indices) if cache is not None else None
     if key is not None:
         fmt, frame = "cached", key
     elif numel is None:
         fmt, frame = "raw", indices
+    elif shared is not None:
+        if "frame" not in shared:
+            shared["frame"] = codec.encode_smallest(indices, numel, indices.dtype.itemsize)
+        fmt, frame = shared["frame"]
     else:
         fmt, frame = codec.encode_smallest(indices, numel, indices.dtype.itemsize)
     if cache is not None:
-        cache.remember(indices, sent=True, key=key)
+        slot = None
+        if shared is not None:
+            slot = shared.get("slot") or shared.setdefault("slot", KeyCache.shared_slot(indices))
+        cache.remember(indices, sent=True, key=key, slot=slot)
     if fmt != "raw":
         header["index_format"] = fmt
     return frame
@@ -292,7 +304,7 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
                                 f"{idx_dtype.itemsize}")
         indices = np.frombuffer(idx_buf, dtype=idx_dtype)
     else:
-        indices = _decode_index_format(fmt, idx_buf, count, numel, cache)
+        indices = _decode_index_format(fmt, idx_buf, count, numel, cache, idx_dtype)
     values = None
     if val_frame is not None:
         val_dtype = VALUE_DTYPES.get(header["value_dtype"])
@@ -310,34 +322,43 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
         # delta, bitmap and cached forms hold such sets by construction (their decoders refuse
         # anything else; a cached set was checked when it was first sent or accepted), so only
         # a raw frame is read for order; every form is checked against numel at its last index.
-        if fmt == "raw":
-            if count > 1 and not bool(np.all(indices[1:] > indices[:-1])):
-                raise ProtocolError("indices must be strictly increasing (sorted, no "
-                                    "duplicates)")
-            if indices[0] < 0:
-                raise ProtocolError(f"index {int(indices[0])} is negative")
-        if numel is not None and indices[-1] >= numel:
-            raise ProtocolError(f"index {int(indices[-1])} out of range [0, {numel})")
-        if values is not None and not all_finite(values):
-            raise ProtocolError("values contain NaN or Inf")
+        # One compiled pass (codec_kernels.check_sparse) over the frames where they lie.
+        problem = sparse_frame_problem(indices, values, numel, check_order=fmt == "raw")
+        if problem is not None:
+            raise ProtocolError(problem)
     return indices, values
 
 
+_NO_VALUES = np.empty(0, dtype=np.float32)
+
+
+def sparse_frame_problem(indices: np.ndarray, values: np.ndarray | None, numel: int | None,
+                         check_order: bool) -> str | None:
+    """What is wrong with a received sparse frame, in the order the protocol names it (order,
+    a negative first index, the last index against numel, non-finite values), or None."""
+    flags = codec_kernels.check_sparse(indices, _NO_VALUES if values is None else values,
+                                       -1 if numel is None else numel, check_order)
+    if flags & codec_kernels.BAD_ORDER:
+        return "indices must be strictly increasing (sorted, no duplicates)"
+    if flags & codec_kernels.NEGATIVE:
+        return f"index {int(indices[0])} is negative"
+    if flags & codec_kernels.OUT_OF_RANGE:
+        return f"index {int(indices[-1])} out of range [0, {numel})"
+    if flags & codec_kernels.NOT_FINITE:
+        return "values contain NaN or Inf"
+    return None
+
+
 def all_finite(values: np.ndarray) -> bool:
-    """Whether no value is NaN or +-Inf, in one pass that allocates nothing: a sum of squares
-    is finite only when every value is (NaN and Inf propagate, squares cannot cancel). Finite
-    values of magnitude above ~1e19 can overflow it to Inf; then an exact check decides."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if values.size == 0 or np.isfinite(np.dot(values, values)):
-            return True
-    return bool(np.isfinite(values).all())
+    """Whether no value is NaN or +-Inf: one compiled pass that allocates nothing."""
+    return bool(codec_kernels.all_finite(values))
 
 
-def _decode_index_format(fmt, buf, count, numel, cache) -> np.ndarray:
+def _decode_index_format(fmt, buf, count, numel, cache, dtype=np.int64) -> np.ndarray:
     data = np.frombuffer(buf, dtype=np.uint8)
     try:
-        if fmt == "delta":
-            return codec.decode_delta(data, count)
+        if fmt == "delta":  # in the header's dtype, as a raw frame is
+            return codec.decode_delta(data, count, dtype)
         if fmt == "bitmap":
             if numel is None:
                 raise ProtocolError("bitmap index frame needs the model size")
@@ -481,3 +502,9 @@ def proof_is_valid(token: str, header: dict) -> bool:
         return False
     expected = register_proof(token, header["rank"], header["world_size"], nonce)
     return hmac.compare_digest(expected, proof)
+
+
+if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
+    from . import reference as _reference
+
+    sparse_frame_problem, all_finite = _reference.sparse_frame_problem, _reference.all_finite  # noqa: F811

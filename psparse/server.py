@@ -42,7 +42,7 @@ from . import checkpoint, keyranges, protocol
 from .aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from .codec import KeyCache
 from .config import SERVER_CONFIG, add_config_arguments, parse_limit, parse_with_config
-from .kernels import sparse_mean  # noqa: F401 (benchmarks/bench_server.py imports it from here)
+from .kernels import sparse_mean  # noqa: F401 (tests/test_limits.py imports it from here)
 from .membership import Membership, RunAborted
 from .protocol import ProtocolError
 from .rundir import (
@@ -395,9 +395,10 @@ class Server:
             broadcast += self._broadcast("aggregate", None, agg.densify(sent_idx, sent_val),
                                          iter=it, workers=len(ranks), dense=True, **live)
         else:
-            broadcast += self._broadcast("aggregate",
-                                         sent_idx.astype(agg.index_dtype, copy=False),
-                                         sent_val, iter=it, workers=len(ranks), **live)
+            sent_idx = sent_idx.astype(agg.index_dtype, copy=False)
+            sent_idx.flags.writeable = False  # never changed again: the key caches hold it
+            broadcast += self._broadcast("aggregate", sent_idx, sent_val, iter=it,
+                                         workers=len(ranks), **live)
         losses = [pushes[r]["loss"] for r in ranks if "loss" in pushes[r].header]
         record = {
             "iter": it,
@@ -509,14 +510,15 @@ class Server:
         """Send one message to every worker; its wire bytes summed over workers.
 
         Encoded per worker: each connection's key cache knows different sets (a run in parts
-        keeps one per connection and part).
+        keeps one per connection and part); the index frame itself is encoded once.
         """
         ranks = sorted(self.members.active)
         part = fields.get("part")
+        shared: dict = {}  # the index frame encoded once, one copy of the set for every cache
         messages = [protocol.encode(msg_type, indices, values,
                                     model_size=model_size or self.numel,
                                     cache=self.caches[r if part is None else (r, part)],
-                                    **fields) for r in ranks]
+                                    shared=shared, **fields) for r in ranks]
         self._pace(sum(wire_bytes(m) for m in messages))
         return sum(self._send(self.members.rank_peer[r], m, it=fields.get("iter"))
                    for r, m in zip(ranks, messages))
@@ -569,6 +571,9 @@ class Server:
                 got[msg["rank"]] = msg
                 nbytes_total += nbytes
                 if msg.indices is not None:
+                    # the server only reads a push's indices: read-only, the cache holds them
+                    # without a copy
+                    msg.indices.flags.writeable = False
                     self.caches[msg["rank"]].remember(msg.indices, sent=False)
         return nbytes_total
 

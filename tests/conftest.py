@@ -109,3 +109,12 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """Compile (or load) every CPU kernel once, before any test starts a process: the servers
+    and workers the tests start then load them from numba's cache (psparse/jit.py) instead of
+    each compiling them (tens of seconds on a machine whose cache is empty)."""
+    from psparse import jit
+    jit.warm_up()

@@ -1,0 +1,346 @@
+"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/jit.py).
+
+Each kernel equals its numpy reference (psparse/reference.py) bit for bit; tests/test_cpu_kernels.py
+holds them to it. They import nothing above psparse.jit.
+
+* ``sparse_sum``: N sorted pushes (index, value), given as tables of addresses (the received
+  frames are read where they lie), summed in rank order at the sorted union of their indices.
+  The index space is walked in blocks small enough for the caches (``block_bits``); in each
+  block every push's run of entries is added into a dense scratch of the block's size and
+  marked in a bitmap, then the marked entries are read out in index order and the scratch is
+  zeroed again. So every entry is summed as ``((0 + v_0) + v_1) + ...`` over the ranks that
+  hold it, as numpy's ``add.at`` into a zeroed accumulator does, and nothing model-sized is
+  touched. The alternative, a k-way merge of the N lists, was measured and is slower
+  (benchmarks/bench_aggregation.py, benchmarks/README.md).
+* ``divide``: the sums divided by N, in place (a separate loop: it vectorises).
+* ``dense_sum``: the same when a push is dense (every index): a rank-order sum into the
+  model-sized accumulator, read out and zeroed.
+* ``merge_residual``: ``--server-limit``'s candidates, the round's union merged with the
+  residual's support, with the residual added.
+* ``top_k``: the sorted positions of the k largest |x| (ties: the lower position), as
+  ``sparsify.topk_exact``; ``partition_kept``: the kept and held entries split in one pass.
+* ``shifted_copy`` / ``shifted_scatter``: the key-range shards' split (global -> shard-relative
+  indices, narrowed to the wire's dtype) and merge (shard-relative -> global).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .jit import as_pointer, kernel, trailing_zeros
+
+MIN_BLOCK_BITS, BLOCK_BITS, MAX_BLOCK_BITS = 13, 16, 18  # 32 KiB .. 1 MiB of float32 scratch
+PAD = 64  # scratch entries past the block, read by the unconditional emission of an empty slot
+
+
+def block_bits_for(numel: int) -> int:
+    """Block size (log2): 2**16 entries (a 256 KiB scratch and its 8 KiB bitmap, in L2), or the
+    whole model when it is smaller. Measured best at 11.2M/1% and 25M/0.1% among 2**13..2**18
+    (benchmarks/bench_aggregation.py --variants): smaller blocks pay a search and a loop exit
+    per push and block, larger ones a scratch that leaves L2."""
+    return int(min(BLOCK_BITS, max(MIN_BLOCK_BITS, int(np.ceil(np.log2(max(2, numel)))))))
+
+
+def emission_for(numel: int, entries: int) -> tuple[bool, int]:
+    """How ``sparse_sum`` reads out the bitmap for a round of ``entries`` pushed entries:
+    (grouped, unrolled). Below about one union entry per 64-bit word most words are empty and
+    testing each would mispredict a branch a quarter of the time (~10 ns each on the development
+    machine), so summary words find the nonempty ones (grouped); each word's first ``unrolled``
+    set bits are read out without a branch, enough for most words at the density at hand."""
+    per_word = 64.0 * min(1.0, entries / max(1, numel))  # at most: shared entries count once
+    return per_word < 1.0, 2 if per_word < 2.0 else 4
+
+
+@kernel
+def _run_end(index, start, stop, bound):
+    """First position in [start, stop] of sorted ``index`` whose value is >= bound (stop if
+    none): a binary search whose steps are selects, not branches."""
+    n = stop - start
+    if n <= 0:
+        return start
+    lo = start
+    while n > 1:
+        half = n >> 1
+        lo = lo + half if np.int64(index[lo + half]) < bound else lo
+        n -= half
+    return lo + (np.int64(index[lo]) < bound)
+
+
+@kernel
+def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute, out_index,
+               out_value, block_bits, scratch, bits, grouped, unrolled):
+    """Sum N sorted, duplicate-free pushes in rank order at their sorted union.
+
+    Push r's indices (``index_proto``'s dtype) and float32 values are ``lengths[r]`` entries at
+    ``index_addresses[r]`` / ``value_addresses[r]``. ``absolute``: sum |value| (the vote's
+    score). Writes the union to ``out_index`` and the sums to ``out_value`` (room for
+    sum(lengths) + PAD entries) and returns its size. ``scratch`` (2**block_bits + PAD zeros,
+    float32) and ``bits`` (2**block_bits / 64 zeros, uint64) are left zeroed. ``grouped``: the
+    union is sparse (few bitmap words hold a bit): find its words through summary words;
+    ``unrolled``: set bits per word read out without a branch. Input that breaks the contract
+    (unsorted, duplicates) gives a wrong answer but never writes out of bounds.
+    """
+    pushes = lengths.size
+    block = np.int64(1) << block_bits
+    position = np.zeros(pushes, np.int64)
+    none_left = np.iinfo(np.int64).max
+    count = np.int64(0)
+    while True:
+        first = none_left  # the smallest index not yet summed: its block is next
+        for r in range(pushes):
+            if position[r] < lengths[r]:
+                index = numba.carray(as_pointer(index_addresses[r]), (lengths[r],),
+                                     index_proto.dtype)
+                first = min(first, np.int64(index[position[r]]))
+        if first == none_left:
+            break
+        lo = (first >> block_bits) << block_bits
+        last = np.int64(0)
+        for r in range(pushes):  # rank order: each entry's sum is formed in it
+            n = lengths[r]
+            start = position[r]
+            if start >= n:
+                continue
+            index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
+            value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
+            stop = _run_end(index, start, n, lo + block)
+            if absolute:
+                _add_run_abs(index, value, np.uint64(start), np.uint64(stop), lo,
+                             np.uint64(block), scratch, bits)
+            else:
+                _add_run(index, value, np.uint64(start), np.uint64(stop), lo,
+                         np.uint64(block), scratch, bits)
+            if stop > start:
+                last = max(last, np.int64(index[stop - 1]) - lo)
+            position[r] = stop
+        w0, w1 = np.uint64((first - lo) >> 6), np.uint64((last >> 6) + 1)
+        if grouped:
+            count = _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count,
+                                      np.uint64(unrolled))
+        else:
+            count = _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count,
+                              np.uint64(unrolled))
+    return count
+
+
+# The loops below index with unsigned integers: numba then emits no wraparound code for
+# negative indices, and the few live values fit in registers.
+@kernel
+def _add_run(index, value, start, stop, lo, block, scratch, bits):
+    """scratch[index - lo] += value over [start, stop), marking each entry in ``bits``."""
+    for t in range(start, stop):
+        j = np.uint64(np.int64(index[t]) - lo)
+        if j < block:  # always, for sorted input: unsorted input may not corrupt memory
+            scratch[j] += value[t]
+            bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
+
+
+@kernel
+def _add_run_abs(index, value, start, stop, lo, block, scratch, bits):
+    """``_add_run`` of |value| (the vote's score)."""
+    for t in range(start, stop):
+        j = np.uint64(np.int64(index[t]) - lo)
+        if j < block:
+            scratch[j] += abs(value[t])
+            bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
+
+
+@kernel
+def _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
+    """Dense bitmaps: (nearly) every word holds bits, so testing each is predictable."""
+    for w in range(w0, w1):
+        if bits[w] != np.uint64(0):
+            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
+    return count
+
+
+@kernel
+def _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
+    """Sparse bitmaps: a summary word per 64 words says which hold bits (testing each word
+    would mispredict a branch for a quarter of them)."""
+    for g in range(w0, w1, np.uint64(64)):
+        summary = np.uint64(0)
+        for w in range(g, min(g + np.uint64(64), w1)):
+            summary |= np.uint64(bits[w] != np.uint64(0)) << (w - g)
+        while summary:
+            w = g + trailing_zeros(summary)
+            summary &= summary - np.uint64(1)
+            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
+    return count
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled):
+    """Read out (index order) and clear the set bits of bitmap word w and their sums."""
+    word = bits[w]
+    bits[w] = 0
+    base = w << np.uint64(6)
+    for _ in range(unrolled):  # an empty slot writes past count, harmlessly
+        present = word != np.uint64(0)
+        j = base + trailing_zeros(word)  # base + 64 (the pad) when empty
+        out_index[count] = lo + np.int64(j)
+        out_value[count] = scratch[j]
+        scratch[j] = np.float32(0.0) if present else scratch[j]
+        count += present
+        word &= word - np.uint64(1)
+    while word:
+        j = base + trailing_zeros(word)
+        out_index[count] = lo + np.int64(j)
+        out_value[count] = scratch[j]
+        scratch[j] = 0.0
+        count += 1
+        word &= word - np.uint64(1)
+    return count
+
+
+@kernel
+def divide(values, count, divisor):
+    """values[:count] /= divisor (float32, rounded once each, as numpy divides)."""
+    for t in range(count):
+        values[t] = values[t] / divisor
+
+
+@kernel
+def dense_sum(accumulator, index_addresses, value_addresses, lengths, dense, index_proto,
+              absolute, out_value, divisor):
+    """Rank-order sum of N pushes into the model-sized zeroed ``accumulator`` (push r dense
+    where ``dense[r]``: its values are the whole vector), then out_value = sums / divisor over
+    every index; the accumulator is left zeroed."""
+    numel = accumulator.size
+    for r in range(lengths.size):
+        n = lengths[r]
+        value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
+        if dense[r]:
+            for j in range(numel):
+                accumulator[j] += abs(value[j]) if absolute else value[j]
+        else:
+            index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
+            for t in range(n):
+                j = np.int64(index[t])
+                if 0 <= j < numel:  # always, for valid input: bad input may not corrupt memory
+                    accumulator[j] += abs(value[t]) if absolute else value[t]
+    for j in range(numel):
+        out_value[j] = accumulator[j] / divisor
+        accumulator[j] = 0.0
+
+
+@kernel
+def merge_residual(union, mean, support, residual, out_index, out_value):
+    """The size limit's candidates: the sorted union of ``union`` (this round's aggregate) and
+    ``support`` (where ``residual`` is nonzero), valued residual + mean (residual alone off the
+    union; 0 + mean off the support, as a gather of the zero residual there gives). The
+    residual is zeroed at its support. Returns the count."""
+    a, b, count = 0, 0, 0
+    na, nb = union.size, support.size
+    while a < na or b < nb:
+        i = np.int64(union[a]) if a < na else np.iinfo(np.int64).max
+        s = support[b] if b < nb else np.iinfo(np.int64).max
+        j = min(i, s)
+        v = residual[j]
+        if i == j:
+            v += mean[a]
+            a += 1
+        if s == j:
+            residual[j] = 0.0
+            b += 1
+        out_index[count] = j
+        out_value[count] = v
+        count += 1
+    return count
+
+
+@kernel
+def top_k(x, k, nonnegative, out):
+    """The sorted positions of the k largest |x| (``nonnegative``: x >= 0, so |x| is x), ties
+    to the lower position, written to ``out`` (k entries); 0 < k < x.size. Returns -1 if x
+    holds NaN or inf (nothing written), else k."""
+    n = x.size
+    magnitude = np.empty(n, np.float32)
+    finite = True
+    for j in range(n):
+        m = x[j] if nonnegative else abs(x[j])
+        finite &= np.isfinite(m)
+        magnitude[j] = m
+    if not finite:
+        return -1
+    kth = np.partition(magnitude.copy(), n - k)[n - k]
+    above = 0
+    for j in range(n):
+        above += magnitude[j] > kth
+    ties = k - above  # how many entries equal to the k-th magnitude are kept: the lowest
+    count = 0
+    for j in range(n):
+        m = magnitude[j]
+        if m > kth or (m == kth and ties > 0):
+            if m == kth:
+                ties -= 1
+            out[count] = j
+            count += 1
+    return count
+
+
+@kernel
+def partition_kept(indices, values, kept, kept_index, kept_value, held_index, residual):
+    """Split sorted candidates by the sorted positions ``kept``: those go to kept_index /
+    kept_value, the rest to held_index with their values written to ``residual``."""
+    a, h = 0, 0
+    nk = kept.size
+    for j in range(indices.size):
+        if a < nk and kept[a] == j:
+            kept_index[a] = indices[j]
+            kept_value[a] = values[j]
+            a += 1
+        else:
+            held_index[h] = indices[j]
+            residual[indices[j]] = values[j]
+            h += 1
+
+
+@kernel
+def shifted_copy(source, start, stop, shift, out, at):
+    """out[at + i] = source[start + i] + shift for i < stop - start, cast to out's dtype
+    (one pass: a key-range shard's slice of a push, or a shard's aggregate made global)."""
+    for i in range(stop - start):
+        out[at + i] = source[start + i] + shift
+
+
+@kernel
+def shifted_scatter(out, index, value, shift):
+    """out[index + shift] = value: a shard's sparse aggregate into the merged dense vector."""
+    for t in range(index.size):
+        out[np.int64(index[t]) + shift] = value[t]
+
+
+def warm_up() -> None:
+    """Compile or load every kernel for the argument types the package passes."""
+    for dtype in (np.int32, np.int64):
+        idx = np.array([1, 3], dtype)
+        val = np.array([0.5, -1.0], np.float32)
+        addresses = np.array([idx.ctypes.data], np.int64)
+        values = np.array([val.ctypes.data], np.int64)
+        lengths = np.array([2], np.int64)
+        out_val = np.empty(2 + PAD, np.float32)
+        scratch = np.zeros((1 << MIN_BLOCK_BITS) + PAD, np.float32)
+        bits = np.zeros((1 << MIN_BLOCK_BITS) // 64, np.uint64)
+        for out_dtype in {np.int32, dtype}:  # the union in the model's natural dtype
+            out_idx = np.empty(2 + PAD, out_dtype)
+            for absolute in (False, True):
+                for grouped in (False, True):
+                    sparse_sum(addresses, values, lengths, idx, absolute, out_idx, out_val,
+                               MIN_BLOCK_BITS, scratch, bits, grouped, 2)
+            dense_sum(np.zeros(4, np.float32), addresses, values, lengths,
+                      np.zeros(1, np.bool_), idx, absolute, np.empty(4, np.float32),
+                      np.float32(1))
+        residual = np.zeros(4, np.float32)
+        merge_residual(idx, val, np.array([2], np.int64), residual, np.empty(3, np.int64),
+                       np.empty(3, np.float32))
+        for shift_out in (np.empty(2, np.int32), np.empty(2, np.int64)):
+            shifted_copy(idx, 0, 2, np.int64(-1), shift_out, 0)
+        shifted_scatter(np.zeros(8, np.float32), idx, val, np.int64(2))
+    divide(np.ones(2, np.float32), 2, np.float32(2))
+    for nonnegative in (False, True):
+        top_k(np.array([1.0, -2.0], np.float32), 1, nonnegative, np.empty(1, np.int64))
+    partition_kept(np.array([1, 3], np.int64), np.ones(2, np.float32), np.array([0], np.int64),
+                   np.empty(1, np.int64), np.empty(1, np.float32), np.empty(1, np.int64),
+                   np.zeros(4, np.float32))

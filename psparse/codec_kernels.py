@@ -1,0 +1,311 @@
+"""Compiled CPU kernels of the index coding and the protocol's frame checks (numba; see
+psparse/jit.py). One pass each over the indices or the frame; each equals its numpy reference
+in psparse/reference.py (tests/test_cpu_kernels.py). They import nothing above psparse.jit.
+
+Their loops avoid data-dependent branches where the data decide them (a varint's length, the
+end of a varint, a word's set bits): on the development machine a mispredicted branch costs
+~10 ns, several times the work of an entry. Problems are returned as counts and flags; the
+callers (psparse/codec.py, psparse/protocol.py) turn them into the protocol's error texts.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .jit import kernel, trailing_zeros
+
+MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
+ENCODE_SLACK = 4  # bytes past a delta frame's end that the encoder may write (then cut off)
+INT64_MAX = np.uint64(2**63 - 1)
+
+# check_sparse's flags
+BAD_ORDER, NEGATIVE, OUT_OF_RANGE, NOT_FINITE = 1, 2, 4, 8
+# decode_delta's flags (the count of varints comes back separately)
+TOO_LONG, GROUP_OVERFLOW, ZERO_GAP, SUM_OVERFLOW, WIDE = 1, 2, 4, 8, 16
+
+
+@intrinsic
+def _leading_zeros(typingctx, word):
+    def codegen(context, builder, signature, args):
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def _store_u32(typingctx, address, value):
+    """Store the low 32 bits of ``value`` at byte address ``address`` (any alignment, the
+    machine's byte order: little-endian, as codec.py asserts)."""
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store(builder.trunc(args[1], ir.IntType(32)), pointer, align=1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.uint64), codegen
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _varint_length(gap):
+    """Bytes of ``gap`` as an LEB128 varint: ceil(bit length / 7), at least 1."""
+    bits = np.uint64(64) - _leading_zeros(gap | np.uint64(1))
+    return np.int64((bits + np.uint64(6)) // np.uint64(7))
+
+
+@kernel
+def delta_size(indices):
+    """Bytes of the delta form of sorted ``indices`` (the first index, then the gaps)."""
+    total = np.int64(0)
+    previous = np.int64(0)
+    for i in range(indices.size):
+        current = np.int64(indices[i])
+        total += _varint_length(np.uint64(current - previous))  # a negative gap: 10 bytes
+        previous = current
+    return total
+
+
+@kernel
+def encode_delta(indices, out, capacity):
+    """Write the delta form of sorted ``indices`` to ``out`` (capacity + ENCODE_SLACK bytes)
+    and return its size, or -1 as soon as it would exceed ``capacity`` bytes (then another
+    form is smaller: the caller stops paying for this one).
+
+    A varint's first four bytes go out as one 32-bit store whatever its length (the next
+    varint, or the slack, overwrites what lies past it): its four 7-bit groups spread to byte
+    boundaries, with the continuation bits of the bytes that exist but the last.
+    """
+    n = indices.size
+    base = out.ctypes.data
+    # runs unchecked as long as even 10 bytes per index stay within the capacity (each run
+    # as long as what is left allows), then the last few indices checked one by one
+    size, done = np.int64(0), np.int64(0)
+    while done < n:
+        run = min(n - done, (capacity - size) // MAX_VARINT_BYTES)
+        if run < 64:
+            break
+        size = _encode_run(indices, done, done + run, size, base, out)
+        done += run
+    previous = np.int64(indices[done - 1]) if done > 0 else np.int64(0)
+    for i in range(done, n):
+        current = np.int64(indices[i])
+        gap = np.uint64(current - previous)
+        previous = current
+        length = _varint_length(gap)
+        if size + length > capacity:
+            return -1
+        _store_u32(base + size, _first_four(gap, length))
+        if length > 4:  # gaps of 2**28 and more
+            _write_tail(out, size, gap, length)
+        size += length
+    return size
+
+
+@kernel
+def _encode_run(indices, start, stop, size, base, out):
+    """encode_delta's loop over indices[start:stop] without the capacity check."""
+    previous = np.int64(indices[start - 1]) if start > 0 else np.int64(0)
+    for i in range(start, stop):
+        current = np.int64(indices[i])
+        gap = np.uint64(current - previous)
+        previous = current
+        length = _varint_length(gap)
+        _store_u32(base + size, _first_four(gap, length))
+        if length > 4:  # gaps of 2**28 and more
+            _write_tail(out, size, gap, length)
+        size += length
+    return size
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _first_four(gap, length):
+    """A varint's first four bytes as a little-endian 32-bit word."""
+    seven = np.uint64(0x7F)
+    spread = (gap & seven) | ((gap << np.uint64(1)) & (seven << np.uint64(8))) \
+        | ((gap << np.uint64(2)) & (seven << np.uint64(16))) \
+        | ((gap << np.uint64(3)) & (seven << np.uint64(24)))
+    more = np.uint64(0x80808080) & ((np.uint64(1) << np.uint64(8 * min(length - 1, 4)))
+                                     - np.uint64(1))
+    return spread | more
+
+
+@kernel
+def _write_tail(out, at, gap, length):
+    """Bytes 4.. of a varint longer than four."""
+    for g in range(4, length):
+        follow = np.uint8(g + 1 < length) << np.uint8(7)  # the continuation bit
+        out[at + g] = np.uint8((gap >> np.uint64(7 * g)) & np.uint64(0x7F)) | follow
+
+
+@kernel
+def decode_delta(data, count, out, wide_shift):
+    """Parse a delta frame into ``out`` (data.size + 1 slots of the indices' dtype, int32 or
+    int64; the indices are out[:count]).
+
+    Returns (varints in the frame, flags, the last index as int64 bits): TOO_LONG a varint of
+    more than 10 bytes, GROUP_OVERFLOW a 10th group above 1 (a gap of 2**64 or more), ZERO_GAP
+    a repeated index, SUM_OVERFLOW an index of 2**63 or more, WIDE a varint reaching the group
+    at bit ``wide_shift`` (35 for int32 output: its gap may not fit, decode again as int64; 63
+    for int64: a 10-byte varint, examined by ``_long_varints``). Every byte takes the same
+    path: a varint's end is a mask that the running index, gap and shift are combined with (no
+    select for the compiler to turn into a branch), and the per-byte work is only that; the
+    checks follow in passes of their own. (Decoding the two halves of a frame as two chains in
+    one loop was tried: slower, the loop is bound by its instructions, not by the chain.)
+    """
+    gap = np.uint64(0)
+    shift = np.uint64(0)
+    index = np.uint64(0)
+    varints = np.uint64(0)
+    widest = np.uint64(0)
+    for p in range(data.size):
+        gap, shift, index, varints, widest = _step(data[p], gap, shift, index, varints, widest,
+                                                   out)
+    flags = 0
+    if widest >= np.uint64(wide_shift):
+        if wide_shift < 63:
+            return np.int64(varints), WIDE, np.int64(index)
+        flags |= _long_varints(data)
+    if varints == np.uint64(count):
+        flags |= _disorder(out, count)
+    return np.int64(varints), np.int64(flags), np.int64(index)
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _step(byte, gap, shift, index, varints, widest, out):
+    """One byte of a delta frame: (gap, shift, index, varints, widest) after it; the index
+    so far is written at out[varints] whether the varint ended or not (varints <= bytes)."""
+    byte = np.uint64(byte)
+    last = (byte >> np.uint64(7)) ^ np.uint64(1)  # 1 on a varint's last byte, else 0
+    keep = last - np.uint64(1)  # all ones inside a varint, 0 on its last byte
+    widest = max(widest, shift)
+    gap |= (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
+    out[varints] = index + gap
+    index += gap & ~keep
+    return gap & keep, (shift + np.uint64(7)) & keep, index, varints + last, widest
+
+
+@kernel
+def _long_varints(data):
+    """TOO_LONG / GROUP_OVERFLOW for a frame holding a varint of 10 or more bytes."""
+    flags = 0
+    run = 0
+    for p in range(data.size):
+        byte = data[p]
+        if run == 9 and (byte & 0x7F) > 1:
+            flags |= GROUP_OVERFLOW
+        if run >= MAX_VARINT_BYTES:
+            flags |= TOO_LONG
+        run = run + 1 if byte & 0x80 else 0
+    return flags
+
+
+@kernel
+def _disorder(out, count):
+    """ZERO_GAP (an index repeated) and SUM_OVERFLOW (an index past 2**63 - 1, or a sum that
+    wrapped) of decoded int64 indices: strictly increasing as unsigned 64-bit values, the last
+    one below 2**63. (For int32 output no gap reached 2**35, so nothing wrapped, and the caller
+    bounds the last index.)"""
+    if count == 0:
+        return 0
+    repeated, wrapped = False, False
+    for i in range(1, count):
+        a, b = np.uint64(out[i - 1]), np.uint64(out[i])
+        repeated |= b == a
+        wrapped |= b < a
+    flags = ZERO_GAP if repeated else 0
+    if wrapped or np.uint64(out[count - 1]) > INT64_MAX:
+        flags |= SUM_OVERFLOW
+    return flags
+
+
+@kernel
+def encode_bitmap(indices, words, numel):
+    """Set bit i of the little-endian ``words`` (zeros, ceil(numel / 64) uint64) for every
+    index i; returns the number of indices outside [0, numel) (none are written)."""
+    outside = 0
+    current = np.int64(-1)
+    bits = np.uint64(0)
+    for t in range(indices.size):
+        i = np.int64(indices[t])
+        if i < 0 or i >= numel:
+            outside += 1
+            continue
+        w = i >> 6
+        if w != current:  # sorted input: a word's indices come together
+            if current >= 0:
+                words[current] |= bits
+            current, bits = w, np.uint64(0)
+        bits |= np.uint64(1) << np.uint64(i & 63)
+    if current >= 0:
+        words[current] |= bits
+    return outside
+
+
+@kernel
+def decode_bitmap(data, count, out):
+    """The set bits of a little-endian bitmap frame, in order, into ``out`` (count slots);
+    returns how many bits are set (more than count: the extra are counted, not written)."""
+    n = data.size
+    found = np.int64(0)
+    for start in range(0, n, 8):
+        word = np.uint64(0)
+        for b in range(min(8, n - start)):
+            word |= np.uint64(data[start + b]) << np.uint64(8 * b)
+        base = np.int64(start) * 8
+        while word:
+            if found < count:
+                out[found] = base + np.int64(trailing_zeros(word))
+            found += 1
+            word &= word - np.uint64(1)
+    return found
+
+
+@kernel
+def check_sparse(indices, values, numel, check_order):
+    """A received sparse frame's checks in one pass: flags BAD_ORDER (not strictly
+    increasing), NEGATIVE (first index < 0), OUT_OF_RANGE (last index >= numel, when numel >=
+    0), NOT_FINITE (a NaN or inf value; values may be empty: not checked)."""
+    n = indices.size
+    flags = 0
+    if n == 0:
+        return flags
+    if check_order:
+        disorder = False
+        for i in range(1, n):
+            disorder |= indices[i] <= indices[i - 1]
+        flags |= BAD_ORDER if disorder else 0
+        flags |= NEGATIVE if indices[0] < 0 else 0
+    flags |= OUT_OF_RANGE if (numel >= 0 and indices[n - 1] >= numel) else 0
+    flags |= 0 if all_finite(values) else NOT_FINITE
+    return flags
+
+
+@kernel
+def all_finite(values):
+    """No NaN or inf among float32 ``values`` (an exponent of all ones is either)."""
+    bits = values.view(np.uint32)
+    bad = np.uint32(0)
+    for i in range(bits.size):
+        bad |= np.uint32(1) if (bits[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000) \
+            else np.uint32(0)
+    return bad == 0
+
+
+def warm_up() -> None:
+    """Compile or load every kernel for the argument types the package passes: indices int32
+    and int64, owned or read-only (a received frame)."""
+    values = np.ones(2, np.float32)
+    for idx in (np.array([1, 5], np.int32), np.array([1, 5], np.int64)):
+        for view in (idx, np.frombuffer(idx.tobytes(), idx.dtype)):  # owned, read-only
+            delta_size(view)
+            encode_delta(view, np.empty(2 + ENCODE_SLACK, np.uint8), 2)
+            encode_bitmap(view, np.zeros(1, np.uint64), 8)
+            for vals in (values, np.frombuffer(values.tobytes(), np.float32)):
+                check_sparse(view, vals, 8, True)
+        check_sparse(idx.astype(np.int64), values, -1, False)
+    frame = np.frombuffer(bytes([1, 4]), np.uint8)
+    for dtype, wide in ((np.int32, 35), (np.int64, 63)):
+        decode_delta(frame, 2, np.empty(3, dtype), wide)
+    decode_bitmap(frame, 2, np.empty(2, np.int64))
+    all_finite(np.frombuffer(values.tobytes(), np.float32))
+    all_finite(values)

@@ -1,0 +1,193 @@
+"""Numba, the project's CPU kernel compiler, configured in one place.
+
+The design: one numpy reference per hot step (``psparse/reference.py``: the code the kernels
+replaced, kept as their test oracle) and one compiled kernel per device -- numba on the CPU
+(``psparse/agg_kernels.py`` for the server's arithmetic, ``psparse/codec_kernels.py`` for the
+index coding and the protocol's checks), CUDA C on the GPU (``psparse/kernels.py``). Every CPU
+kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
+machine and argument types and then loaded from numba's on-disk cache.
+
+Where the cache lives (README, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
+else numba's own choice, ``psparse/__pycache__`` beside the sources when that is writable (an
+editable install: every process of a run or a test session shares it); else, for a read-only
+install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that
+cannot be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.jit`` compiles every kernel
+(or loads it) and prints the times, e.g. to fill the cache while building an image.
+
+Compilation is paid once per process tree: ``psparse-launch`` calls ``warm_up()`` before it
+forks the server and the workers, which inherit the compiled code; a process started alone
+loads each kernel from the cache on its first call.
+
+``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
+server's arithmetic (aggregation.py), the index coding (codec.py) and the frame checks
+(protocol.py) -- slow; for checking a result against the reference, as
+tests/test_identical_runs.py does. (The shards' split and merge in client.py, plain integer
+copies, always run compiled; tests/test_cpu_kernels.py holds them to their reference.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE = os.environ.get("PSPARSE_CPU_KERNELS", "").strip().lower() == "numpy"
+_PACKAGE_CACHE = Path(__file__).resolve().parent / "__pycache__"
+
+
+def _writable(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def cache_dir_fallback() -> Path | None:
+    """Where the kernels are cached when neither NUMBA_CACHE_DIR is set nor the package's
+    __pycache__ is writable (a read-only install); None when numba's own choice applies."""
+    if os.environ.get("NUMBA_CACHE_DIR") or _writable(_PACKAGE_CACHE):
+        return None
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    for candidate in (home / "psparse" / "numba",
+                      Path(tempfile.gettempdir()) / f"psparse-numba-{os.getuid()}"):
+        if _writable(candidate):
+            return candidate
+    return None  # nothing writable: numba compiles in every process, caching nothing
+
+
+import numba  # noqa: E402  (after the helpers: the cache directory is set before any kernel)
+from llvmlite import ir  # noqa: E402
+from numba import types  # noqa: E402
+from numba.core import cgutils, config  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+
+def _without_scipy_blas_probe() -> None:
+    """Import numba.np.arraymath with its BLAS probe answered "none".
+
+    The first compile or cache load of a process imports numba.np.arraymath, which probes for
+    BLAS by importing scipy.linalg (~0.15 s where scipy is installed, e.g. with the dev extras)
+    for helpers no kernel here uses (without it numba's np.cov-like code takes a plain loop;
+    np.dot still finds BLAS, which checks again when used). Where scipy.linalg is loaded
+    already, or numba's internals differ, nothing is changed.
+    """
+    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
+        return
+    try:
+        from numba.np import linalg
+        probe = linalg.ensure_blas
+    except (ImportError, AttributeError):
+        return
+
+    def no_blas():
+        raise ImportError("not probed (psparse.jit)")
+    linalg.ensure_blas = no_blas
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        linalg.ensure_blas = probe
+
+
+_without_scipy_blas_probe()
+_fallback = cache_dir_fallback()
+if _fallback is not None:
+    config.CACHE_DIR = str(_fallback)
+CACHING = bool(config.CACHE_DIR) or _writable(_PACKAGE_CACHE)
+
+
+def kernel(fn):
+    """A compiled CPU kernel: nopython, cached on disk, releases the GIL. error_model="numpy"
+    drops Python's divide-by-zero checks from the loops (no kernel divides by zero)."""
+    return numba.njit(cache=CACHING, nogil=True, error_model="numpy")(fn)
+
+
+def cache_dir() -> str:
+    """Where numba writes this package's compiled kernels."""
+    return config.CACHE_DIR or (str(_PACKAGE_CACHE) if CACHING else "(not cached)")
+
+
+@intrinsic
+def as_pointer(typingctx, address):
+    """int64 address -> void*: with ``numba.carray`` a kernel reads N separate arrays (the
+    received frames, left where they are) through one table of addresses."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(address), codegen
+
+
+@intrinsic
+def trailing_zeros(typingctx, word):
+    """Count of trailing zero bits of an unsigned 64-bit word (64 for 0): one tzcnt."""
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
+
+
+def address_table(arrays: list) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 data addresses, int64 lengths) of 1-D contiguous arrays, for ``as_pointer``.
+    The caller keeps the arrays alive while a kernel reads them."""
+    addresses = np.fromiter((a.__array_interface__["data"][0] for a in arrays), np.int64,
+                            len(arrays))
+    lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+    return addresses, lengths
+
+
+class Reusable:
+    """Kernel output arrays reused once nothing else holds them.
+
+    What a kernel returns is a view of one of these (a round's aggregate, a decoded index
+    frame); it may be sent without a copy (ZeroMQ holds a reference until the frame is on the
+    wire) or held by a key cache. An array whose only references are the pool's is free
+    again: reusing it spares the page faults of fresh memory (a fresh 7 MB output costs ~2 ms
+    of faults at 11.2M/1%, about what the sum itself costs)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep  # arrays held for reuse; beyond that, fresh ones
+        self._arrays: list[np.ndarray] = []
+
+    def take(self, size: int, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        for n, array in enumerate(self._arrays):
+            # references: the list, the loop variable, getrefcount's argument
+            if array.dtype == dtype and array.size >= size and sys.getrefcount(array) <= 3:
+                self._arrays.append(self._arrays.pop(n))  # most recently used last
+                return array
+        array = np.empty(size, dtype)
+        self._arrays.append(array)
+        if len(self._arrays) > self.keep:
+            self._arrays.pop(0)
+        return array
+
+
+def warm_up() -> dict[str, float]:
+    """Compile (or load from the cache) every kernel for the argument types the package uses;
+    seconds per module. The launcher calls it before it forks."""
+    from . import agg_kernels, codec_kernels
+    times = {}
+    for module in (agg_kernels, codec_kernels):
+        t = time.perf_counter()
+        module.warm_up()
+        times[module.__name__.rsplit(".", 1)[1]] = time.perf_counter() - t
+    return times
+
+
+def main(argv=None) -> int:
+    """``python -m psparse.jit``: compile or load every kernel; print where and how long."""
+    t = time.perf_counter()
+    times = warm_up()
+    total = time.perf_counter() - t
+    print(f"numba {numba.__version__}, cache {cache_dir()}")
+    for name, seconds in times.items():
+        print(f"  {name}: {seconds:.2f} s")
+    print(f"  all kernels: {total:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Whole runs with the compiled CPU kernels are identical to runs with the numpy references
+they replaced (PSPARSE_CPU_KERNELS=numpy, psparse/jit.py): real launches, every policy whose
+server path differs (top-k, core, ema, frequency, and the two-phase vote and cltk), with the
+size limit (--server-limit 2k) and two key-range shards (--servers 2). Compared: every
+metrics.jsonl and eval.jsonl record without its timing fields, each rank's final checksum and
+policy state, the server's residual, and the summary's figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import python_module, read_jsonl
+
+RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "16",
+       "--eval-every", "8", "--seed", "3", "--quiet", "--server-limit", "2k", "--servers", "2"]
+TIMING = ("round_s", "time_s", "wall_s", "train_s", "iterations_per_s",
+          "train_iterations_per_s")
+SUMMARY = ("status", "numel", "iterations", "union_over_k_mean", "union_over_k_max",
+           "pushed_k_mean", "upload_mb", "broadcast_mb", "dense_mb", "server_limit",
+           "final_loss", "test_acc")
+
+
+def launch_pair(tmp_path, policy):
+    """The same run with the compiled kernels and with the references, side by side (two
+    processes at once: they share nothing but the machine)."""
+    procs = {}
+    for kernels in ("compiled", "numpy"):
+        env = {k: v for k, v in os.environ.items() if k != "PSPARSE_CPU_KERNELS"}
+        if kernels == "numpy":
+            env["PSPARSE_CPU_KERNELS"] = "numpy"
+        procs[kernels] = subprocess.Popen(
+            python_module("psparse.launch", "--out", str(tmp_path / kernels), *RUN,
+                          "--policy", policy),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for kernels, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{kernels}: {out}"
+    return tmp_path / "compiled", tmp_path / "numpy"
+
+
+def untimed(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.mark.parametrize("policy", ["topk", "core", "ema", "frequency", "vote", "cltk"])
+def test_compiled_kernels_give_the_reference_run(tmp_path, policy):
+    ours, ref = launch_pair(tmp_path, policy)
+    metrics = untimed(read_jsonl(ours / "metrics.jsonl"))
+    assert metrics == untimed(read_jsonl(ref / "metrics.jsonl"))
+    assert untimed(read_jsonl(ours / "eval.jsonl")) == untimed(read_jsonl(ref / "eval.jsonl"))
+    for r in range(3):
+        a, b = (json.loads((run / f"rank-{r}.json").read_text()) for run in (ours, ref))
+        assert (a["checksum"], a["policy_state"]) == (b["checksum"], b["policy_state"])
+    for shard in range(2):
+        a, b = (np.load(run / f"shard-{shard}" / "server_residual.npz") for run in (ours, ref))
+        assert np.array_equal(a["indices"], b["indices"])
+        assert a["values"].tobytes() == b["values"].tobytes()
+    sa, sb = (json.loads((run / "summary.json").read_text()) for run in (ours, ref))
+    assert {k: sa.get(k) for k in SUMMARY} == {k: sb.get(k) for k in SUMMARY}
+    if policy == "topk":  # the limit held entries back: its path ran
+        assert any(m["residual_entries"] for m in metrics)
