@@ -7,8 +7,8 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 * ``Aggregator.mean``: the pushes summed in rank order, divided by their number, at the sorted
   union of their indices; a dense push covers every index. On the host a compiled kernel
   (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by
-  block in a cache-sized scratch; with ``--server-device cuda`` CuPy sums them into a
-  model-sized accumulator on the GPU (``kernels.sparse_mean``).
+  block in a cache-sized scratch; with ``--server-device cuda`` the GPU sums them in rank order
+  and finds the union from touched bytes (``psparse.device_aggregation``), bit for bit the same.
 * ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
   (``candidates``: the same with their scores, what a key-range shard sends).
 * ``Aggregator.check_budget``: a push or proposal against the step the agreed run sets for its
@@ -24,10 +24,11 @@ import numpy as np
 
 from . import agg_kernels, reference
 from .agg_kernels import emission_for
+from .device_aggregation import DeviceAggregator
 from .jit import REFERENCE, Reusable, address_table
-from .kernels import NonFiniteError, sparse_mean
+from .kernels import NonFiniteError
 from .protocol import dense_is_smaller, index_dtype_for
-from .xp import cupy_or_none, to_host
+from .xp import cupy_or_none
 
 __all__ = ["Aggregator", "BudgetError", "ServerLimit", "array_module_for"]
 
@@ -37,13 +38,19 @@ class BudgetError(ValueError):
 
 
 def array_module_for(device: str):
-    """Where the server sums the pushes: numpy, or CuPy for "cuda" (ValueError without it)."""
+    """Where the server sums the pushes: None (the host), or a device backend for "cuda"
+    (``psparse.backend.CudaBackend``; ValueError without a CUDA device and CuPy)."""
     if device != "cuda":
-        return np
+        return None
+    from .backend import emulated_from_env
+    emulated = emulated_from_env()  # PSPARSE_EMULATE_GPU: the GPU path on the CPU (tests)
+    if emulated is not None:
+        return emulated
     xp = cupy_or_none()
     if xp is None:
         raise ValueError("--server-device cuda: no CUDA device, or CuPy is not installed")
-    return xp
+    from .backend import CudaBackend
+    return CudaBackend(xp)
 
 
 class Aggregator:
@@ -51,13 +58,14 @@ class Aggregator:
 
     On the host the pushes are summed block by block into a scratch of at most 2**18 entries
     (``agg_kernels``), left zeroed after every round; the model-sized ``accumulator`` is used
-    only by a dense push (and on the GPU). Results always come back as host (numpy) arrays.
+    only by a dense push. Results always come back as host (numpy) arrays.
     """
 
-    def __init__(self, numel: int, xp=np):
+    def __init__(self, numel: int, dev=None):
         self.numel = numel
-        self.xp = xp
-        self._accumulator = None if xp is np else xp.zeros(numel, dtype=xp.float32)
+        # on a device (--server-device cuda): psparse.device_aggregation, bit for bit the host
+        self._device = DeviceAggregator(numel, dev) if dev is not None else None
+        self._accumulator = None
         self.index_dtype = index_dtype_for(numel)  # the natural index size (dense switch)
         self._dense_out = None  # for dense broadcasts, allocated by the first
         self._all_indices = None
@@ -89,13 +97,20 @@ class Aggregator:
         entries: what the broadcast sends) whatever the pushes' (a delta-coded push decodes to
         int64), and int64 with a dense push (every index).
         """
-        if self.xp is not np or REFERENCE:  # the GPU, or the numpy reference on the host
-            mean_of = sparse_mean if self.xp is not np else reference.sparse_mean
-            union, mean = mean_of(self.accumulator,
-                                  [self.all_indices if i is None else i for i in indices],
-                                  values)
-            return to_host(union), to_host(mean)
+        if self._device is not None:
+            return self._on_device(indices, values)
+        if REFERENCE:  # the numpy reference on the host
+            union, mean = reference.sparse_mean(
+                self.accumulator, [self.all_indices if i is None else i for i in indices],
+                values)
+            return union, mean
         return self._host_sum(indices, values, absolute=False)
+
+    def _on_device(self, indices: list, values: list):
+        """The device's (union, mean), the union in the host path's index dtype."""
+        union, mean = self._device.mean(indices, values)
+        dense = any(i is None for i in indices)
+        return union.astype(np.int64 if dense else self.index_dtype, copy=False), mean
 
     def _host_sum(self, indices: list, values: list, absolute: bool):
         """The compiled rank-order sum (of |value| with ``absolute``) over the pushes, divided
@@ -149,13 +164,12 @@ class Aggregator:
         """``vote`` with the scores: (the kept indices, their mean |value|, how many distinct
         indices were proposed). A key-range shard sends these, and the workers keep the best
         ``keep`` over all shards by the same rule (a global best is among its shard's best)."""
-        if REFERENCE and self.xp is np:
+        if self._device is not None:
+            union, mean_abs = self._on_device(list(indices), [np.abs(v) for v in values])
+        elif REFERENCE:
             return reference.candidates(self.accumulator, indices, values, keep)
-        if self.xp is np:
-            union, mean_abs = self._host_sum(list(indices), list(values), absolute=True)
         else:
-            union, mean_abs = (to_host(a) for a in sparse_mean(
-                self.accumulator, list(indices), [np.abs(v) for v in values]))
+            union, mean_abs = self._host_sum(list(indices), list(values), absolute=True)
         if keep >= union.size:
             return union, mean_abs, int(union.size)
         chosen = top_k(mean_abs, keep, nonnegative=True)

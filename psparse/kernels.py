@@ -313,38 +313,23 @@ class Decaying:
 
 # ---------------------------------------------------------------------------- aggregation
 def sparse_mean(accumulator, indices: list, values: list):
-    """Mean of N sparse vectors as (sorted union of their indices, mean values there).
+    """Mean of N sparse vectors as (sorted union of their indices, mean values there): the host
+    reference of the server's arithmetic (``psparse.reference``; compiled: ``agg_kernels``,
+    on a GPU ``device_aggregation``).
 
-    ``accumulator`` is a zeroed dense scratch on the device the work should run on (numpy:
-    host; CuPy: GPU), left zeroed on return; only the union's entries are touched. Pushes are
-    added in list order, so the host result does not depend on message arrival order (on the
-    GPU the atomic adds may round differently from run to run).
+    ``accumulator`` is a zeroed dense scratch, left zeroed on return; only the union's entries
+    are touched. Pushes are added in list order, so the result does not depend on message
+    arrival order.
     """
-    xp = array_module(accumulator)
     if not indices:
-        return xp.empty(0, xp.int64), xp.empty(0, xp.float32)
-    if xp is np:
-        for idx, val in zip(indices, values):
-            # numpy >= 1.25 has a fast add.at path, ~3x faster than acc[idx] += val
-            np.add.at(accumulator, idx, val)
-    else:
-        # one host-to-device copy of all pushes, one atomic scatter-add over N*k entries
-        idx_all = xp.asarray(np.concatenate(indices)).astype(xp.int64, copy=False)
-        val_all = xp.asarray(np.concatenate(values)).astype(xp.float32, copy=False)
-        _scatter_add(xp, accumulator, idx_all, val_all)
-        indices = [idx_all]
+        return np.empty(0, np.int64), np.empty(0, np.float32)
+    for idx, val in zip(indices, values):
+        # numpy >= 1.25 has a fast add.at path, ~3x faster than acc[idx] += val
+        np.add.at(accumulator, idx, val)
     union = sorted_union(indices)
     mean = accumulator[union] / np.float32(len(values))
     accumulator[union] = 0.0
     return union, mean
-
-
-def _scatter_add(cupy, target, idx, val) -> None:
-    if hasattr(cupy.add, "at"):  # CuPy >= 13
-        cupy.add.at(target, idx, val)
-    else:
-        import cupyx
-        cupyx.scatter_add(target, idx, val)
 
 
 def slice_bounds(indices, slices) -> list[tuple[int, int]]:

@@ -81,7 +81,7 @@ class Server:
         self.shard = shard
         self.sharded = shard[1] > 1
         self.key_range = (0, 0)
-        self.xp = array_module_for(device)  # cuda: sum the pushes on the GPU (CuPy)
+        self.dev = array_module_for(device)  # cuda: sum the pushes on the GPU (a backend)
         self.checkpoint_every = checkpoint_every
         self.start = 0  # first iteration to serve (> 0 when resuming)
         self.resume = resume
@@ -275,9 +275,9 @@ class Server:
         self.parts = run.get("parts")
         if self.parts is not None:
             self._check_parts_allowed()
-            self.part_aggregators = [Aggregator(hi - lo, self.xp)
+            self.part_aggregators = [Aggregator(hi - lo, self.dev)
                                      for lo, hi in zip(self.parts, self.parts[1:])]
-        self.aggregator = Aggregator(self.numel, self.xp) if self.parts is None \
+        self.aggregator = Aggregator(self.numel, self.dev) if self.parts is None \
             else self.part_aggregators[0]  # the only model-sized buffers (or the parts')
         # per worker (per worker and part): the index sets both ends hold (key caching)
         self.caches = {r: KeyCache() for r in range(self.world_size)} if self.parts is None \

@@ -135,9 +135,10 @@ def test_one_copy_back_per_message_and_the_host_paths_result(tmp_path, monkeypat
 
 
 def test_the_launcher_runs_the_gpu_path_under_the_emulator(tmp_path):
-    """PSPARSE_EMULATE_GPU reaches workers started by psparse-launch; rank-R.json says what
+    """PSPARSE_EMULATE_GPU reaches the workers and the server started by psparse-launch
+    (--server-device cuda: the server's sums on the emulated device); rank-R.json says what
     crossed; the run equals the host path's."""
-    device = launch(tmp_path / "device", "--policy", "core")
+    device = launch(tmp_path / "device", "--policy", "core", "--server-device", "cuda")
     assert device.returncode == 0, device.stdout + device.stderr
     host = launch(tmp_path / "host", "--policy", "core", emulate=None)
     assert host.returncode == 0, host.stdout + host.stderr
