@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from psparse.aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
-from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.backend import CudaBackend
+from psparse.emulated import EmulatedBackend
 from psparse.xp import cupy_or_none
 
 

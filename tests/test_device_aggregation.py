@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.backend import CudaBackend
 from psparse.device_aggregation import DeviceAggregator
+from psparse.emulated import EmulatedBackend
 from psparse.kernels import sparse_mean
 from psparse.xp import cupy_or_none
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from test_policy_equivalence import CASES, LAYERS, MODEL, aggregate, build, gradient, group_for
 
-from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.backend import CudaBackend
 from psparse.device_policy import DeviceSelection
+from psparse.emulated import EmulatedBackend
 from psparse.policies import Layout, build_policy
 from psparse.xp import cupy_or_none
 

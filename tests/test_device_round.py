@@ -239,7 +239,8 @@ def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, monke
 def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
     import numpy as np
 
-    from psparse.backend import EmulatedBackend, HostSync
+    from psparse.backend import HostSync
+    from psparse.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     xp = dev.xp
     a = dev.upload("a", np.arange(10, dtype=np.float32))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from psparse import kernels, protocol
-from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.backend import CudaBackend
+from psparse.emulated import EmulatedBackend
 from psparse.kernels import NonFiniteError
 from psparse.memory import Memory
 from psparse.sparsify import Selector, topk_exact

@@ -16,8 +16,9 @@ import pytest
 from conftest import python_module, read_jsonl
 
 from psparse import kernels
-from psparse.backend import CudaBackend, EmulatedBackend
+from psparse.backend import CudaBackend
 from psparse.config import ConfigError, RunConfig
+from psparse.emulated import EmulatedBackend
 from psparse.memory import SCALECOM_BETA, Memory
 from psparse.xp import cupy_or_none
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from psparse import kernels, radix
-from psparse.backend import EmulatedBackend
+from psparse.emulated import EmulatedBackend
 from psparse.radix import RadixSelect, keys_reference, plan_reference
 from psparse.xp import cupy_or_none
 
