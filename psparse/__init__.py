@@ -13,7 +13,8 @@ Layers, bottom to top (each imports only those below it):
      kernels and sparsify); membership (admission, agreement, liveness; sends nothing) -> server
   kernels, sparsify (top-k), memory (error feedback), policies (selection), models, data,
   checkpoint -> client (the worker's protocol side) -> device (flat buffers, device choice)
-  -> session (connect, exchange; records selections with locality's recorder)
+  -> exchange (a round's shapes, its clock and context), device_round (the GPU's round),
+     parts (a round in buckets) -> session (the user's object), connection (connect)
   -> worker (the built-in loop), ddp -> cluster, launch (processes, hosts)
 Tools on top: report, costmodel, locality, keys, kernel_check.
 """
@@ -25,7 +26,10 @@ __all__ = ["connect", "Session", "WorkerError", "ServerGone", "__version__"]
 def __getattr__(name):
     # torch and pyzmq are imported only when the API is used, so the command-line tools that
     # never train (psparse-report, psparse-keys, ...) start quickly.
-    if name in ("connect", "Session", "WorkerError", "ServerGone"):
+    if name == "connect":  # (the module is connection.py: a module "connect" would shadow it)
+        from .connection import connect
+        return connect
+    if name in ("Session", "WorkerError", "ServerGone"):
         from . import session
         return getattr(session, name)
     raise AttributeError(f"module 'psparse' has no attribute {name!r}")

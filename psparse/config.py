@@ -179,27 +179,14 @@ class RunConfig:
                               f"got {self.bucket_mb!r}")
         if not (self.overlap or self.bucket_mb is not None):
             return
-        what = "--overlap" if self.overlap else "--bucket-mb"
-        refusals = [
-            (self.granularity != "layer", "needs --granularity layer (whole-model selection "
-             "needs the whole gradient, so it keeps one round per iteration)"),
-            (self.density >= 1, "needs a density below 1 (a dense exchange has no selection "
-             "to split by bucket)"),
-            (self.policy in TWO_PHASE_POLICIES, f"does not work with the two-phase policy "
-             f"{self.policy!r} (its proposal round needs every layer's accumulator; it keeps "
-             "one round per iteration)"),
-            (self.memory == "scalecom", "does not work with --memory scalecom (its memory "
-             "update after a push covers the whole vector)"),
-            (self.clip_norm is not None, "does not work with --clip-norm (clipping needs the "
-             "whole gradient's norm before any bucket is accumulated)"),
-            (self.servers > 1, "does not work with --servers > 1 yet (use one server)"),
-            (self.server_limit is not None, "does not work with --server-limit (the limit "
-             "cuts the whole round's aggregate)"),
-            (self.elastic, "does not work with --elastic yet"),
-        ]
-        for broken, why in refusals:
-            if broken:
-                raise ConfigError(f"{what} {why}")
+        why = bucket_refusal(
+            whole_model=self.granularity != "layer", dense=self.density >= 1,
+            two_phase=self.policy in TWO_PHASE_POLICIES, scalecom=self.memory == "scalecom",
+            clip=self.clip_norm is not None, shards=self.servers > 1,
+            server_limit=self.server_limit is not None, elastic=self.elastic)
+        if why is not None:
+            raise ConfigError(f"{'--overlap' if self.overlap else '--bucket-mb'} {why}"
+                              .replace("{policy}", repr(self.policy)))
 
     def _check_model_args(self) -> None:
         """key=value entries, for a model that takes them, with keys it knows (the values are
@@ -247,6 +234,43 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+# What a round in buckets (--overlap / --bucket-mb) does not work with: one list, checked by the
+# configuration (options), the worker (its policy object: a user's class) and the server (the
+# agreed run and its own options), each with the facts it knows.
+BUCKET_REFUSALS = (
+    ("whole_model", "needs --granularity layer (whole-model selection needs the whole "
+     "gradient, so it keeps one round per iteration)"),
+    ("dense", "needs a density below 1 (a dense exchange has no selection to split by "
+     "bucket)"),
+    ("two_phase", "does not work with the two-phase policy {policy} (its proposal round needs "
+     "every layer's accumulator; it keeps one round per iteration)"),
+    ("overrides_select", "does not work with policy {policy}, which overrides select() (a "
+     "bucket needs per-layer selection: select_slice or score)"),
+    ("record_selections", "does not work with --record-selections (it records the whole "
+     "gradient's top-k)"),
+    ("scalecom", "does not work with --memory scalecom (its memory update after a push covers "
+     "the whole vector)"),
+    ("clip", "does not work with --clip-norm (clipping needs the whole gradient's norm before "
+     "any bucket is accumulated)"),
+    ("shards", "does not work with --servers > 1 yet (use one server)"),
+    ("server_limit", "does not work with --server-limit (the limit cuts the whole round's "
+     "aggregate)"),
+    ("elastic", "does not work with --elastic yet"),
+)
+
+
+def bucket_refusal(**facts: bool) -> str | None:
+    """Why a round in buckets cannot run given these facts (names of BUCKET_REFUSALS), or
+    None; "{policy}" in the text is for the caller to fill."""
+    unknown = set(facts) - {name for name, _ in BUCKET_REFUSALS}
+    if unknown:
+        raise ValueError(f"unknown bucket facts {sorted(unknown)}")
+    for name, why in BUCKET_REFUSALS:
+        if facts.get(name):
+            return why
+    return None
 
 
 def parse_limit(text: str) -> tuple[float, str]:

@@ -33,6 +33,7 @@ import torch
 from .backend import CaptureFailed
 from .client import WorkerError
 from .device_policy import DeviceSelection, Fusion
+from .exchange import RoundContext
 from .policies import PolicyError, check_output
 from .radix import RP_W
 
@@ -43,11 +44,11 @@ GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selecti
 class DeviceRound:
     """The device side of one worker's rounds (see the module docstring)."""
 
-    def __init__(self, session, dev, whole: bool):
-        self.s, self.dev = session, dev
+    def __init__(self, ctx: RoundContext, dev, whole: bool):
+        self.s, self.dev = ctx, dev  # s: the round context (psparse.exchange)
         self.whole = whole  # the budget is the whole model: no selection (a dense round)
         xp = dev.xp
-        net = session.net
+        net = ctx.net
         self.numel = net.numel
         self.grad = dev.from_torch(net.grad)  # the flat gradient, the same device memory
         self.params = dev.from_torch(net.params)
@@ -73,8 +74,7 @@ class DeviceRound:
     # --------------------------------------------------------------------------- a round
     def exchange(self, it: int, loss) -> None:
         s, dev = self.s, self.dev
-        t1 = time.perf_counter()
-        s._times["compute_s"] += t1 - s._t_last
+        t1 = s.clock.begin()
         s.net.gather_grad()  # torch's stream: gradients that are not views of the flat buffer
         host_loss, staged = self._stage_loss(loss)  # torch's stream too: before the event
         with dev.stream_scope():
@@ -85,16 +85,15 @@ class DeviceRound:
             if self._apply_marks is not None:  # the previous round's, passed by now
                 self._time_device("apply", *self._apply_marks)
             t2 = time.perf_counter()
-            agg = s.client.push(it, indices, values, host_loss, checksum, s._dense_buffer())
+            agg = s.client.push(it, indices, values, host_loss, checksum, s.dense_buffer())
             t3 = time.perf_counter()
             begin = dev.mark()
             self._apply(agg, it)
             self._apply_marks = (begin, dev.mark())
             dev.lead_torch()
-        s._t_last = time.perf_counter()
-        s._times["compute_s"] += s._t_last - t3
-        s._times["select_s"] += t2 - t1
-        s._times["wait_s"] += t3 - t2
+        s.clock.add("select_s", t2 - t1)
+        s.clock.add("wait_s", t3 - t2)
+        s.clock.end(t3)
 
     def push_part(self, it: int, part: int, first: int, end: int, loss,
                   checksum_due: bool) -> None:
@@ -171,9 +170,7 @@ class DeviceRound:
         """This round's (indices, values) on the host, the loss, and the checksum (if due)."""
         s = self.s
         policy, memory = s.policy, s.memory
-        k = s._k_at(it)
-        if k != policy.k:
-            policy.set_k(k)
+        s.set_budget(it)
         grad = memory.clipped(self.grad)
         if self.whole:
             acc = memory.add_clipped(grad)
@@ -317,7 +314,7 @@ class DeviceRound:
         """The round's copy back: the selection (or the whole accumulator), the loss, the
         weights on checksum rounds."""
         s, dev = self.s, self.dev
-        checksum_due = it % s.cfg.check_every == 0
+        checksum_due = s.checksum_due(it)
         extra, loss_host, weights = self._extras(staged, checksum_due)
         if whole:
             values = dev.pinned("whole", self.numel, np.float32)
@@ -326,7 +323,7 @@ class DeviceRound:
             if s.memory.velocity is not None:
                 s.memory.velocity.fill(0)
             s.memory.after_take()
-            indices = s._all_indices()
+            indices = s.all_indices()
         else:
             indices, values = self._copy_back_selection(it, chosen, s.policy.max_push, "select",
                                                         extra)
@@ -350,7 +347,7 @@ class DeviceRound:
     def _apply(self, agg, it: int) -> None:
         """The aggregate up (once), observed by the policy there, into the gradient."""
         s, dev, xp = self.s, self.dev, self.dev.xp
-        s._note_live(agg)
+        s.note_live(agg)
         values = dev.upload("aggregate-values", np.asarray(agg.values, dtype=np.float32),
                             out=self._buffer("received_val", agg.values.size, xp.float32))
         if agg.get("dense"):
@@ -367,7 +364,7 @@ class DeviceRound:
             if indices.size:
                 dev.launch_over("psparse_scatter", indices.size, (
                     indices, values, np.int64(indices.size), self.grad))
-        s._finish_iteration(it)
+        s.applied(it)
 
     def _buffer(self, name: str, size: int, dtype):
         """A device buffer of at least ``size`` entries (grown, never shrunk), its first

@@ -41,7 +41,13 @@ import numpy as np
 from . import checkpoint, keyranges, protocol
 from .aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from .codec import KeyCache
-from .config import SERVER_CONFIG, add_config_arguments, parse_limit, parse_with_config
+from .config import (
+    SERVER_CONFIG,
+    add_config_arguments,
+    bucket_refusal,
+    parse_limit,
+    parse_with_config,
+)
 from .kernels import sparse_mean  # noqa: F401 (tests/test_limits.py imports it from here)
 from .membership import Membership, RunAborted
 from .protocol import ProtocolError
@@ -296,13 +302,11 @@ class Server:
 
     def _check_parts_allowed(self) -> None:
         """What a run in parts does not combine with (the workers refuse these options too)."""
-        for broken, what in ((self.two_phase, "a two-phase policy"),
-                             (self.limit is not None, "--server-limit"),
-                             (self.members.elastic, "--elastic"),
-                             (self.sharded, "key-range server shards")):
-            if broken:
-                raise RunAborted(f"the run is exchanged in parts (buckets, --overlap / "
-                                 f"--bucket-mb), which does not work with {what}")
+        why = bucket_refusal(two_phase=self.two_phase, server_limit=self.limit is not None,
+                             elastic=self.members.elastic, shards=self.sharded)
+        if why is not None:
+            raise RunAborted("the run is exchanged in parts (buckets, --overlap / --bucket-mb), "
+                             "which " + why.replace(" {policy}", "").replace("needs", "needs"))
 
     def _part_scope(self, rank: int | None):
         """decode's scope for a run in parts: a push's part sets its size and key cache."""

@@ -1,0 +1,121 @@
+"""``psparse.connect``: join a run from any training script (the launcher's, torchrun's or one's
+own environment) and get its ``Session``: where the rank, the world size, the server, the run
+directory and the options come from."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from . import cluster
+from .config import ConfigError, RunConfig, config_from_json, load_config_file
+from .session import Session
+
+__all__ = ["connect"]
+
+
+def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+            iterations: int | None = None, batches_per_epoch: int | None = None,
+            server: str | None = None, rank: int | None = None, world_size: int | None = None,
+            out: str | Path | None = None, run_token: str | None = None,
+            resume: bool | None = None, **options) -> Session:
+    """Join a psparse run with ``model``: register with the server and return the Session.
+
+    Where things come from (first found wins):
+
+    - ``rank`` / ``world_size``: the arguments, else ``RANK`` / ``WORLD_SIZE`` (psparse-launch,
+      torchrun, SLURM, PMI and Open MPI variables);
+    - ``server`` ("host:port"): the argument, else ``PSPARSE_SERVER``, else
+      ``MASTER_ADDR``:``PSPARSE_PORT``;
+    - options (``policy``, ``density``, ``granularity``, ``memory``, ``policy_args``,
+      ``clip_norm``, ``density_warmup``, ``check_every``, ``checkpoint_every``, ``timeout``,
+      ``curve_keys``, ...; the fields of README's run configuration): keyword arguments, else
+      the launcher's run configuration (``PSPARSE_CONFIG``, its config.json), else defaults;
+    - ``iterations``: the argument, else the configuration's ``iterations``, else its
+      ``epochs`` × ``batches_per_epoch``;
+    - ``out`` (the run directory, for rank-R.json and checkpoints): the argument, else
+      ``PSPARSE_OUT``; ``run_token``: the argument, else ``PSPARSE_TOKEN``; ``resume``: the
+      argument, else ``PSPARSE_RESUME=1`` (psparse-launch --resume).
+
+    Every rank must call it with the same model architecture and options (the server compares
+    them and names the first difference). The initial weights must match too: seed torch the
+    same on every rank before building the model, or load the same weights.
+    """
+    cfg = _resolve_options(options, world_size)
+    if rank is None:
+        rank = cluster.rank_from_env()
+        if rank is None:
+            raise ConfigError("psparse.connect: no rank (pass rank=..., or run under "
+                              "psparse-launch / torchrun, which set RANK)")
+    if iterations is None:
+        if cfg.iterations is not None:
+            iterations = cfg.iterations
+        elif batches_per_epoch:
+            iterations = math.ceil(cfg.epochs * batches_per_epoch)
+        else:
+            raise ConfigError("psparse.connect: the run's length is needed: iterations=N "
+                              "(or batches_per_epoch=len(loader) with the epochs option, or "
+                              "psparse-launch --iterations/--epochs)")
+    address = server or cluster.server_from_env() or "127.0.0.1:5555"
+    try:
+        servers = cluster.parse_servers(address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if out is None and os.environ.get("PSPARSE_OUT"):
+        out = os.environ["PSPARSE_OUT"]
+    if resume is None:
+        resume = os.environ.get("PSPARSE_RESUME") == "1"
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    session = Session(model, optimizer, cfg, rank=rank,
+                      server=servers if len(servers) > 1 else servers[0],
+                      iterations=iterations, batches_per_epoch=batches_per_epoch, out_dir=out,
+                      run_token=run_token or os.environ.get("PSPARSE_TOKEN") or None,
+                      resume=resume)
+    try:
+        session.register()
+    except BaseException as exc:
+        session.fail(exc)
+        raise
+    return session
+
+
+# options the server acts on too (checkpoints at the same iterations, the broadcast limit, ...):
+# they come from the launcher's configuration, never from one worker's connect()
+SERVER_OPTIONS = ("checkpoint_every", "server_limit", "server_device", "bandwidth", "elastic",
+                  "register_timeout", "workers", "servers")
+
+
+def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
+    """Defaults, then the launcher's config.json (PSPARSE_CONFIG), then keyword options."""
+    values = {}
+    launched = os.environ.get("PSPARSE_CONFIG") or os.environ.get("PSPARSE_CONFIG_JSON")
+    if os.environ.get("PSPARSE_CONFIG"):  # the launcher's config.json (same host)
+        values.update(load_config_file(Path(os.environ["PSPARSE_CONFIG"])))
+    elif os.environ.get("PSPARSE_CONFIG_JSON"):  # the same, inline (cluster modes)
+        values.update(config_from_json(os.environ["PSPARSE_CONFIG_JSON"], "PSPARSE_CONFIG_JSON"))
+    known = {f.name for f in fields(RunConfig)}
+    shared = sorted(set(options) & set(SERVER_OPTIONS))
+    if shared:
+        raise ConfigError(f"psparse.connect: {', '.join(shared)} must match the server's: set "
+                          "it on psparse-launch (or psparse-server), not in connect()")
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"psparse.connect: unknown option {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(known - set(SERVER_OPTIONS)))}")
+    if isinstance(options.get("policy_args"), dict):
+        options["policy_args"] = [f"{k}={v}" for k, v in options["policy_args"].items()]
+    values.update(options)
+    if world_size is not None:
+        values["workers"] = world_size
+    elif not launched:
+        env_world = cluster.world_size_from_env()
+        if env_world is None:
+            raise ConfigError("psparse.connect: no world size (pass world_size=..., or run "
+                              "under psparse-launch / torchrun, which set WORLD_SIZE)")
+        values["workers"] = env_world
+    return replace(RunConfig(), **values).validate()

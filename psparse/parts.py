@@ -1,0 +1,178 @@
+"""A round in buckets of layers (``--bucket-mb``), optionally overlapped with backward
+(``--overlap``): docs/api.md, Overlap; the wire side is docs/protocol.md, Parts.
+
+Buckets are contiguous groups of layers in reverse registration order (``psparse.buckets``),
+each a contiguous key range (a *part*). For each bucket the worker folds its gradient into the
+accumulator, lets the policy select per layer (``select_slice``, with each layer's k as in an
+ordinary ``--granularity layer`` round; on a GPU the engine over the bucket's layers) and
+pushes the part. With ``overlap``, a ``register_post_accumulate_grad_hook`` on every parameter
+starts that work as soon as backward has produced a bucket's last gradient, so while backward
+computes the earlier layers the server already averages and returns the later ones (ZeroMQ's
+I/O thread sends and receives meanwhile). Part 0 (the first layers, ready last) is pushed by
+``exchange`` with the loss and the checksum; ``exchange`` then waits for every part's
+aggregate and applies the merged aggregate exactly as a one-part round does (the policy
+observes the whole aggregate once, in key order). Every selection, sum and update is the one
+of the ordinary round, so results are identical; only timing (and a few header bytes) differ.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import buckets
+from .client import WorkerError
+from .config import DEFAULT_BUCKET_MB, ConfigError, bucket_refusal
+from .exchange import RoundContext, host_loss
+from .policies import PolicyError, SelectionPolicy, check_output
+from .sparsify import NonFiniteError
+from .xp import INDEX_DTYPE
+
+
+class Parts:
+    """The parts of one worker's rounds; ``rounds`` applies a merged aggregate (a
+    ``HostRound``, or a ``DeviceRound``, which also pushes each part from the device)."""
+
+    def __init__(self, ctx: RoundContext, rounds, servers: int):
+        self.ctx, self.rounds = ctx, rounds
+        self.device = getattr(rounds, "push_part", None) is not None
+        cfg, policy = ctx.cfg, ctx.policy
+        why = bucket_refusal(
+            two_phase=policy.two_phase, whole_model=policy.layout.granularity != "layer",
+            overrides_select=type(policy).select is not SelectionPolicy.select,
+            record_selections=cfg.record_selections, shards=servers > 1)
+        if why is not None:
+            raise ConfigError(f"{'--overlap' if cfg.overlap else '--bucket-mb'} {why}"
+                              .replace("{policy}", type(policy).__name__))
+        sizes = ctx.net.layer_sizes
+        self.buckets = buckets.plan(sizes, cfg.bucket_mb or DEFAULT_BUCKET_MB)
+        self.edges = buckets.boundaries(sizes, self.buckets)
+        self.offsets = [o for o, _ in policy.layout.slices]
+        self.bucket_of = [b for b, (first, end) in enumerate(self.buckets)
+                          for _ in range(first, end)]
+        self.overlap = cfg.overlap
+        ctx.client.use_parts(self.edges)
+        self.hooks = []
+        self.in_round = False
+        self.iteration = 0  # the round under way (set by begin)
+        self.ready = [0] * len(self.buckets)  # gradients produced this round, per bucket
+        self.pushed: set[int] = set()
+        self.trace: list[str] = []  # this round's events, in order (rank-R.json: last_round)
+        self.last_trace: list[str] = []
+        self.pushed_in_backward = 0
+        if self.overlap:
+            for layer, p in enumerate(ctx.net.parameters):
+                self.hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda param, layer=layer: self.on_grad(layer)))
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def report(self) -> dict:
+        """rank-R.json's ``overlap``: the buckets, how many pushes left during backward, and
+        the order of events in the last round."""
+        return {"enabled": self.overlap, "parts": self.edges,
+                "layers": [list(b) for b in self.buckets],
+                "pushes_in_backward": self.pushed_in_backward, "last_round": self.last_trace}
+
+    # ------------------------------------------------------------------------------ a round
+    def begin(self, it: int) -> None:
+        """The round's start (its first bucket, or exchange): what a one-part round does first,
+        before any gradient is folded in."""
+        ctx = self.ctx
+        ctx.before(it)
+        self.t_begin = ctx.clock.begin()
+        ctx.set_budget(it)
+        self.checksum_due = ctx.checksum_due(it)
+        # the GPU path reads the weights back with part 0's copy (DeviceRound.push_part)
+        self.checksum = ctx.net.checksum() if self.checksum_due and not self.device else None
+        self.in_round = True
+        self.iteration = it
+        self.ready = [0] * len(self.buckets)
+        self.pushed = set()
+        self.trace = []
+        self.select_s = 0.0
+
+    def on_grad(self, layer: int) -> None:
+        """A parameter's gradient is complete (autograd hook, during backward)."""
+        if not self.in_round:
+            self.begin(self.ctx.iteration())  # the session's next exchange
+        b = self.bucket_of[layer]
+        self.ready[b] += 1
+        first, end = self.buckets[b]
+        if self.ready[b] > end - first or b in self.pushed:
+            raise WorkerError("with overlap, every exchange() follows exactly one backward "
+                              "pass (a second backward before exchange() would change "
+                              "gradients already sent; accumulate micro-batches without "
+                              "overlap)")
+        if self.ready[b] == end - first:
+            self.trace.append(f"ready {b}")
+            if b != 0:  # part 0 is ready last; exchange() sends it with the loss
+                self.push(b)
+                self.pushed_in_backward += 1
+
+    def push(self, b: int, loss=None, checksum: str | None = None) -> None:
+        """Fold bucket b's gradient in, select per layer, push part b."""
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        it = self.iteration
+        first, end = self.buckets[b]
+        ctx.net.gather_layers(first, end)
+        if self.device:  # the engine over the bucket's layers, one copy back
+            self.rounds.push_part(it, b, first, end, loss, b == 0 and self.checksum_due)
+        else:
+            self._push_host(it, b, first, end, loss, checksum)
+        self.pushed.add(b)
+        self.trace.append(f"push {b}")
+        self.select_s += time.perf_counter() - t0
+
+    def _push_host(self, it: int, b: int, first: int, end: int, loss, checksum) -> None:
+        ctx = self.ctx
+        lo, hi = self.edges[b], self.edges[b + 1]
+        acc = ctx.memory.add_range(ctx.net.grad_range(lo, hi), lo, hi)
+        policy = ctx.policy
+        chosen = []
+        try:
+            for layer in range(first, end):
+                k, offset = policy.slice_k[layer], self.offsets[layer]
+                if k > 0:
+                    size = ctx.net.layer_sizes[layer]
+                    chosen.append(policy.select_slice(acc[offset:offset + size], k, offset)
+                                  + offset)
+        except NonFiniteError as exc:
+            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+        indices = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
+        check_output(policy, indices, it, policy.max_push)
+        if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
+            raise PolicyError(f"policy {type(policy).__name__}.select_slice() at iteration "
+                              f"{it} chose an index outside its layer")
+        indices = indices.astype(INDEX_DTYPE, copy=False)
+        ctx.client.send_part(it, b, indices, ctx.memory.take(indices), loss, checksum)
+
+    def exchange(self, it: int, loss) -> None:
+        """After backward: push what the hooks did not (all buckets without overlap), last of
+        all part 0 with the loss and checksum; wait for every part; apply."""
+        ctx = self.ctx
+        if not self.device:  # the GPU path reads the loss back with part 0's copy
+            loss = host_loss(loss, it)
+        if not self.in_round:
+            self.begin(it)
+        self.trace.append("exchange")
+        for b in range(len(self.buckets) - 1, 0, -1):
+            if b not in self.pushed:
+                self.push(b)
+        self.push(0, loss, self.checksum)
+        t2 = time.perf_counter()
+        agg = ctx.client.await_parts(it)
+        t3 = time.perf_counter()
+        self.trace.append("aggregate")
+        self.in_round = False
+        self.last_trace = self.trace
+        self.rounds.apply(agg, it)
+        ctx.clock.add("select_s", self.select_s)
+        ctx.clock.add("wait_s", t3 - t2)
+        ctx.clock.add("compute_s", t2 - self.t_begin - self.select_s)  # between the pushes
+        ctx.clock.end(t3)
