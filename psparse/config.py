@@ -1,18 +1,14 @@
 """Run configuration: one set of options shared by psparse-launch, psparse-server, psparse-worker.
 
-Every option can come from the command line (``--batch-size 32``) or a config file (``--config
-FILE``, JSON or TOML, keys spelled like the flags: ``batch-size`` or ``batch_size``). The command
-line wins over the file, the file over the defaults below. Unknown keys and bad values are errors
-that name the key.
+``RunConfig`` declares every option once, with its default, help and scope, and checks a set
+of values (``validate``). Where the values come from -- flags, config files, the launcher's
+environment -- is ``psparse.options``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import tomllib
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, fields
 
 from .memory import MEMORIES, SCALECOM_BETA
 from .transport import parse_rate
@@ -42,55 +38,141 @@ class ConfigError(ValueError):
     """A configuration value or file is invalid; the text names it."""
 
 
+def option(default, help: str, *, agreed: bool = True, server: bool = False,
+           launcher: bool = False):
+    """A RunConfig field with its help and scope (see RunConfig)."""
+    return field(default=default, metadata={"help": help, "agreed": agreed, "server": server,
+                                            "launcher": launcher})
+
+
 @dataclass
 class RunConfig:
+    """Every option, declared once: its default, its help (the flag's and the docs'), and its
+    scope -- ``agreed`` (every worker must share it: the run description's ``config``, the
+    default), ``server`` (psparse-server takes it) and ``launcher`` (set on psparse-launch or
+    psparse-server, never in one worker's ``connect()``: the server acts on it too)."""
+
     # What to train.
-    model: str = "lenet"
-    model_args: list[str] | None = None
-    dataset: str = "mnist"
-    data_dir: str | None = None
-    workers: int = 8
+    model: str = option("lenet",
+        f"network to train: {', '.join(sorted(MODELS))} (a load-test model of any "
+        "size: --model-arg numel=25M), or package.module:factory (factory(in_shape, "
+        "num_classes, **model_args) -> torch.nn.Module)")
+    model_args: list[str] | None = option(None,
+        "model parameter key=value, repeatable: synthetic takes numel (1M, 25M, 2.5e7; "
+        "default 1M), layers, tail, scale, seed; a factory gets them as keyword "
+        "arguments (strings)")
+    dataset: str = option("mnist",
+        f"training data: {', '.join(DATASETS)}, or package.module:factory "
+        "(factory(data_dir) -> psparse.data.Dataset)")
+    data_dir: str | None = option(None,
+        "folder holding the data sets (default: $PSPARSE_DATA or ./data)", agreed=False)
+    workers: int = option(8, "number of workers N (world size)", server=True, launcher=True)
     # How much to send: k = round(density * numel) entries per worker per iteration.
-    density: float = 0.01
-    granularity: str = "model"
+    density: float = option(0.01,
+        "fraction of the model's entries each worker pushes per iteration (k = density "
+        "x numel; 1.0 is dense)")
+    granularity: str = option("model",
+        "select over the whole model, or per layer with k split by layer size")
     # Communication in buckets of layers (DDP-style), pushed as they are ready in backward.
-    overlap: bool = False
-    bucket_mb: float | None = None
-    policy: str = "topk"
-    policy_args: list[str] | None = None
-    memory: str = "residual"
-    memory_beta: float | None = None  # scalecom's filter factor; validate() sets the default
-    clip_norm: float | None = None
-    density_warmup: float = 0.0
+    overlap: bool = option(False,
+        "with --granularity layer: push each bucket of layers (--bucket-mb) from "
+        "backward as soon as its gradients are ready, so communication overlaps the "
+        "rest of backward (same results as without; docs/api.md, Overlap)")
+    bucket_mb: float | None = option(None,
+        "with --granularity layer: exchange the gradient in buckets of layers of about "
+        "this many MB, in reverse layer order, as parts of each round (default: "
+        f"{DEFAULT_BUCKET_MB} with --overlap, else one round)")
+    policy: str = option("topk",
+        "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, "
+        "core, vote, or package.module:ClassName")
+    policy_args: list[str] | None = option(None,
+        "policy parameter key=value (repeatable; default: the policy's defaults)")
+    memory: str = option("residual",
+        "error feedback: residual (acc += g), dgc (momentum correction + factor "
+        "masking; the optimizer then applies plain SGD) or scalecom (ScaleCom's "
+        "low-pass-filtered memory, m = (1-beta) m + beta (m + g - sent))")
+    # scalecom's filter factor; validate() sets the default
+    memory_beta: float | None = option(None,
+        "with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain error "
+        f"feedback (default: {SCALECOM_BETA})")
+    clip_norm: float | None = option(None,
+        "clip each local gradient to this L2 norm before accumulating (default: no "
+        "clipping)")
+    density_warmup: float = option(0.0,
+        "DGC warm-up: density 25% in epoch 1, 6.25% in epoch 2, 1.56% in epoch 3, ... "
+        "for this many epochs, never below --density")
     # How long and how.
-    epochs: float = 8.0
-    iterations: int | None = None
-    batch_size: int = 32
-    lr: float = 0.05
-    lr_steps: str | None = None
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-    record_selections: bool = False
-    checkpoint_every: int = 0
-    eval_every: int = 100
-    eval_samples: int | None = None
-    check_every: int = 10
-    threads: int | None = None
-    device: str = "cpu"
+    epochs: float = option(8.0,
+        "training length in passes over the data (ignored when --iterations is given)")
+    iterations: int | None = option(None,
+        "training length in synchronous iterations (default: from --epochs)")
+    batch_size: int = option(32, "minibatch size per worker")
+    lr: float = option(0.05, "SGD learning rate applied to the aggregate")
+    lr_steps: str | None = option(None,
+        "epochs at which the learning rate is multiplied by 0.1, comma-separated (e.g. "
+        "80,120; default: constant)")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "SGD weight decay")
+    seed: int = option(0, "seed for initial weights, data shards and shuffling")
+    record_selections: bool = option(False,
+        "workers save each iteration's top-k gradient indices and sent indices to "
+        "RUN_DIR/selections-rank-R.npz, for psparse-locality", agreed=False)
+    checkpoint_every: int = option(0,
+        "every this many iterations the server and every worker save their state to "
+        "RUN_DIR/checkpoint/ (0: never); --resume RUN_DIR continues",
+        agreed=False, server=True, launcher=True)
+    eval_every: int = option(100,
+        "rank 0 evaluates test accuracy every this many iterations (0: only at the end)")
+    eval_samples: int | None = option(None,
+        "evaluate on this many test images, a fixed random subset (seed 0, the same in "
+        "every run), instead of the whole test set: for slow hosts (default: all)")
+    check_every: int = option(10,
+        "workers send a weight checksum every this many iterations; the server stops "
+        "the run if replicas differ")
+    threads: int | None = option(None,
+        "torch threads per worker (default: cores / workers on this host, at least 1)",
+        agreed=False)
+    device: str = option("cpu",
+        "cpu, cuda (one GPU per worker: local rank modulo the visible devices; "
+        "CUDA_VISIBLE_DEVICES respected) or auto")
     # Server and robustness.
-    servers: int = 1
-    server_limit: str | None = None
-    server_device: str = "cpu"
-    bandwidth: str | None = None
-    curve_keys: str | None = None
-    elastic: bool = False
-    timeout: float = 30.0
-    register_timeout: float = 120.0
-    max_message_mb: float = 1024.0
+    servers: int = option(1,
+        "key-range server shards S: the flat parameter vector is split into S "
+        "contiguous ranges of about equal size, each served by its own server process "
+        "(psparse-launch starts them; by hand: psparse-server --shard I/S)",
+        agreed=False, launcher=True)
+    server_limit: str | None = option(None,
+        "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; the "
+        "rest is held in a server residual and sent later; with --servers S each shard "
+        "gets its part, L*(I+1)//S - L*I//S (default: no limit)",
+        agreed=False, server=True, launcher=True)
+    server_device: str = option("cpu",
+        "where the server sums the pushes: cpu, or cuda (one scatter-add on the GPU; "
+        "pays off for large unions)", agreed=False, server=True, launcher=True)
+    bandwidth: str | None = option(None,
+        "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
+        "of a round take bytes*8/rate (default: no pacing)",
+        agreed=False, server=True, launcher=True)
+    curve_keys: str | None = option(None,
+        "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "
+        "server accepts only workers whose public key is in FOLDER/authorized (default: "
+        "no authentication)", agreed=False, server=True)
+    elastic: bool = option(False,
+        "when a worker is lost, go on with the others (the mean is over those present) "
+        "instead of ending the run", agreed=False, server=True, launcher=True)
+    timeout: float = option(30.0,
+        "seconds of silence (no message, no heartbeat) after which a worker or the "
+        "server counts as lost; no wait lasts more than 10x this", agreed=False, server=True)
+    register_timeout: float = option(120.0,
+        "seconds the server waits for every worker to register (processes starting on a "
+        "busy cluster can take a while)", agreed=False, server=True, launcher=True)
+    max_message_mb: float = option(1024.0,
+        "largest message accepted, in MB (ZMQ_MAXMSGSIZE)", agreed=False, server=True)
     # psparse-launch's positional TRAIN.PY: the user's own loop (psparse.connect) replaces the
     # built-in one, so model and dataset are the script's. Not a flag; kept in config.json.
-    script: str | None = None
+    script: str | None = option(None,
+        "the user's training script (psparse-launch's positional argument)")
+
 
     def validate(self) -> RunConfig:
         def need(cond, msg):
@@ -221,16 +303,11 @@ class RunConfig:
         (the step schedule of the ResNet paper)."""
         return self.lr * 0.1 ** sum(epoch >= s for s in self.lr_step_epochs())
 
-    # Options that only place or guard a process: they may differ between workers.
-    LOCAL_OPTIONS = ("data_dir", "threads", "timeout", "max_message_mb", "record_selections",
-                     "servers", "server_limit", "server_device", "bandwidth", "curve_keys", "elastic",
-                     "register_timeout", "checkpoint_every")
-
     def agreed(self) -> dict:
         """The options every worker must share, as the ``config`` map of the run description
         (docs/protocol.md): plain values (nil, bool, int, float, str, list of str), compared
         field by field by the server."""
-        return {k: v for k, v in asdict(self).items() if k not in self.LOCAL_OPTIONS}
+        return {k: v for k, v in asdict(self).items() if k not in LOCAL_OPTIONS}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -291,198 +368,15 @@ def parse_limit(text: str) -> tuple[float, str]:
                      "(2k, 1.5k) or Nk (world size times k)")
 
 
-HELP = {
-    "model": "network to train: " + ", ".join(sorted(MODELS)) + " (a load-test model of any "
-             "size: --model-arg numel=25M), or package.module:factory "
-             "(factory(in_shape, num_classes, **model_args) -> torch.nn.Module)",
-    "model_args": "model parameter key=value, repeatable: synthetic takes numel (1M, 25M, "
-                  "2.5e7; default 1M), layers, tail, scale, seed; a factory gets them as "
-                  "keyword arguments (strings)",
-    "dataset": "training data: " + ", ".join(DATASETS) + ", or package.module:factory "
-               "(factory(data_dir) -> psparse.data.Dataset)",
-    "data_dir": "folder holding the data sets (default: $PSPARSE_DATA or ./data)",
-    "workers": "number of workers N (world size)",
-    "density": "fraction of the model's entries each worker pushes per iteration (k = density x "
-               "numel; 1.0 is dense)",
-    "granularity": "select over the whole model, or per layer with k split by layer size",
-    "overlap": "with --granularity layer: push each bucket of layers (--bucket-mb) from "
-               "backward as soon as its gradients are ready, so communication overlaps the "
-               "rest of backward (same results as without; docs/api.md, Overlap)",
-    "bucket_mb": "with --granularity layer: exchange the gradient in buckets of layers of "
-                 "about this many MB, in reverse layer order, as parts of each round "
-                 f"(default: {DEFAULT_BUCKET_MB} with --overlap, else one round)",
-    "policy": "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, core, "
-              "vote, or package.module:ClassName",
-    "policy_args": "policy parameter key=value (repeatable; default: the policy's defaults)",
-    "memory": "error feedback: residual (acc += g), dgc (momentum correction + factor "
-              "masking; the optimizer then applies plain SGD) or scalecom (ScaleCom's "
-              "low-pass-filtered memory, m = (1-beta) m + beta (m + g - sent))",
-    "memory_beta": f"with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain "
-                   f"error feedback (default: {SCALECOM_BETA})",
-    "clip_norm": "clip each local gradient to this L2 norm before accumulating "
-                 "(default: no clipping)",
-    "density_warmup": "DGC warm-up: density 25% in epoch 1, 6.25% in epoch 2, 1.56% in "
-                      "epoch 3, ... for this many epochs, never below --density",
-    "epochs": "training length in passes over the data (ignored when --iterations is given)",
-    "iterations": "training length in synchronous iterations (default: from --epochs)",
-    "batch_size": "minibatch size per worker",
-    "lr": "SGD learning rate applied to the aggregate",
-    "lr_steps": "epochs at which the learning rate is multiplied by 0.1, comma-separated "
-                "(e.g. 80,120; default: constant)",
-    "momentum": "SGD momentum",
-    "weight_decay": "SGD weight decay",
-    "seed": "seed for initial weights, data shards and shuffling",
-    "record_selections": "workers save each iteration's top-k gradient indices and sent indices "
-                         "to RUN_DIR/selections-rank-R.npz, for psparse-locality",
-    "checkpoint_every": "every this many iterations the server and every worker save their "
-                        "state to RUN_DIR/checkpoint/ (0: never); --resume RUN_DIR continues",
-    "eval_every": "rank 0 evaluates test accuracy every this many iterations (0: only at the end)",
-    "eval_samples": "evaluate on this many test images, a fixed random subset (seed 0, the same "
-                    "in every run), instead of the whole test set: for slow hosts (default: all)",
-    "check_every": "workers send a weight checksum every this many iterations; the server stops "
-                   "the run if replicas differ",
-    "device": "cpu, cuda (one GPU per worker: local rank modulo the visible devices; "
-              "CUDA_VISIBLE_DEVICES respected) or auto",
-    "threads": "torch threads per worker (default: cores / workers on this host, at least 1)",
-    "servers": "key-range server shards S: the flat parameter vector is split into S "
-               "contiguous ranges of about equal size, each served by its own server process "
-               "(psparse-launch starts them; by hand: psparse-server --shard I/S)",
-    "server_limit": "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; "
-                    "the rest is held in a server residual and sent later; with --servers S "
-                    "each shard gets its part, L*(I+1)//S - L*I//S (default: no limit)",
-    "server_device": "where the server sums the pushes: cpu, or cuda (one scatter-add on the "
-                     "GPU; pays off for large unions)",
-    "bandwidth": "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
-                 "of a round take bytes*8/rate (default: no pacing)",
-    "curve_keys": "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "
-                  "server accepts only workers whose public key is in FOLDER/authorized "
-                  "(default: no authentication)",
-    "elastic": "when a worker is lost, go on with the others (the mean is over those present) "
-               "instead of ending the run",
-    "timeout": "seconds of silence (no message, no heartbeat) after which a worker or the server "
-               "counts as lost; no wait lasts more than 10x this",
-    "register_timeout": "seconds the server waits for every worker to register (processes "
-                        "starting on a busy cluster can take a while)",
-    "max_message_mb": "largest message accepted, in MB (ZMQ_MAXMSGSIZE)",
-    "script": "the user's training script (psparse-launch's positional argument)",
-}
+def _scope(key: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(RunConfig) if f.metadata[key])
 
 
+HELP = {f.name: f.metadata["help"] for f in fields(RunConfig)}
+# Options that only place or guard a process: they may differ between workers.
+LOCAL_OPTIONS = tuple(f.name for f in fields(RunConfig) if not f.metadata["agreed"])
 # The options psparse-server takes (its other flags are its own: --bind, --port, --shard, ...).
-SERVER_CONFIG = ("workers", "timeout", "max_message_mb", "server_limit", "server_device",
-                 "bandwidth", "curve_keys", "elastic", "register_timeout", "checkpoint_every")
-
-NOT_FLAGS = ("script",)  # set by psparse-launch's positional argument, not by a flag
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None):
-    """Add ``--config`` and one flag per RunConfig field (default None = not given)."""
-    parser.add_argument("--config", type=Path, default=None,
-                        help="JSON or TOML file of options (keys as the flags below)")
-    group = parser.add_argument_group("run configuration (also settable in --config)")
-    for f in fields(RunConfig):
-        if (only is not None and f.name not in only) or f.name in NOT_FLAGS:
-            continue
-        if f.name in ("policy_args", "model_args"):
-            group.add_argument("--" + f.name[:-1].replace("_", "-"), action="append",
-                               default=None, dest=f.name, metavar="KEY=VALUE",
-                               help=HELP[f.name])
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _field_type(f)
-        if kind is bool:
-            group.add_argument(flag, action="store_true", default=None, dest=f.name,
-                               help=HELP[f.name])
-            continue
-        text = HELP[f.name] if "default" in HELP[f.name] else f"{HELP[f.name]} (default: {f.default})"
-        # argparse %-formats help strings: a literal "25%" would crash --help
-        group.add_argument(flag, type=kind, default=None, dest=f.name,
-                           metavar=kind.__name__.upper(), help=text.replace("%", "%%"))
-
-
-def _field_type(f):
-    t = str(f.type)
-    if "list" in t:
-        return list
-    if t == "bool":
-        return bool
-    if "int" in t and "float" not in t:
-        return int
-    if "float" in t:
-        return float
-    return str
-
-
-def parse_with_config(parser: argparse.ArgumentParser, argv=None):
-    """(args, config) from the command line; a bad config exits with the parser's error."""
-    args = parser.parse_args(argv)
-    try:
-        return args, resolve_config(args)
-    except ConfigError as exc:
-        parser.error(str(exc))
-
-
-def resolve_config(args: argparse.Namespace) -> RunConfig:
-    """Defaults, then the config file, then command-line flags; validated."""
-    values = {}
-    if getattr(args, "config", None) is not None:
-        values.update(load_config_file(args.config))
-    for f in fields(RunConfig):
-        v = getattr(args, f.name, None)
-        if v is not None:
-            values[f.name] = v
-    try:
-        return RunConfig(**values).validate()
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def load_config_file(path: Path) -> dict:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid "
-                          f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
-    return config_from_map(raw, f"config file {path}")
-
-
-def config_from_json(text: str, source: str) -> dict:
-    """Options from a JSON text (psparse-launch's PSPARSE_CONFIG_JSON)."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source} is not valid JSON: {exc}") from None
-    return config_from_map(raw, source)
-
-
-def config_from_map(raw, source: str) -> dict:
-    """Checked RunConfig values from a map of options (keys as flags or field names)."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source} must hold a map of options")
-    known = {f.name: f for f in fields(RunConfig)}
-    out = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name in RECORD_ONLY:  # written by psparse-launch beside the options; not options
-            continue
-        if name in ("policy_arg", "model_arg"):
-            name += "s"
-        if name in ("policy_args", "model_args") and isinstance(value, dict):
-            value = [f"{k}={v}" for k, v in value.items()]  # a [policy-args] table
-        if name not in known:
-            raise ConfigError(f"{source}: unknown option {key!r}; valid options: "
-                              f"{', '.join(n.replace('_', '-') for n in known)}")
-        kind = _field_type(known[name])
-        if value is not None:
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise ConfigError(f"{source}: option {key!r} must be "
-                                  f"{kind.__name__}, got {value!r}")
-        out[name] = value
-    return out
+SERVER_CONFIG = _scope("server")
+# Options the server acts on too (checkpoints at the same iterations, the broadcast limit, ...):
+# they come from the launcher's configuration, never from one worker's connect()
+LAUNCHER_OPTIONS = _scope("launcher")

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from . import cluster
-from .config import ConfigError, RunConfig, config_from_json, load_config_file
+from .config import LAUNCHER_OPTIONS, ConfigError, RunConfig
+from .options import config_from_json, load_config_file
 from .session import Session
 
 __all__ = ["connect"]
@@ -84,12 +85,6 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     return session
 
 
-# options the server acts on too (checkpoints at the same iterations, the broadcast limit, ...):
-# they come from the launcher's configuration, never from one worker's connect()
-SERVER_OPTIONS = ("checkpoint_every", "server_limit", "server_device", "bandwidth", "elastic",
-                  "register_timeout", "workers", "servers")
-
-
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     """Defaults, then the launcher's config.json (PSPARSE_CONFIG), then keyword options."""
     values = {}
@@ -99,14 +94,14 @@ def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     elif os.environ.get("PSPARSE_CONFIG_JSON"):  # the same, inline (cluster modes)
         values.update(config_from_json(os.environ["PSPARSE_CONFIG_JSON"], "PSPARSE_CONFIG_JSON"))
     known = {f.name for f in fields(RunConfig)}
-    shared = sorted(set(options) & set(SERVER_OPTIONS))
+    shared = sorted(set(options) & set(LAUNCHER_OPTIONS))
     if shared:
         raise ConfigError(f"psparse.connect: {', '.join(shared)} must match the server's: set "
                           "it on psparse-launch (or psparse-server), not in connect()")
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"psparse.connect: unknown option {', '.join(unknown)}; valid: "
-                          f"{', '.join(sorted(known - set(SERVER_OPTIONS)))}")
+                          f"{', '.join(sorted(known - set(LAUNCHER_OPTIONS)))}")
     if isinstance(options.get("policy_args"), dict):
         options["policy_args"] = [f"{k}={v}" for k, v in options["policy_args"].items()]
     values.update(options)

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import RunConfig, add_config_arguments, parse_with_config
+from .config import RunConfig
 from .costmodel import powersgd_sizes
+from .options import add_config_arguments, parse_with_config
 from .rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, rank_file, write_json
 from .worker import setup
 from .worker import train as train_loop

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from . import cluster, jit, keyranges, plugin
-from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .config import ConfigError, RunConfig
+from .options import add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .provenance import provenance
 from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE

@@ -41,15 +41,10 @@ import numpy as np
 from . import checkpoint, keyranges, protocol
 from .aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from .codec import KeyCache
-from .config import (
-    SERVER_CONFIG,
-    add_config_arguments,
-    bucket_refusal,
-    parse_limit,
-    parse_with_config,
-)
+from .config import SERVER_CONFIG, bucket_refusal, parse_limit
 from .kernels import sparse_mean  # noqa: F401 (tests/test_limits.py imports it from here)
 from .membership import Membership, RunAborted
+from .options import add_config_arguments, parse_with_config
 from .protocol import ProtocolError
 from .rundir import (
     EVAL_FILE,

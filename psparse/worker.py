@@ -27,10 +27,11 @@ import torch.nn.functional as F
 
 from . import cluster
 from .client import ServerGone, WorkerError
-from .config import ConfigError, RunConfig, add_config_arguments, resolve_config
+from .config import ConfigError, RunConfig
 from .data import DataError, Shard, load_dataset, test_batches
 from .device import pick_device
 from .models import build_model
+from .options import add_config_arguments, resolve_config
 from .policies import PolicyError
 from .session import Session
 

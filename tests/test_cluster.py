@@ -61,7 +61,7 @@ def test_config_flags_round_trip_through_the_worker_parser():
                     policy_args=["own=0.2", "beta=0.3"], record_selections=True,
                     server_limit="2k", iterations=7).validate()
     args = build_parser().parse_args(["--rank", "0", *cluster.config_flags(cfg)])
-    from psparse.config import resolve_config
+    from psparse.options import resolve_config
 
     assert resolve_config(args) == cfg
     # model arguments repeat as --model-arg KEY=VALUE (they once went as one list repr)

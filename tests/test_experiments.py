@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from experiments.run import SWEEPS
-from psparse.config import resolve_config
 from psparse.launch import build_parser
+from psparse.options import resolve_config
 from psparse.policies import Layout, build_policy
 
 
@@ -137,7 +137,7 @@ def test_a_finished_run_by_other_code_is_not_reused_unless_told(tmp_path):
 
 
 def test_config_json_records_the_code_and_reads_back(tmp_path):
-    from psparse.config import load_config_file
+    from psparse.options import load_config_file
     from psparse.provenance import provenance
 
     p = provenance()
