@@ -13,21 +13,17 @@ run applies to a shard unchanged). Workers select over the whole vector, split e
 range, and concatenate the shards' aggregates (disjoint, ordered ranges: the result is sorted).
 
 Pure helpers, no sockets: the server (its own range), the client (splitting and merging) and the
-run-directory merge (``merge_run_dir``) use them.
+run directory's merge (``psparse.server.records.merge_run_dir``) use them.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from .rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl, write_atomic, write_json
-
-__all__ = ["parse_shard", "check_shardable", "bounds", "split_sorted", "shard_dir", "merge_run_dir",
-           "MERGED_SUM_FIELDS"]
+__all__ = ["parse_shard", "check_shardable", "bounds", "split_sorted", "shard_dir"]
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -75,85 +71,3 @@ def split_sorted(indices: np.ndarray, edges: np.ndarray) -> list[slice]:
 def shard_dir(run_dir: Path, index: int) -> Path:
     """Where shard I of a sharded run writes its files (metrics, summary, checkpoints)."""
     return Path(run_dir) / f"shard-{index}"
-
-
-# Per-iteration fields of the merged metrics.jsonl that are the shards' sum; the rest:
-# iter, workers, budget, loss (the same on every shard), k (per worker: summed over shards),
-# dense (any shard), round_s and time_s (the slowest shard), and "shards" (per-shard bytes).
-MERGED_SUM_FIELDS = ("union", "broadcast_entries", "residual_entries", "upload_bytes",
-                     "broadcast_bytes")
-
-
-def _merge_records(records: list[dict]) -> dict:
-    first = records[0]
-    out = dict(first)
-    for key in MERGED_SUM_FIELDS:
-        out[key] = sum(r[key] for r in records)
-    out["k"] = [sum(ks) for ks in zip(*(r["k"] for r in records))]
-    proposed = [r["proposed"] for r in records]
-    out["proposed"] = None if any(p is None for p in proposed) else sum(proposed)
-    out["dense"] = any(r["dense"] for r in records)
-    out["round_s"] = max(r["round_s"] for r in records)
-    out["time_s"] = max(r["time_s"] for r in records)
-    out["shards"] = [{"upload_bytes": r["upload_bytes"], "broadcast_bytes": r["broadcast_bytes"],
-                      "union": r["union"]} for r in records]
-    return out
-
-
-def merge_run_dir(run_dir: Path, count: int) -> bool:
-    """Write RUN_DIR's metrics.jsonl, eval.jsonl and summary.json from the S shards' own files
-    (RUN_DIR/shard-I/), once every shard has written its summary.json. Returns whether it did.
-
-    Idempotent (the same input gives the same files, written atomically), so every shard may
-    call it when it finishes and the launcher again at the end.
-    """
-    run_dir = Path(run_dir)
-    dirs = [shard_dir(run_dir, i) for i in range(count)]
-    if not all((d / SUMMARY_FILE).is_file() for d in dirs):
-        return False
-    summaries = [json.loads((d / SUMMARY_FILE).read_text()) for d in dirs]
-    per_shard = [read_jsonl(d / METRICS_FILE) for d in dirs]
-    rounds = min(len(m) for m in per_shard)
-    merged = [_merge_records([m[t] for m in per_shard]) for t in range(rounds)]
-    write_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in merged))
-    write_atomic(run_dir / EVAL_FILE, (dirs[0] / EVAL_FILE).read_text()
-                 if (dirs[0] / EVAL_FILE).is_file() else "")
-    write_json(run_dir / SUMMARY_FILE, merge_summaries(summaries, merged))
-    return True
-
-
-def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
-    """The run's summary.json from the shards' (their byte totals summed, union/k from the
-    merged per-iteration unions) and the per-shard totals under ``shards``."""
-    first = summaries[0]
-    out = dict(first)
-    failed = [(i, s) for i, s in enumerate(summaries) if s["status"] != "ok"]
-    if failed:
-        i, s = failed[0]
-        out["status"], out["error"] = "failed", f"shard {i}: {s['error']}"
-    out["numel"] = sum(s["numel"] for s in summaries)
-    out["iterations"] = len(merged)
-    for key in ("wall_s", "train_s"):
-        values = [s[key] for s in summaries if s.get(key) is not None]
-        out[key] = max(values) if values else None
-    done = len(merged)
-    out["iterations_per_s"] = round(done / out["wall_s"], 3) if done and out["wall_s"] else None
-    out["train_iterations_per_s"] = round(done / out["train_s"], 3) \
-        if done and out["train_s"] else None
-    unions = [r["union"] / max(1, r["budget"]) for r in merged]
-    out["union_over_k_mean"] = round(float(np.mean(unions)), 4) if unions else None
-    out["union_over_k_max"] = round(float(np.max(unions)), 4) if unions else None
-    pushed = [float(np.mean(r["k"])) if r["k"] else 0.0 for r in merged]
-    out["pushed_k_mean"] = round(float(np.mean(pushed)), 4) if pushed else None
-    for key in ("upload_mb", "broadcast_mb", "dense_mb"):
-        out[key] = round(sum(s[key] for s in summaries), 4)
-    out["rejected_messages"] = sum(s["rejected_messages"] for s in summaries)
-    limits = [s["server_limit"] for s in summaries]
-    out["server_limit"] = None if limits[0] is None else {
-        "spec": limits[0]["spec"], "held_back": sum(s["held_back"] for s in limits)}
-    out.pop("shard", None)
-    out.pop("key_range", None)
-    out["shards"] = [{"shard": i, "key_range": s["key_range"], "upload_mb": s["upload_mb"],
-                      "broadcast_mb": s["broadcast_mb"], "status": s["status"]}
-                     for i, s in enumerate(summaries)]
-    return out

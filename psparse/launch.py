@@ -35,7 +35,8 @@ from .config import ConfigError, RunConfig
 from .options import add_config_arguments, resolve_config
 from .policies import Layout, PolicyError, build_policy
 from .provenance import provenance
-from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
+from .rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE, JsonlTail
+from .server.records import merge_records, merge_run_dir
 
 _PR_SET_PDEATHSIG = 1
 
@@ -136,7 +137,7 @@ class Launch:
         self.cluster = cluster
         self.procs: dict[str, ForkedProcess] = {}
         self.shards = cfg.servers  # key-range server shards (one server process each)
-        self._offsets: dict[Path, int] = {}
+        self._tail = JsonlTail()  # the new records of the run's files, for the progress line
         self._last = {"metrics": None, "eval": None}
         self._pending: dict[int, list] = {}  # iteration -> its shards' records so far
         self._bytes = [0, 0]
@@ -423,18 +424,11 @@ class Launch:
         """A sharded run's metrics.jsonl, eval.jsonl and summary.json from the shards' own
         (each shard also does it when it finishes; this covers a run that failed)."""
         if self.shards > 1 and not self.baseline:
-            keyranges.merge_run_dir(self.out, self.shards)
+            merge_run_dir(self.out, self.shards)
 
     # -------------------------------------------------------------------------------- progress
     def _read_lines(self, path: Path) -> list[dict]:
-        if not path.is_file():
-            return []
-        with open(path, "rb") as fh:
-            fh.seek(self._offsets.get(path, 0))
-            chunk = fh.read()
-        end = chunk.rfind(b"\n") + 1  # only whole lines; the writer may be mid-line
-        self._offsets[path] = self._offsets.get(path, 0) + end
-        return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        return self._tail.new(path)
 
     def _metrics_records(self) -> list[dict]:
         """New per-iteration records: the run's, or for S shards each iteration's merged record
@@ -445,12 +439,7 @@ class Launch:
             for rec in self._read_lines(keyranges.shard_dir(self.out, index) / METRICS_FILE):
                 self._pending.setdefault(rec["iter"], []).append(rec)
         done = sorted(it for it, recs in self._pending.items() if len(recs) == self.shards)
-        merged = []
-        for it in done:
-            recs = self._pending.pop(it)
-            merged.append({**recs[0], **{k: sum(r[k] for r in recs)
-                                         for k in ("union", "upload_bytes", "broadcast_bytes")}})
-        return merged
+        return [merge_records(self._pending.pop(it)) for it in done]  # the server's rule
 
     def _read_progress(self) -> None:
         for rec in self._metrics_records():

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .keyranges import merge_run_dir, shard_dir
+from .keyranges import shard_dir
 from .rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
+from .server.records import merge_run_dir
 
 
 def load_run(run_dir: Path) -> dict:

@@ -62,6 +62,25 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
+class JsonlTail:
+    """Reads the records a JSON-lines file gained since the last call, complete lines only (a
+    running server's metrics.jsonl, for the launcher's progress line)."""
+
+    def __init__(self):
+        self._offsets: dict[Path, int] = {}
+
+    def new(self, path: Path) -> list[dict]:
+        path = Path(path)
+        if not path.is_file():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(self._offsets.get(path, 0))
+            chunk = fh.read()
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the writer may be mid-line
+        self._offsets[path] = self._offsets.get(path, 0) + end
+        return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write so that a reader never sees half a file: to a temporary name, then rename (the
     name holds the process id: several server shards may write a sharded run's merged files

@@ -7,7 +7,8 @@ import pytest
 from test_server import NUMEL, random_push, start_clients
 
 from psparse import protocol
-from psparse.server import ServerLimit, sparse_mean
+from psparse.aggregation import ServerLimit
+from psparse.kernels import sparse_mean
 
 
 @pytest.mark.parametrize("limit", [1, 7, 40, 200])

@@ -1,0 +1,250 @@
+"""The server's rounds: one engine for whole-model rounds and rounds in parts.
+
+A round (docs/protocol.md, "Sequences"): with a two-phase policy every worker first proposes
+and the server answers with the group's indices (or, as a key-range shard, its candidates);
+then every live worker pushes, once per part (a whole-model round is one part), each push
+checked against the step the agreed run sets for the iteration; a part is averaged and
+broadcast as soon as every live rank has pushed it, so in a round in parts the workers receive
+the later layers' aggregate while backward still runs; the record of the round goes to
+metrics.jsonl. Messages that arrive meanwhile and are not what the round waits for are
+dispatched here too: a worker's reports go to the records, its error message loses it, anything
+else is refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import protocol
+from ..aggregation import BudgetError
+from ..membership import RunAborted
+from ..protocol import ProtocolError
+
+
+class Rounds:
+    """Serves the iterations of one agreed run (built at registration)."""
+
+    def __init__(self, *, endpoint, records, members, run: dict, aggregators: list, parts,
+                 limit, shard: tuple[int, int]):
+        self.endpoint, self.records, self.members = endpoint, records, members
+        self.run = run
+        self.parts = parts  # None: whole-model rounds (one part, no "part" field)
+        self.aggregators = aggregators  # one per part
+        self.limit = limit
+        self.shard = shard
+        self.sharded = shard[1] > 1
+
+    # ------------------------------------------------------------------------------ a round
+    def serve(self, it: int) -> None:
+        t_start = time.perf_counter()
+        step = protocol.step_at(self.run, it)  # (budget, push cap, proposal cap), once
+        upload = broadcast = 0
+        proposed = None
+        if self.run["two_phase"]:
+            proposals, nbytes = self.collect_one(it, "propose", step)
+            upload += nbytes
+            self.endpoint.pace(nbytes)
+            broadcast, proposed = self._vote(it, step, [proposals[r] for r in sorted(proposals)])
+        count = 1 if self.parts is None else len(self.parts) - 1
+        got: list[dict[int, protocol.Message]] = [{} for _ in range(count)]
+        totals = {"upload": upload, "broadcast": broadcast, "union": 0, "sent": 0,
+                  "residual": 0, "dense": False}
+
+        def on_push(msg, nbytes):
+            part = msg.get("part") or 0
+            got[part][msg["rank"]] = msg
+            totals["upload"] += nbytes
+            self.endpoint.pace(nbytes)
+            if self.parts is not None and not self.members.active - set(got[part]):
+                self._aggregate_part(it, step, part, got[part], totals)  # broadcast at once
+        self.gather(lambda: sorted({r for p in range(count) for r in self.members.active
+                                    - set(got[p])}),
+                    lambda: f"push messages of iteration {it}" + (
+                        f" (parts {[p for p in range(count) if self.members.active - set(got[p])]})"
+                        if self.parts is not None else ""),
+                    it, "push", lambda peer, msg: self._check_push(peer, msg, it, step, got),
+                    on_push)
+        pushes = [m for part in got for m in part.values()]
+        self._check_checksums(it, pushes)  # a whole-model round: before anything is sent
+        if self.parts is None:
+            self._aggregate_part(it, step, 0, got[0], totals)
+            ranks = sorted(got[0])  # every rank that pushed (an elastic loss after its push)
+        else:
+            ranks = sorted(self.members.active)
+        ks = [sum(int(part[r]["count"]) for part in got if r in part) for r in ranks]
+        losses = [m["loss"] for m in pushes if "loss" in m.header]
+        self.records.account({
+            "iter": it, "workers": len(ranks), "k": ks, "budget": step[0],
+            "union": totals["union"], "broadcast_entries": totals["sent"],
+            "residual_entries": totals["residual"], "dense": totals["dense"],
+            "proposed": proposed, "upload_bytes": totals["upload"],
+            "broadcast_bytes": totals["broadcast"],
+            "loss": float(np.mean(losses)) if losses else None,
+            "round_s": round(time.perf_counter() - t_start, 6),
+            "time_s": self.records.elapsed()})
+
+    def _vote(self, it: int, step, ordered: list) -> tuple[int, int]:
+        """Phase 1's answer: the group's indices (a shard: its best with their scores, the
+        workers pick across shards); (wire bytes, distinct indices proposed)."""
+        agg = self.aggregators[0]
+        keep = step[1]  # the push cap: what the group keeps
+        indices, values = [m.indices for m in ordered], [m.values for m in ordered]
+        if self.sharded:
+            chosen, scores, proposed = agg.candidates(indices, values, keep)
+            sent = self.endpoint.broadcast("candidates", chosen.astype(agg.index_dtype,
+                                                                       copy=False),
+                                           scores, iter=it)
+        else:
+            chosen, proposed = agg.vote(indices, values, keep)
+            sent = self.endpoint.broadcast("indices", chosen.astype(agg.index_dtype, copy=False),
+                                           None, iter=it)
+        return sent, proposed
+
+    def _aggregate_part(self, it: int, step, part: int, pushes: dict, totals: dict) -> None:
+        """A complete part's mean (through the size limit in a whole-model round), broadcast."""
+        agg = self.aggregators[part]
+        ranks = sorted(pushes)
+        union, mean = agg.mean([None if pushes[r].get("dense") else pushes[r].indices
+                                for r in ranks], [pushes[r].values for r in ranks])
+        sent_idx, sent_val = union, mean
+        fields = dict(iter=it, workers=len(ranks))
+        if self.parts is not None:
+            fields["part"] = part
+        elif len(self.members.active) < self.members.world_size:
+            # after a loss in an elastic run every aggregate names the ranks still in the run
+            fields["live"] = sorted(self.members.active)
+        if self.limit is not None:
+            sent_idx, sent_val = self.limit.apply(
+                union, mean, self.limit.entries(step[0], len(ranks), self.shard))
+            totals["residual"] = int(self.limit.support.size)
+        totals["union"] += int(union.size)
+        totals["sent"] += int(sent_idx.size)
+        if agg.goes_dense(sent_idx.size):
+            totals["dense"] = True
+            totals["broadcast"] += self.endpoint.broadcast(
+                "aggregate", None, agg.densify(sent_idx, sent_val), dense=True, **fields)
+            return
+        sent_idx = sent_idx.astype(agg.index_dtype, copy=False)
+        sent_idx.flags.writeable = False  # never changed again: the key caches hold it
+        totals["broadcast"] += self.endpoint.broadcast(
+            "aggregate", sent_idx, sent_val, model_size=agg.numel, **fields)
+
+    # ---------------------------------------------------------------------------- messages
+    def collect_one(self, it: int, msg_type: str, step) -> tuple[dict, int]:
+        """One ``msg_type`` message of iteration ``it`` from every live rank, and their wire
+        bytes (a whole-model round's proposals)."""
+        got: dict[int, protocol.Message] = {}
+        nbytes = [0]
+
+        def keep(msg, size):
+            got[msg["rank"]] = msg
+            nbytes[0] += size
+        self.gather(lambda: sorted(self.members.active - set(got)),
+                    lambda: f"{msg_type} messages of iteration {it}", it, msg_type,
+                    lambda peer, msg: self._check_one(peer, msg, it, step, got), keep)
+        return got, nbytes[0]
+
+    def gather(self, missing, what, it: int | None, msg_type: str | None, check, keep) -> None:
+        """Receive until ``missing()`` is empty: ``msg_type`` messages of iteration ``it`` that
+        pass ``check(peer, msg)`` go to ``keep(msg, nbytes)``; others are dispatched."""
+        deadline = self.endpoint.deadline()
+        while missing():
+            received = self.endpoint.wait(f"{what()} from ranks {missing()}", deadline,
+                                          missing(), it)
+            if received is None:  # a rank was lost (elastic): wait for the others only
+                continue
+            peer, frames, nbytes = received
+            msg = self.endpoint.accept(peer, frames)
+            if msg is None or not self._wanted(peer, msg, what(), it, msg_type):
+                continue
+            if check(peer, msg):
+                self.endpoint.remember(msg)
+                keep(msg, nbytes)
+
+    def _check_one(self, peer, msg, it, step, got) -> bool:
+        """A whole-model round's message: one per rank, within its cap."""
+        if msg["rank"] in got:
+            self.endpoint.reject(peer, ProtocolError(f"rank {msg['rank']} already sent "
+                                                     f"{msg.type} for iteration {it}"))
+            return False
+        return self._within(peer, msg, it, step, self.aggregators[0])
+
+    def _check_push(self, peer, msg, it, step, got) -> bool:
+        """A push: one per rank (and part), within the cap (a rank's parts together too)."""
+        if self.parts is None:
+            return self._check_one(peer, msg, it, step, got[0])
+        rank, part = msg["rank"], msg["part"]
+        if rank in got[part]:
+            self.endpoint.reject(peer, ProtocolError(f"rank {rank} already sent part {part} "
+                                                     f"of iteration {it}"))
+            return False
+        if not self._within(peer, msg, it, (step[0], step[1], 0), self.aggregators[part]):
+            return False
+        entries = lambda m: int(np.count_nonzero(m.values)) if m.get("dense") \
+            else int(m["count"])  # noqa: E731
+        total = sum(entries(p[rank]) for p in got if rank in p) + entries(msg)
+        if total > step[1]:
+            self.endpoint.reject(peer, ProtocolError(
+                f"rank {rank}'s pushes of iteration {it} have {total} entries in all, more "
+                f"than the push cap of {step[1]}"))
+            return False
+        return True
+
+    def _within(self, peer, msg, it, step, agg) -> bool:
+        """A push or proposal carries at most the cap the agreed run sets for this iteration;
+        a dense push only where the cap makes dense the smaller form."""
+        try:
+            agg.check_budget(msg.type, it, step, msg["count"],
+                             msg.values if msg.get("dense") else None)
+            return True
+        except BudgetError as exc:  # not aggregated; the rank may send a valid one
+            self.endpoint.reject(peer, ProtocolError(str(exc)))
+            return False
+
+    def _wanted(self, peer: bytes, msg: protocol.Message, what: str, it: int | None,
+                msg_type: str | None) -> bool:
+        """Whether an accepted message is a ``msg_type`` of iteration ``it`` (what the caller
+        collects). Anything else is handled here: metrics are recorded, a worker's error loses
+        it, other types and iterations are rejected."""
+        if msg.type == "metrics":
+            self.records.report(msg["rank"], msg["report"], msg["iter"], msg.get("checksum"),
+                                self.members.evaluators[-1]["rank"])
+        elif msg.type == "error":  # the worker gives up and says why
+            self.members.lose([self.members.peers[peer]], it, what, msg["message"])
+            # elastic: the run goes on; acknowledge, so the worker can exit knowing its
+            # cause is recorded (without --elastic, the abort tells everyone)
+            self.endpoint.try_send(peer, protocol.encode(
+                "shutdown", ok=False, reason="dropped from the run: " + msg["message"]))
+        elif msg_type is None or msg.type != msg_type:
+            self.endpoint.reject(peer, ProtocolError(f"unexpected {msg.type} message; the "
+                                                     f"server waits for {what}"))
+        elif msg["iter"] != it:
+            self.endpoint.reject(peer, ProtocolError(f"{msg_type} for iteration {msg['iter']}, "
+                                                     f"the server is at iteration {it}"))
+        elif (self.parts is not None) != ("part" in msg.header):
+            self.endpoint.reject(peer, ProtocolError(
+                f"{msg_type} with a 'part' field, but this run is not exchanged in parts"
+                if self.parts is None else
+                f"this run is exchanged in parts: a {msg_type} must carry 'part'"))
+        else:
+            return True
+        return False
+
+    def _check_checksums(self, it: int, pushes: list) -> None:
+        checksums: dict[int, str] = {}
+        for m in pushes:  # one checksum per rank and iteration (any part may carry it)
+            if m.get("checksum") is not None:
+                if checksums.get(m["rank"], m["checksum"]) != m["checksum"]:
+                    raise RunAborted(f"rank {m['rank']} sent two checksums for iteration {it}")
+                checksums[m["rank"]] = m["checksum"]
+        check_checksums(it, checksums)
+
+
+def check_checksums(it: int, checksums: dict) -> None:
+    """Every checksum reported for an iteration (or the end) is the same, or the run ends."""
+    reported = {r: c for r, c in checksums.items() if c is not None}
+    if len(set(reported.values())) > 1:
+        raise RunAborted(f"replicas diverged before iteration {it}: weight checksums " +
+                         ", ".join(f"rank {r}={c}" for r, c in sorted(reported.items())))

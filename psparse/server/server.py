@@ -1,0 +1,253 @@
+"""The parameter server's run: registration, the rounds, the end (and checkpoints between).
+
+One ROUTER socket (``Endpoint``). Phase 1: wait for N workers to register (each proving the run
+token when the server has one; a rank is bound to the first peer that proves it, and freed again
+if that peer leaves before training) and check they agree on the run (docs/protocol.md, "The
+run"). Phase 2: serve every iteration (``Rounds``). Phase 3: collect every worker's final
+checksum, write summary.json (``Records``), tell the workers to stop.
+
+Every wait is bounded by ``timeout``; a bad message is answered with an ``error`` message and
+otherwise ignored, so a misbehaving peer cannot stop or corrupt the run of well-behaved workers.
+
+With ``shard=(I, S)`` the server is one of S key-range shards (psparse/keyranges.py): it serves
+keys [I*numel//S, (I+1)*numel//S) in shard-relative indices, answers proposals with
+``candidates`` instead of ``indices``, and keeps its files in RUN_DIR/shard-I/; the last shard
+to finish merges the run's files.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import checkpoint, keyranges, protocol
+from ..aggregation import Aggregator, ServerLimit, array_module_for
+from ..config import bucket_refusal, parse_limit
+from ..membership import Membership, RunAborted
+from ..protocol import ProtocolError
+from ..rundir import PORT_FILE, SUMMARY_FILE, write_atomic
+from ..transport import Channel
+from .endpoint import Endpoint
+from .records import Records, merge_run_dir
+from .rounds import Rounds, check_checksums
+
+
+class Server:
+    def __init__(self, world_size: int, *, bind: str = "127.0.0.1", port: int = 0,
+                 out_dir: str | Path | None = None, timeout: float = 60.0,
+                 max_message_bytes: int = 1 << 30, limit: str | None = None,
+                 curve_keys: str | None = None, elastic: bool = False,
+                 register_timeout: float = 120.0, checkpoint_every: int = 0,
+                 resume: bool = False, device: str = "cpu", run_token: str | None = None,
+                 shard: tuple[int, int] = (0, 1), log=None):
+        self.world_size = world_size
+        # key-range shard I of S (psparse/keyranges.py): this server holds [lo, hi) of the flat
+        # vector, speaks in shard-relative indices, and keeps its files in RUN_DIR/shard-I/
+        self.shard = shard
+        self.sharded = shard[1] > 1
+        self.key_range = (0, 0)
+        self.dev = array_module_for(device)  # cuda: sum the pushes on the GPU (a backend)
+        self.checkpoint_every = checkpoint_every
+        self.start = 0  # first iteration to serve (> 0 when resuming)
+        self.resume = resume
+        self.register_timeout = register_timeout
+        self.limit_spec = parse_limit(limit) if limit else None
+        self.limit: ServerLimit | None = None
+        self.run_dir = Path(out_dir) if out_dir else None
+        self.out_dir = keyranges.shard_dir(self.run_dir, shard[0]) \
+            if self.run_dir and self.sharded else self.run_dir  # this server's own files
+        name = f"server {shard[0]}/{shard[1]}" if self.sharded else "server"
+        self.log = log or (lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+        self.records = Records(self.out_dir)
+        channel = Channel.server(bind, port, max_message_bytes=max_message_bytes,
+                                 send_timeout_s=timeout, curve_keys=curve_keys)
+        # who is in the run; it probes a peer's connection through the server's socket
+        self.members = Membership(world_size, reachable=lambda peer: self.endpoint.reachable(peer),
+                                  run_token=run_token, timeout=timeout, elastic=elastic,
+                                  log=self.log)
+        self.endpoint = Endpoint(channel, self.members, timeout=timeout, log=self.log,
+                                 records=self.records)
+        self.rounds: Rounds | None = None  # from registration on (the agreed run is known)
+        self.numel = self.iterations = self.k = 0
+        self.run_description: dict | None = None  # the agreed run, from the registrations
+
+    @property
+    def port(self) -> int:
+        return self.endpoint.port
+
+    @property
+    def link(self):
+        return self.endpoint.link
+
+    @link.setter
+    def link(self, pacer) -> None:  # --bandwidth emulation of the server's link
+        self.endpoint.link = pacer
+
+    @property
+    def rejected(self) -> int:
+        return self.records.rejected
+
+    # ------------------------------------------------------------------------------- main loop
+    def run(self) -> int:
+        """Serve one training run; returns the process exit code (0 ok, 1 aborted)."""
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            saved = self._resume_point() if self.resume else None
+            self.records.open(saved)
+            write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
+            if self.sharded:  # the merge waits for every shard's summary of this run
+                (self.out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        elif self.resume:
+            raise ValueError("resuming needs the run directory (--out)")
+        self.log(f"listening on port {self.port} for {self.world_size} workers"
+                 + (f" (key-range shard {self.shard[0]} of {self.shard[1]})"
+                    if self.sharded else ""))
+        try:
+            self.register_workers()
+            if self.resume:
+                self._restore()
+            for it in range(self.start, self.iterations):
+                self.rounds.serve(it)
+                if self.checkpoint_every and (it + 1) % self.checkpoint_every == 0 \
+                        and it + 1 < self.iterations:
+                    self._checkpoint(it + 1)
+            self.finish()
+            return 0
+        except RunAborted as exc:
+            self.abort(str(exc))
+            return 1
+        finally:
+            self.records.close()
+            self.endpoint.channel.close()
+
+    # -------------------------------------------------------------------------- registration
+    def register_workers(self) -> None:
+        endpoint, members = self.endpoint, self.members
+        endpoint.wait_start = time.monotonic()
+        deadline = endpoint.wait_start + self.register_timeout
+        while not members.complete():  # every rank bound to a peer that is still there
+            peer, frames, _ = endpoint.wait(f"workers to register (missing ranks "
+                                            f"{members.missing()})", deadline)
+            try:
+                msg = protocol.decode(frames)
+                self._check_shard(msg)
+                members.register(peer, msg)
+            except ProtocolError as exc:
+                endpoint.reject(peer, exc)
+        self.run_description = run = members.agree(self.start)
+        try:
+            edges = keyranges.bounds(run["numel"], self.shard[1])
+        except ValueError as exc:
+            raise RunAborted(str(exc)) from None
+        self.key_range = (int(edges[self.shard[0]]), int(edges[self.shard[0] + 1]))
+        # a shard's messages index its own range: the model it serves has hi - lo entries
+        self.numel = self.key_range[1] - self.key_range[0]
+        self.iterations = run["iterations"]
+        self.k = run["steps"][-1][1]  # the configured k (density x numel), the unit of union/k
+        self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
+        # a round in parts (buckets of layers, docs/protocol.md "Parts"): part p holds keys
+        # [parts[p], parts[p + 1]) and is aggregated and broadcast as soon as every rank pushed it
+        parts = run.get("parts")
+        if parts is not None:
+            why = bucket_refusal(two_phase=run["two_phase"], server_limit=self.limit is not None,
+                                 elastic=members.elastic, shards=self.sharded)
+            if why is not None:
+                raise RunAborted("the run is exchanged in parts (buckets, --overlap / "
+                                 "--bucket-mb), which " + why.replace(" {policy}", ""))
+        spans = [(0, self.numel)] if parts is None else list(zip(parts, parts[1:]))
+        endpoint.configure(self.numel, parts, self.world_size)
+        self.rounds = Rounds(endpoint=endpoint, records=self.records, members=members, run=run,
+                             aggregators=[Aggregator(hi - lo, self.dev) for lo, hi in spans],
+                             parts=parts, limit=self.limit, shard=self.shard)
+        members.start_training(self.iterations)
+        for rank in range(self.world_size):
+            endpoint.send(members.rank_peer[rank], protocol.encode(
+                "ready", world_size=self.world_size, start=self.start, run=run,
+                token=members.tokens[rank], heartbeat_s=endpoint.heartbeat_s), it=self.start)
+        self.log(f"{self.world_size} workers registered: numel={self.numel}, "
+                 f"iterations={self.iterations}"
+                 + (f", keys [{self.key_range[0]}, {self.key_range[1]}) of {run['numel']}"
+                    if self.sharded else ""))
+        self.records.t0 = time.perf_counter()
+
+    def _check_shard(self, msg: protocol.Message) -> None:
+        """A register names the shard it is meant for (``shard`` = [I, S]); a one-server run
+        accepts none or [0, 1]: a worker cannot push one shard's keys to another."""
+        if msg.type != "register":
+            return
+        claimed = msg.get("shard", [0, 1] if not self.sharded else None)
+        if claimed is None:
+            raise ProtocolError(f"this server is key-range shard {self.shard[0]} of "
+                                f"{self.shard[1]}: a register must carry shard "
+                                f"[{self.shard[0]}, {self.shard[1]}] (docs/protocol.md, Server "
+                                "shards)")
+        if list(claimed) != list(self.shard):
+            raise ProtocolError(f"register for shard {claimed[0]} of {claimed[1]}, but this "
+                                f"server is shard {self.shard[0]} of {self.shard[1]}")
+
+    # ---------------------------------------------------------------------- checkpoint, resume
+    def _resume_point(self) -> int:
+        it = checkpoint.latest_common(self.run_dir, self.world_size, self.shard[1])
+        if it is None:
+            raise ValueError(f"no checkpoint in {self.run_dir} that the server"
+                             + (f" shards (all {self.shard[1]})" if self.sharded else "")
+                             + f" and all {self.world_size} workers saved")
+        self.start = it
+        return it
+
+    def _checkpoint(self, iteration: int) -> None:
+        members = self.members
+        checkpoint.save(self.out_dir, "server", iteration, {
+            "iteration": iteration, **self.records.state(),
+            "active": sorted(members.active), "lost": members.lost,
+            "evaluators": members.evaluators,
+            "caches": {r: c.state() for r, c in self.endpoint.caches.items()},
+            "limit": None if self.limit is None else
+            {"support": self.limit.support, "values": self.limit.residual[self.limit.support]},
+        })
+
+    def _restore(self) -> None:
+        state = checkpoint.load(self.out_dir, "server", self.start)
+        self.records.restore(state)
+        members = self.members
+        members.evaluators = state.get("evaluators", members.evaluators)
+        members.lost = state["lost"]
+        members.active = set(state["active"])
+        for r, c in state["caches"].items():
+            self.endpoint.caches[r].restore(c)
+        if state["limit"] is not None:
+            self.limit.support = state["limit"]["support"]
+            self.limit.residual[self.limit.support] = state["limit"]["values"]
+        self.log(f"resumed at iteration {self.start}")
+
+    # -------------------------------------------------------------------------------- ending
+    def finish(self) -> None:
+        """Wait for every worker's final report, verify replicas, write summary, stop workers."""
+        finals = self.records.finals
+        self.rounds.gather(lambda: sorted(self.members.active - set(finals)),
+                           lambda: "final reports", None, None, None, None)
+        check_checksums(self.iterations, {r: f["checksum"] for r, f in finals.items()})
+        if self.limit is not None and self.out_dir:
+            # what the limit still holds back: sent by no round yet, kept for inspection
+            np.savez(self.out_dir / "server_residual.npz", indices=self.limit.support,
+                     values=self.limit.residual[self.limit.support])
+        self._write_summary("ok")
+        self.endpoint.shutdown(True, "training complete")
+        if self.sharded and self.run_dir:  # the last shard to finish writes the merged view
+            merge_run_dir(self.run_dir, self.shard[1])
+        self.log(f"done: {self.iterations} iterations in "
+                 f"{time.perf_counter() - self.records.t0:.1f} s")
+
+    def abort(self, reason: str) -> None:
+        self.log(f"error: {reason}")
+        self._write_summary("failed", reason)
+        self.endpoint.shutdown(False, reason)
+
+    def _write_summary(self, status: str, error: str | None = None) -> None:
+        self.records.write_summary(self.records.summary(
+            status, error, world_size=self.world_size, numel=self.numel, k=self.k,
+            members=self.members, limit=self.limit,
+            shard=(list(self.shard), list(self.key_range)) if self.sharded else None))
