@@ -1,0 +1,286 @@
+"""``psparse-launch``: one run (server shards and N workers) from one command line.
+
+Parses the flags (the run's options, psparse/config.py, plus where the processes go), checks the
+policy and any plug-in before anything starts, writes RUN_DIR/config.json (the resolved options
+every process reads, and which code made the run), then starts the plan (plan.py) under the
+supervisor (supervisor.py) with the progress line and summary table (progress.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .. import cluster, jit, keyranges, plugin
+from ..config import ConfigError, RunConfig
+from ..options import add_config_arguments, resolve_config
+from ..policies import Layout, PolicyError, build_policy
+from ..provenance import provenance
+from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
+from ..server.records import merge_run_dir
+from .plan import Plan, Topology
+from .processes import free_port
+from .progress import Progress
+from .supervisor import Supervisor
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psparse-launch",
+        description="Train with a psparse parameter server and N workers on this host (or a "
+                    "cluster: --hostfile, --slurm). Example: psparse-launch --workers 8 "
+                    "--density 0.01 --epochs 2 --out runs/x")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory (default: runs/<model>-<dataset>-<time>)")
+    p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
+    g = p.add_argument_group("cluster (default: server and workers on this host)")
+    g.add_argument("--hostfile", type=Path, default=None,
+                   help="lines 'host slots=K': workers fill the slots in order, started with "
+                        "--rsh; the server runs here")
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a SLURM allocation: the server here, workers through one srun "
+                        "(--workers defaults to SLURM_NTASKS)")
+    g.add_argument("--server-host", default=None,
+                   help="address the workers use to reach this host's server (default: this "
+                        "host's name)")
+    g.add_argument("--port", type=int, default=5555,
+                   help="server port in cluster modes (shard I of --servers S: this + I)")
+    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...",
+                   help="with --servers S in cluster modes: start shard I on the I-th host "
+                        "through --rsh (S names, in shard order; each writes RUN_DIR/shard-I/ "
+                        "on its host) instead of all shards here")
+    g.add_argument("--bind", default="0.0.0.0",
+                   help="server bind address in cluster modes (default 0.0.0.0)")
+    g.add_argument("--rsh", default="ssh -o BatchMode=yes",
+                   help="remote shell for --hostfile (default 'ssh -o BatchMode=yes')")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
+                        "already set")
+    p.add_argument("--baseline", choices=["ddp", "powersgd"], default=None,
+                   help="train the same run with torch DistributedDataParallel (dense ring "
+                        "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for "
+                        "comparison; powersgd: DDP with the PowerSGD comm hook (error feedback, "
+                        "warm start)")
+    p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
+                   help="with --baseline powersgd: the rank of PowerSGD's low-rank "
+                        "approximation (default 4)")
+    g.add_argument("--master-addr", default=None,
+                   help="with --baseline and --hostfile: the address of rank 0's host, where "
+                        "the DDP ranks meet (port --port; default: that host's name)")
+    p.add_argument("--run-token", default=None, metavar="SECRET",
+                   help="the run's admission secret, given to the server and every worker in "
+                        "PSPARSE_TOKEN (default: $PSPARSE_TOKEN, else a fresh random one per "
+                        "run)")
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
+                        "server and all workers saved (see --checkpoint-every)")
+    add_config_arguments(p)
+    p.add_argument("script", nargs="?", default=None, metavar="TRAIN.PY",
+                   help="your own training script (it calls psparse.connect), started once per "
+                        "worker with RANK, WORLD_SIZE, LOCAL_RANK, PSPARSE_SERVER, PSPARSE_OUT, "
+                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention); without "
+                        "it the built-in loop trains --model on --dataset")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments passed on to TRAIN.PY")
+    return p
+
+
+def check_policy(cfg: RunConfig) -> None:
+    """Build the policy as rank 0 will: on the real model's layout and k (no data loaded).
+    A script's or a factory's model is not known here: then a 100,000-entry stand-in checks the
+    policy's name and parameters."""
+    import torch
+
+    from ..data import IN_SHAPES
+    from ..models import build_model, check_factory
+    from ..sparsify import density_to_k
+
+    if not cfg.script and ":" in cfg.model:
+        check_factory(cfg.model, cfg.model_kwargs())  # takes the --model-arg keywords?
+    if cfg.script or ":" in cfg.model or ":" in cfg.dataset:
+        layout = Layout([100_000], cfg.granularity)
+    else:
+        with torch.device("meta"):  # sizes only: no memory, no initialisation
+            model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10, cfg.model_kwargs())
+        layout = Layout([p.numel() for p in model.parameters() if p.requires_grad],
+                        cfg.granularity)
+    build_policy(cfg.policy, cfg.policy_args, layout, density_to_k(cfg.density, layout.numel),
+                 world_size=cfg.workers, seed=cfg.seed)
+
+
+# ------------------------------------------------------------------------------ the run itself
+def prepare_run_dir(plan: Plan) -> None:
+    """logs/, the files a previous run here left that would mislead (a resumed run keeps its
+    records), and config.json with the run's provenance (a resumed run keeps its own)."""
+    (plan.out / "logs").mkdir(parents=True, exist_ok=True)
+    stale = (PORT_FILE, SUMMARY_FILE) if plan.resume else \
+        (PORT_FILE, SUMMARY_FILE, METRICS_FILE, EVAL_FILE)
+    for name in stale:
+        (plan.out / name).unlink(missing_ok=True)
+        for index in range(plan.shards if plan.shards > 1 else 0):
+            (keyranges.shard_dir(plan.out, index) / name).unlink(missing_ok=True)
+    if plan.resume:
+        return
+    record = {**json.loads(plan.cfg.to_json()), "provenance": provenance()}
+    if plan.baseline:
+        record["baseline"] = plan.baseline
+        if plan.baseline == "powersgd":
+            record["powersgd_rank"] = plan.powersgd_rank
+    plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def warm_up() -> None:
+    """Before forking local children: import the worker (and torch, and torch.optim's lazy
+    torch._dynamo) once, and compile or load the CPU kernels (psparse/jit.py) once, so that no
+    child pays for them: ~6 CPU-seconds each, ~25 s of start-up for 8 workers on 2 cores."""
+    importlib.import_module("psparse.worker")
+    importlib.import_module("torch._dynamo")
+    jit.warm_up()
+
+
+def run(plan: Plan, quiet: bool = False, grace_s: float = 5.0) -> int:
+    """Start the plan and watch it: 0 when every process ended well, else the first failure's
+    code (the others stopped); 130 on Ctrl-C or SIGTERM."""
+    cfg = plan.cfg
+    prepare_run_dir(plan)
+    if plan.topology.mode == "local":  # in cluster modes nothing is forked that needs torch
+        warm_up()
+    what = f"script {shlex.join(plan.script)}" if plan.script else f"{cfg.model}/{cfg.dataset}"
+    print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
+          f"{plan.out}", flush=True)
+    supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s)
+    progress = Progress(plan.out, plan.shards, plan.baseline, quiet)
+
+    def merge_shards():  # (each shard merges when it finishes; this covers a failed run)
+        if plan.shards > 1 and not plan.baseline:
+            merge_run_dir(plan.out, plan.shards)
+
+    try:
+        for spec in plan.servers():
+            supervisor.start(spec)
+        ports = supervisor.wait_for_ports(plan.port_files(), cfg.timeout)
+        for spec in plan.workers(plan.address(ports)):
+            supervisor.start(spec)
+        return supervisor.monitor(progress, on_end=merge_shards)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping all processes", flush=True)
+        supervisor.stop_all()
+        return 130
+    except RuntimeError as exc:
+        print(f"psparse-launch: error: {exc}", flush=True)
+        supervisor.stop_all()
+        return 1
+
+
+# --------------------------------------------------------------------------------- the flags
+def _resolve(p: argparse.ArgumentParser, args) -> RunConfig:
+    """The run's options from the flags (or the resumed run's config.json), checked."""
+    if args.resume is not None:
+        if not (args.resume / "config.json").is_file():
+            p.error(f"--resume {args.resume}: no config.json there (not a psparse run)")
+        args.config, args.out = args.resume / "config.json", args.resume
+    if args.script is not None:  # (--resume takes the script from config.json)
+        if not Path(args.script).is_file():
+            p.error(f"training script {args.script} not found")
+        if args.baseline:
+            p.error("--baseline trains the built-in loop; it does not take a script")
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as exc:
+        p.error(str(exc))
+    if args.script is not None:
+        cfg.script = shlex.join([args.script, *args.script_args])
+    try:  # fail here, before any process starts, on an unknown policy, parameter or factory
+        for spec, what in ((cfg.model, "model factory"), (cfg.dataset, "dataset factory")):
+            if plugin.is_spec(spec) and not cfg.script:
+                plugin.load(spec, what)
+        check_policy(cfg)
+    except (PolicyError, ValueError) as exc:
+        p.error(str(exc))
+    if cfg.threads is None:
+        cfg.threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+    return cfg
+
+
+def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
+    """Where the processes go, from the cluster flags (checked: enough slots, one host per
+    shard)."""
+    if not (args.hostfile or args.slurm):
+        if args.server_hosts is not None:
+            p.error("--server-hosts places server shards in cluster modes: use it with "
+                    "--hostfile or --slurm")
+        return Topology()
+    if args.hostfile and args.slurm:
+        p.error("--hostfile and --slurm exclude each other")
+    server_hosts = None
+    try:
+        if args.server_hosts is not None:
+            server_hosts = [h.strip() for h in args.server_hosts.split(",")]
+            if len(server_hosts) != cfg.servers or not all(server_hosts):
+                raise ValueError(f"--server-hosts names {len(server_hosts)} host(s) for "
+                                 f"{cfg.servers} server shard(s) (--servers): give one host "
+                                 "per shard, comma-separated, in shard order")
+        if args.slurm:
+            hosts = [cluster.Host(h, 1) for h in cluster.slurm_nodes()]
+            if args.workers is None:
+                cfg.workers = cluster.slurm_workers()
+        else:
+            hosts = cluster.parse_hostfile(args.hostfile.read_text(), str(args.hostfile))
+            cluster.place(hosts, cfg.workers)  # enough slots?
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    return Topology(mode="slurm" if args.slurm else "hostfile", hosts=hosts,
+                    server_host=args.server_host or socket.gethostname(), port=args.port,
+                    bind=args.bind, rsh=shlex.split(args.rsh), gpus_per_node=args.gpus_per_node,
+                    server_hosts=server_hosts)
+
+
+def _check_baseline(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
+    if args.baseline and (args.slurm or args.resume):
+        p.error("--baseline runs on this host or with --hostfile, without --resume")
+    if args.baseline and cfg.servers > 1:
+        p.error("--baseline trains with torch DDP, which has no parameter server: --servers "
+                "does not apply")
+    if args.baseline and (cfg.overlap or cfg.bucket_mb is not None):
+        p.error("--baseline trains with torch DDP, which buckets and overlaps on its own: "
+                "--overlap and --bucket-mb do not apply")
+    if args.powersgd_rank < 1:
+        p.error("--powersgd-rank must be at least 1")
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    cfg = _resolve(p, args)
+    topology = _topology(p, args, cfg)
+    _check_baseline(p, args, cfg)
+    # The run's admission secret: only processes that hold it can register (docs/protocol.md).
+    # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
+    token = args.run_token or os.environ.get("PSPARSE_TOKEN") or secrets.token_hex(32)
+    os.environ["PSPARSE_TOKEN"] = token
+    name = Path(args.script).stem if args.script else f"{cfg.model}-{cfg.dataset}"
+    out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    plan = Plan(cfg, out, out / "config.json", topology, token,
+                script=shlex.split(cfg.script) if cfg.script else None, baseline=args.baseline,
+                powersgd_rank=args.powersgd_rank, master_addr=args.master_addr,
+                resume=args.resume is not None,
+                rendezvous_port=free_port() if args.baseline and not args.hostfile else 0)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    return run(plan, quiet=args.quiet)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

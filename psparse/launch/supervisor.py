@@ -1,0 +1,132 @@
+"""The launcher's watch over a run's processes: start them from their specs, wait for the
+servers to listen, notice the first failure (its cause, not its echoes), stop everything
+cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .plan import Spec
+from .processes import ForkedProcess, piped, run_script
+
+
+def is_server(name: str) -> bool:
+    return name == "server" or name.startswith("server-")
+
+
+class Supervisor:
+    def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None):
+        self.out, self.quiet, self.grace_s = out, quiet, grace_s
+        self.say = say or (lambda msg: print(msg, flush=True))
+        self.procs: dict = {}  # name -> ForkedProcess or Popen
+
+    def start(self, spec: Spec):
+        log = self.out / "logs" / f"{spec.name}.log"
+        if spec.kind == "command":
+            proc = piped(spec.argv, log, spec.prefix, self.quiet, spec.env)
+        elif spec.kind == "script":
+            def target(spec=spec):
+                os.environ.update(spec.env)
+                return run_script(spec.argv)
+            proc = ForkedProcess(target, log)
+        else:  # fork: the module's main
+            def target(spec=spec):
+                return importlib.import_module(spec.argv[0]).main(spec.argv[1:])
+            proc = ForkedProcess(target, log)
+        self.procs[spec.name] = proc
+        return proc
+
+    def wait_for_ports(self, port_files: list[tuple[str, Path]], timeout: float) -> list[int]:
+        """Each server's port, once it listens (from its server.port file)."""
+        deadline = time.monotonic() + timeout
+        ports = []
+        for name, port_file in port_files:
+            while not port_file.is_file():
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited before listening:\n" + self.tail(name))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start listening within {timeout:g} s")
+                time.sleep(0.05)
+            ports.append(int(port_file.read_text()))
+        return ports
+
+    def monitor(self, progress, on_end=lambda: None) -> int:
+        """Until every process has exited (0, with the final progress and summary) or one has
+        failed (its exit code, the others stopped). ``on_end()`` runs in both cases, before
+        the summary (a sharded run's files merged)."""
+        last_print, shown = 0.0, None
+        first_failure = None  # (name, code) of the process that failed first: the root cause
+        interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
+        while True:
+            finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            failed = {n: c for n, c in finished.items() if c != 0}
+            progress.read()
+            if failed and all(is_server(n) for n in failed):
+                # The server ends the run at once when a worker's connection closes, so it can
+                # exit before the launcher has reaped that worker: the worker is the cause.
+                failed = self._worker_failures_within(1.0) or failed
+            if failed and first_failure is None:
+                first_failure = sorted(failed.items())[0]
+                if not any(is_server(n) for n in failed):
+                    # a worker failed: give the servers a moment to record its cause in
+                    # summary.json and end the run themselves before they are stopped
+                    deadline = time.monotonic() + self.grace_s
+                    for name, server in self.procs.items():
+                        if is_server(name):
+                            try:
+                                server.wait(max(0.0, deadline - time.monotonic()))
+                            except subprocess.TimeoutExpired:
+                                pass
+            if failed:
+                name, code = first_failure
+                self.say(f"\npsparse-launch: {name} exited with code {code}; stopping the "
+                         f"others\n{self.tail(name)}")
+                self.stop_all()
+                on_end()
+                return code if code > 0 else 1
+            if len(finished) == len(self.procs):
+                on_end()
+                progress.line(final=True)
+                progress.summary()
+                return 0
+            if time.monotonic() - last_print >= interval and progress.latest is not shown:
+                progress.line()
+                shown = progress.latest
+                last_print = time.monotonic()
+            time.sleep(0.1)
+
+    def _worker_failures_within(self, seconds: float) -> dict[str, int]:
+        """Workers that exit non-zero on their own within ``seconds`` (name -> code)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            failed = {n: p.returncode for n, p in self.procs.items()
+                      if not is_server(n) and p.poll() is not None and p.returncode != 0}
+            if failed or time.monotonic() >= deadline:
+                return failed
+            time.sleep(0.02)
+
+    def stop_all(self) -> None:
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in alive:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.out / "logs" / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(f"  {name}| {line}" for line in text)
