@@ -149,21 +149,10 @@ class PSClient:
         """Push part ``part`` of iteration ``it``: ``indices`` are global keys in its range."""
         lo, hi = int(self.parts[part]), int(self.parts[part + 1])
         size = hi - lo
-        extra = {"checksum": checksum} if checksum else {}
-        if loss is not None:
-            extra["loss"] = loss
-        local = (np.asarray(indices, dtype=np.int64) - lo).astype(
-            protocol.index_dtype_for(size), copy=False)
-        if protocol.dense_is_smaller(local.size, size, protocol.index_dtype_for(size)):
-            dense = np.zeros(size, dtype=np.float32)
-            dense[local] = values
-            frames = protocol.encode("push", None, dense, iter=it, rank=self.rank, part=part,
-                                     dense=True, **extra)
-        else:
-            frames = protocol.encode("push", local, values, model_size=size,
-                                     cache=self.part_caches[part], iter=it, rank=self.rank,
-                                     part=part, **extra)
-        self.sent_bytes += self.send(frames)
+        local = np.asarray(indices, dtype=np.int64) - lo
+        self.sent_bytes += self.send(push_frames(
+            it, self.rank, local, values, size, self.part_caches[part], loss, checksum,
+            part=part))
 
     def await_parts(self, it: int) -> protocol.Message:
         """Every part's aggregate of iteration ``it`` (they come in the order the server
@@ -234,21 +223,9 @@ class PSClient:
 
     def send_push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
                   checksum: str | None, dense_buffer: np.ndarray | None = None) -> None:
-        extra = {"checksum": checksum} if checksum else {}
-        if loss is not None:
-            extra["loss"] = loss
-        if protocol.dense_is_smaller(indices.size, self.numel, self.index_dtype.name):
-            dense = dense_buffer if dense_buffer is not None else \
-                np.empty(self.numel, dtype=np.float32)
-            dense[:] = 0.0
-            dense[indices] = values
-            frames = protocol.encode("push", None, dense, iter=it, rank=self.rank, dense=True,
-                                     **extra)
-        else:
-            frames = protocol.encode("push", indices.astype(self.index_dtype, copy=False), values,
-                                     model_size=self.numel, cache=self.cache, iter=it,
-                                     rank=self.rank, **extra)
-        self.sent_bytes += self.send(frames)
+        self.sent_bytes += self.send(push_frames(
+            it, self.rank, indices, values, self.numel, self.cache, loss, checksum,
+            dense_buffer=dense_buffer))
 
     def await_aggregate(self, it: int) -> protocol.Message:
         agg = self.expect("aggregate", f"the aggregate of iteration {it}", it)
@@ -423,6 +400,29 @@ class ShardedClient:
     def close(self) -> None:
         for c in self.shards:
             c.close()
+
+
+def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, size: int, cache,
+                loss: float | None, checksum: str | None, part: int | None = None,
+                dense_buffer: np.ndarray | None = None) -> list:
+    """One push's frames: (index, value) pairs over a vector of ``size`` entries (the model, or
+    one part of it, ``indices`` local to it), or all ``size`` values when that is smaller
+    (SparCML's switch; written into ``dense_buffer`` when given)."""
+    header = {"iter": it, "rank": rank}
+    if part is not None:
+        header["part"] = part
+    if checksum:
+        header["checksum"] = checksum
+    if loss is not None:
+        header["loss"] = loss
+    index_dtype = protocol.index_dtype_for(size)
+    if protocol.dense_is_smaller(indices.size, size, index_dtype):
+        dense = dense_buffer if dense_buffer is not None else np.empty(size, dtype=np.float32)
+        dense[:] = 0.0
+        dense[indices] = values
+        return protocol.encode("push", None, dense, dense=True, **header)
+    return protocol.encode("push", indices.astype(index_dtype, copy=False), values,
+                           model_size=size, cache=cache, **header)
 
 
 def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protocol.Message:

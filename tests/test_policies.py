@@ -173,7 +173,7 @@ def test_unknown_policy_and_parameters_name_the_valid_ones():
         make("penalty", 2, pi="high")
     with pytest.raises(PolicyError, match="expected key=value"):
         parse_policy_args(["pi"])
-    with pytest.raises(PolicyError, match="cannot import policy module"):
+    with pytest.raises(PolicyError, match="cannot import the policy's module"):
         policy_class("no_such_module_xyz:Policy")
     with pytest.raises(PolicyError, match="not a SelectionPolicy subclass"):
         policy_class("numpy:ndarray")

@@ -103,8 +103,8 @@ def test_a_worker_exception_reaches_summary_with_rank_and_cause(tmp_path):
 def test_misspelled_policy_class_lists_the_classes_of_the_module(tmp_path):
     r = launch(tmp_path / "run", "--policy", "faulty_policy:Faulti")
     assert r.returncode == 2
-    assert ("no class 'Faulti' in module 'faulty_policy'; policy classes found there: Faulty, "
-            "NeedsManyEntries") in r.stderr
+    assert ("policy 'faulty_policy:Faulti': no 'Faulti' in module 'faulty_policy'; "
+            "SelectionPolicy classes defined there: Faulty, NeedsManyEntries") in r.stderr
     assert not (tmp_path / "run").exists()
 
 

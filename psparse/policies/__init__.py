@@ -6,10 +6,9 @@ user class (a subclass of ``SelectionPolicy``); ``--policy-arg key=value`` sets 
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
+from .. import plugin
 from .base import Layout, Param, PolicyError, SelectionPolicy, check_output
 from .cltk import CyclicLocalTopK
 from .core import SharedCore
@@ -38,21 +37,14 @@ def policy_class(spec: str) -> type[SelectionPolicy]:
             raise PolicyError(f"unknown policy {spec!r}; registered: {', '.join(REGISTRY)} "
                               "(or give package.module:ClassName)")
         return REGISTRY[spec]
-    module_name, _, class_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PolicyError(f"cannot import policy module {module_name!r}: {exc}") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        found = sorted(name for name, value in vars(module).items()
-                       if isinstance(value, type) and issubclass(value, SelectionPolicy)
-                       and value.__module__ == module.__name__)
-        raise PolicyError(f"no class {class_name!r} in module {module_name!r}; policy classes "
-                          f"found there: {', '.join(found) or '(none)'}")
-    if not (isinstance(cls, type) and issubclass(cls, SelectionPolicy)):
-        raise PolicyError(f"{spec!r} is not a SelectionPolicy subclass")
-    return cls
+    def is_policy(value) -> bool:
+        return isinstance(value, type) and issubclass(value, SelectionPolicy)
+
+    try:  # the plug-in rule of every user object (psparse/plugin.py)
+        return plugin.load(spec, "policy", accepts=is_policy,
+                           kind=("a SelectionPolicy subclass", "SelectionPolicy classes"))
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
 
 
 def parse_policy_args(items: list[str] | dict | None) -> dict[str, str]:
