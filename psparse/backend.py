@@ -1,7 +1,7 @@
 """Where the GPU path's kernels run, and the one door between device and host memory.
 
 A *backend* owns a worker's device work: its array module (``xp``), its compiled kernels (both
-CUDA C sources: ``kernels.CUDA_SOURCE`` and ``radix_source.RADIX_SOURCE``), its stream, and the
+CUDA C sources: ``kernels.CUDA_SOURCE`` and ``psparse/radix.cu``), its stream, and the
 only two crossings the GPU exchange makes per round (docs/architecture.md, "The GPU
 exchange"): ``copy_back`` (device to pinned host memory, then the round's one synchronisation)
 and ``upload`` (pinned host memory to the device, asynchronous). Everything else a round does

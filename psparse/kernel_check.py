@@ -76,7 +76,7 @@ def package_sources() -> list[CudaSource]:
     from .radix_source import RADIX_SOURCE
     return [CudaSource("psparse/kernels.py:CUDA_SOURCE", kernels.CUDA_SOURCE,
                        tuple(kernels.CUDA_KERNELS)),
-            CudaSource("psparse/radix_source.py:RADIX_SOURCE", RADIX_SOURCE,
+            CudaSource("psparse/radix.cu", RADIX_SOURCE,
                        tuple(kernels.kernel_signatures(RADIX_SOURCE)))]
 
 

@@ -366,7 +366,7 @@ def sorted_union(indices: list):
 
 # ------------------------------------------------------------------------------ CUDA code
 # The GPU path's element kernels, one CUDA C source that CuPy compiles once per process (and
-# caches on disk); the selection engine's is psparse/radix_source.py. They are plain
+# caches on disk); the selection engine's is psparse/radix.cu. They are plain
 # __global__ functions rather than ElementwiseKernels so that the whole of what the package can
 # launch is these texts: `make check-kernels` compiles them with NVRTC on machines without a GPU
 # (psparse/kernel_check.py), psparse/kernel_emu.py runs them on the CPU for the tests. Indices
