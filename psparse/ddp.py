@@ -35,7 +35,14 @@ from torch.nn.parallel import DistributedDataParallel
 from .config import RunConfig
 from .costmodel import powersgd_sizes
 from .options import add_config_arguments, parse_with_config
-from .rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, rank_file, write_json
+from .rundir import (
+    EVAL_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    rank_file,
+    ring_allreduce_bytes,
+    write_json,
+)
 from .worker import setup
 from .worker import train as train_loop
 
@@ -137,6 +144,7 @@ class AllreduceExchange:
             "upload_mb": round(iterations * ring / 2e6, 4),
             "broadcast_mb": round(iterations * ring / 2e6, 4),
             "dense_mb": round(iterations * 2 * world * self.numel * 4 / 1e6, 4),
+            "allreduce_mb": round(iterations * ring_allreduce_bytes(world, self.numel) / 1e6, 4),
             "final_loss": None, "test_acc": self.last_eval["test_acc"],
             "test_loss": self.last_eval["test_loss"], "rejected_messages": 0,
             "ddp_buckets": self.timer.buckets if self.timer else None})

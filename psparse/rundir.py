@@ -2,8 +2,8 @@
 
 Written by the server (metrics, evaluations, summary), the workers (rank files, checkpoints),
 the launcher (config, logs) or the DDP baseline (the same files); read by ``psparse-launch``'s
-progress line, ``psparse-report``, ``psparse-model`` and the experiments. README.md, "Run
-directory", documents every field.
+progress line, ``psparse-report``, ``psparse-model`` and the experiments. docs/run-directory.md
+documents every field.
 
     RUN_DIR/config.json          the resolved run configuration (RunConfig fields)
     RUN_DIR/metrics.jsonl        one record per iteration (METRICS_FIELDS)
@@ -39,9 +39,16 @@ EVAL_VALUES = ("epoch", "test_loss", "test_acc", "train_loss")
 EVAL_FIELDS = ("iter", *EVAL_VALUES, "time_s")
 SUMMARY_FIELDS = ("status", "error", "world_size", "numel", "k", "iterations", "wall_s",
                   "iterations_per_s", "train_s", "train_iterations_per_s", "union_over_k_mean", "union_over_k_max", "pushed_k_mean",
-                  "upload_mb", "broadcast_mb", "dense_mb", "final_loss", "test_acc",
+                  "upload_mb", "broadcast_mb", "dense_mb", "allreduce_mb", "final_loss", "test_acc",
                   "test_loss", "rejected_messages", "lost_workers", "evaluators",
                   "server_limit")
+
+
+def ring_allreduce_bytes(workers: int, numel: int) -> float:
+    """Bytes a dense float32 ring allreduce of ``numel`` entries sends per iteration, all
+    workers together: each of N sends 2(N-1)/N x numel x 4 B (reduce-scatter, then all-gather),
+    the count of the DDP baseline's ``allreduce_bytes``. summary.json's ``allreduce_mb``."""
+    return 2 * (workers - 1) * numel * 4
 
 
 def rank_file(rank: int) -> str:

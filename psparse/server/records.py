@@ -23,6 +23,7 @@ from ..rundir import (
     SUMMARY_FILE,
     open_truncated,
     read_jsonl,
+    ring_allreduce_bytes,
     write_atomic,
     write_json,
 )
@@ -157,6 +158,7 @@ class Records:
             "upload_mb": round(t["upload_bytes"] / 1e6, 4),
             "broadcast_mb": round(t["broadcast_bytes"] / 1e6, 4),
             "dense_mb": round(done * dense_round / 1e6, 4),
+            "allreduce_mb": round(done * ring_allreduce_bytes(world_size, numel) / 1e6, 4),
             "final_loss": derived["final_loss"],
             "test_acc": self.last_eval.get("test_acc") if self.last_eval else None,
             "test_loss": self.last_eval.get("test_loss") if self.last_eval else None,
@@ -234,7 +236,7 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
     out["train_iterations_per_s"] = pace(done, out["train_s"])
     for key in ("union_over_k_mean", "union_over_k_max", "pushed_k_mean"):
         out[key] = derived[key]
-    for key in ("upload_mb", "broadcast_mb", "dense_mb"):
+    for key in ("upload_mb", "broadcast_mb", "dense_mb", "allreduce_mb"):
         out[key] = round(sum(s[key] for s in summaries), 4)
     out["rejected_messages"] = sum(s["rejected_messages"] for s in summaries)
     limits = [s["server_limit"] for s in summaries]
