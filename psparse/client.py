@@ -4,8 +4,8 @@
 registration (with the run token's proof), heartbeats on their own connection, the messages of
 a round (``propose`` → ``indices``, ``push`` → ``aggregate``), evaluation reports, the final
 report and the error report of a worker that gives up. It knows nothing of models, policies or
-training: ``psparse.session`` drives it (``ShardedClient`` with the same interface when the run
-has S key-range server shards). Transport failures arrive here as ``TransportTimeout``
+training: ``psparse.session`` drives it (``psparse.sharded_client.ShardedClient`` with the same
+interface when the run has S key-range server shards). Transport failures arrive here as ``TransportTimeout``
 / ``PeerGone`` and leave as ``ServerGone``; nothing above this module sees ZeroMQ.
 """
 
@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 
-from . import agg_kernels, keyranges, protocol
-from .aggregation import top_k
+from . import agg_kernels, protocol
 from .codec import KeyCache
 from .protocol import ProtocolError
 from .transport import Channel, PeerGone, TransportTimeout
@@ -284,122 +283,6 @@ class PSClient:
             self.heartbeat.stop()
             self.heartbeat = None
         self.channel.close()
-
-
-class ShardedClient:
-    """One worker's connections to S key-range server shards (``psparse.keyranges``), with
-    ``PSClient``'s interface: the session sees one server and the whole flat vector.
-
-    A push is split by range (one searchsorted of the sorted indices), each part sent to its
-    shard in shard-relative indices, and the S aggregates are concatenated back into global
-    indices (the ranges are disjoint and ordered, so the merged union is sorted and equals a
-    one-server run's). Every message goes to every shard first, then the answers are awaited,
-    so the shards work in parallel. In a two-phase round each shard answers a proposal with
-    its best indices and their scores (``candidates``); every worker keeps the ``keep`` of
-    largest score over all shards, ties to the lower index (the server's vote rule), so all
-    workers keep the same set, and the one a single server would keep.
-    """
-
-    def __init__(self, addresses: list[tuple[str, int]], rank: int, world_size: int, *,
-                 numel: int, **options):
-        self.rank, self.world_size, self.numel = rank, world_size, numel
-        self.count = len(addresses)
-        self.edges = keyranges.bounds(numel, self.count)
-        self.shards: list[PSClient] = []
-        try:
-            for index, (host, port) in enumerate(addresses):
-                self.shards.append(PSClient(
-                    host, port, rank, world_size, numel=int(self.edges[index + 1]
-                                                            - self.edges[index]),
-                    shard=(index, self.count), **options))
-        except BaseException:
-            self.close()
-            raise
-        self.timeout = self.shards[0].timeout
-
-    @property
-    def sent_bytes(self) -> int:
-        return sum(c.sent_bytes for c in self.shards)
-
-    @sent_bytes.setter
-    def sent_bytes(self, value) -> None:  # restored from a checkpoint: the total, on shard 0
-        for n, c in enumerate(self.shards):
-            c.sent_bytes = value if n == 0 else 0
-
-    @property
-    def received_bytes(self) -> int:
-        return sum(c.received_bytes for c in self.shards)
-
-    @received_bytes.setter
-    def received_bytes(self, value) -> None:
-        for n, c in enumerate(self.shards):
-            c.received_bytes = value if n == 0 else 0
-
-    def _parts(self, indices: np.ndarray):
-        """(shard client, slice of ``indices``, that slice made shard-relative in the shard's
-        wire dtype) per shard: one pass over each slice (``agg_kernels.shifted_copy``)."""
-        parts = []
-        for n, (c, part) in enumerate(zip(self.shards, keyranges.split_sorted(indices,
-                                                                              self.edges))):
-            local = np.empty(part.stop - part.start, dtype=c.index_dtype)
-            agg_kernels.shifted_copy(indices, part.start, part.stop, -int(self.edges[n]),
-                                     local, 0)
-            parts.append((c, part, local))
-        return parts
-
-    def register(self, run: dict, checksum: str, start: int) -> protocol.Message:
-        for c in self.shards:
-            c.send_register(run, checksum, start)
-        readies = [c.await_ready() for c in self.shards]
-        self.run = readies[0]["run"]  # the agreed run: its steps say how many indices to keep
-        return readies[0]
-
-    def propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
-        indices = np.ascontiguousarray(indices, dtype=np.int64)
-        for c, part, local in self._parts(indices):
-            c.send_propose(it, local, values[part])
-        got = [c.await_candidates(it) for c in self.shards]
-        keys = global_indices([m.indices for m in got], self.edges)
-        scores = np.concatenate([m.values for m in got])
-        keep = protocol.step_at(self.run, it)[1]  # the push cap: what the group keeps
-        if keep >= keys.size:
-            return keys
-        return keys[top_k(scores, keep, nonnegative=True)]
-
-    def push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
-             checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
-        indices = np.ascontiguousarray(indices, dtype=np.int64)
-        for n, (c, part, local) in enumerate(self._parts(indices)):
-            lo = int(self.edges[n])
-            c.send_push(it, local, values[part], loss, checksum,
-                        None if dense_buffer is None else dense_buffer[lo:lo + c.numel])
-        got = [c.await_aggregate(it) for c in self.shards]
-        return merge_aggregates(got, self.edges)
-
-    def report(self, it: int, values: dict, checksum: str | None = None) -> None:
-        for c in self.shards:
-            c.report(it, values, checksum)
-
-    def finish(self, it: int, values: dict, checksum: str) -> None:
-        for c in self.shards:
-            c.report(it, {**values, "final": True}, checksum)
-        for c in self.shards:
-            c.await_shutdown()
-
-    def give_up(self, cause: str) -> None:
-        for c in self.shards:
-            c.give_up(cause)
-
-    def cache_state(self):
-        return [c.cache.state() for c in self.shards]
-
-    def restore_cache(self, state) -> None:
-        for c, part in zip(self.shards, state):
-            c.cache.restore(part)
-
-    def close(self) -> None:
-        for c in self.shards:
-            c.close()
 
 
 def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, size: int, cache,

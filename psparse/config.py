@@ -45,6 +45,12 @@ def option(default, help: str, *, agreed: bool = True, server: bool = False,
                                             "launcher": launcher})
 
 
+def need(condition, message: str) -> None:
+    """A ConfigError with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
 @dataclass
 class RunConfig:
     """Every option, declared once: its default, its help (the flag's and the docs'), and its
@@ -175,10 +181,14 @@ class RunConfig:
 
 
     def validate(self) -> RunConfig:
-        def need(cond, msg):
-            if not cond:
-                raise ConfigError(msg)
+        """Every option checked (a ConfigError naming the first bad one); itself."""
+        self._check_exchange()
+        self._check_training()
+        self._check_run()
+        return self
 
+    def _check_exchange(self) -> None:
+        """What is trained and what each worker sends."""
         need(self.model in MODELS or ":" in self.model,
              f"model {self.model!r} unknown; choose one of {sorted(MODELS)} or give "
              "package.module:factory")
@@ -207,6 +217,9 @@ class RunConfig:
         need(self.granularity in ("model", "layer"),
              f"granularity must be 'model' or 'layer', got {self.granularity!r}")
         self._check_buckets()
+
+    def _check_training(self) -> None:
+        """The built-in loop's length and optimizer, evaluation and checks."""
         need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         need(self.iterations is None or self.iterations >= 1, "iterations must be >= 1")
         need(self.batch_size >= 1, "batch-size must be >= 1")
@@ -224,6 +237,9 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.checkpoint_every >= 0, "checkpoint-every must be >= 0")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
+
+    def _check_run(self) -> None:
+        """Devices, the server's options and the shards."""
         need(self.device in ("cpu", "cuda", "auto"),
              f"device must be cpu, cuda or auto, got {self.device!r}")
         need(self.server_device in ("cpu", "cuda"),
@@ -250,7 +266,6 @@ class RunConfig:
                 check_shardable(self)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        return self
 
     def _check_buckets(self) -> None:
         """--overlap / --bucket-mb: buckets of layers exchanged as parts of a round (docs/api.md,

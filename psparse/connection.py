@@ -53,14 +53,7 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
             raise ConfigError("psparse.connect: no rank (pass rank=..., or run under "
                               "psparse-launch / torchrun, which set RANK)")
     if iterations is None:
-        if cfg.iterations is not None:
-            iterations = cfg.iterations
-        elif batches_per_epoch:
-            iterations = math.ceil(cfg.epochs * batches_per_epoch)
-        else:
-            raise ConfigError("psparse.connect: the run's length is needed: iterations=N "
-                              "(or batches_per_epoch=len(loader) with the epochs option, or "
-                              "psparse-launch --iterations/--epochs)")
+        iterations = _run_length(cfg, batches_per_epoch)
     address = server or cluster.server_from_env() or "127.0.0.1:5555"
     try:
         servers = cluster.parse_servers(address)
@@ -83,6 +76,18 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         session.fail(exc)
         raise
     return session
+
+
+def _run_length(cfg: RunConfig, batches_per_epoch: int | None) -> int:
+    """The run's iterations when connect() was not told: the configuration's, else its epochs
+    of ``batches_per_epoch``."""
+    if cfg.iterations is not None:
+        return cfg.iterations
+    if batches_per_epoch:
+        return math.ceil(cfg.epochs * batches_per_epoch)
+    raise ConfigError("psparse.connect: the run's length is needed: iterations=N "
+                      "(or batches_per_epoch=len(loader) with the epochs option, or "
+                      "psparse-launch --iterations/--epochs)")
 
 
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:

@@ -168,7 +168,7 @@ def model_shapes(name: str) -> list[tuple[int, ...]]:
     return [tuple(q.shape) for q in net.parameters() if q.requires_grad]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="psparse-model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, default=None,
@@ -201,6 +201,11 @@ def main(argv=None) -> int:
                    help="built-in model whose layer shapes size PowerSGD's factors: lenet "
                         "(MNIST), lenet-cifar, resnet20 or mlp")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         if args.run:

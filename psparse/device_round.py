@@ -52,7 +52,7 @@ class DeviceRound:
         self.numel = net.numel
         self.grad = dev.from_torch(net.grad)  # the flat gradient, the same device memory
         self.params = dev.from_torch(net.params)
-        self.flags = xp.zeros(2, dtype=xp.uint64)
+        self.selections = SelectionCopy(ctx, dev)  # a selection's one way to the host
         self.loss = xp.zeros(1, dtype=xp.float64)
         self.loss_torch = dev.to_torch(self.loss)
         self.all_indices = None  # every index, on the device (dense aggregates)
@@ -116,7 +116,7 @@ class DeviceRound:
             if fusion.accumulate is not None:
                 raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
             extra, loss_host, weights = self._extras(staged, checksum_due)
-            indices, values = self._copy_back_selection(it, chosen, policy.max_push, "select",
+            indices, values = self.selections.copy_back(it, chosen, policy.max_push, "select",
                                                         extra, part)
             self._time_device("select", start, dev.copied)
         host_loss = self._read_loss(it, host_loss, staged, loss_host)
@@ -243,72 +243,9 @@ class DeviceRound:
         if proposal is None:  # nothing to send: no copy
             idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
         else:
-            idx, val = self._copy_back_selection(it, proposal, policy.max_propose, "propose")
+            idx, val = self.selections.copy_back(it, proposal, policy.max_propose, "propose")
         group = s.client.propose(it, idx.astype(np.int64, copy=False), val)
         return dev.upload("group", np.asarray(group, dtype=np.int64))
-
-    def _copy_back_selection(self, it, chosen, limit, method, extra=(), part: int = 0):
-        """(indices, values) of a selection on the host, through one copy back (with the
-        ``extra`` pairs), the policy's output checked. The pinned buffers are the method's and
-        the part's: ZeroMQ sends them without a copy, and parts are in flight together (each
-        buffer is reused once its round's aggregate has come back)."""
-        method_tag = f"{method}{part}"
-        dev, policy = self.dev, self.s.policy
-        if isinstance(chosen, DeviceSelection):
-            cap = chosen.capacity
-            report = dev.pinned("report", chosen.report.size, np.int64)
-            idx = dev.pinned(f"{method_tag}-idx", cap, chosen.indices.dtype)
-            val = dev.pinned(f"{method_tag}-val", cap, np.float32)
-            if chosen.taken:  # gathered and zeroed by the engine: what follows a take
-                self.s.memory.after_take()
-            pairs = [(chosen.report, report), (chosen.indices, idx)]
-            if chosen.values is not None:
-                pairs.append((chosen.values, val))
-            earlier = [dev.pinned(f"report-{n}", r.size, np.int64)
-                       for n, r in enumerate(chosen.also)]
-            pairs += list(zip(chosen.also, earlier))
-            dev.copy_back(pairs + list(extra))
-            bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
-            if bad:
-                raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
-                                  f"{bad} NaN or inf entries")
-            parts = chosen.host_parts(report)
-            if len(parts) > 1 or parts[0][0] != 0 or parts[0][1] != cap:
-                keep = np.concatenate([np.arange(b, b + c) for b, c in parts]) if parts else \
-                    np.empty(0, np.int64)
-                idx, val = idx[keep], val[keep]
-            if chosen.values is None:
-                raise AssertionError(f"{method}: a selection without its values")
-            return idx, val
-        if isinstance(chosen, np.ndarray) or not (hasattr(chosen, "dtype") and
-                                                  hasattr(chosen, "ndim")):
-            # indices the policy made on the host: checked there, then one upload
-            check_output(policy, chosen, it, limit, method)
-            chosen = dev.upload("policy-output", np.asarray(chosen, dtype=np.int64))
-        # a plain device array of indices: its checks on the device, its values taken
-        if chosen.ndim != 1 or chosen.dtype.kind not in "iu":
-            check_output(policy, chosen, it, limit, method)  # the host's message for it
-        if chosen.size > limit:
-            raise PolicyError(f"policy {type(policy).__name__}.{method}() at iteration {it} "
-                              f"returned {chosen.size} indices, more than its budget of {limit}")
-        chosen = chosen.astype(np.int64)
-        self.flags.fill(0)
-        if chosen.size:
-            dev.launch_over("psparse_check_indices", chosen.size, (
-                chosen, np.int64(chosen.size), np.int64(self.numel), self.flags))
-        values = self.s.memory.take(chosen) if method == "select" else \
-            self.s.memory.accumulator[chosen]
-        flags = dev.pinned("flags", 2, np.uint64)
-        idx = dev.pinned(f"{method_tag}-idx", chosen.size, np.int64)
-        val = dev.pinned(f"{method_tag}-val", chosen.size, np.float32)
-        dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
-        where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
-        if flags[FLAG_RANGE]:
-            raise PolicyError(f"{where} returned an index out of range [0, {self.numel})")
-        if flags[FLAG_ORDER]:
-            raise PolicyError(f"{where} returned indices that are not strictly increasing "
-                              "(they must be sorted, without duplicates)")
-        return idx, val
 
     def _finish(self, it, chosen, acc, host_loss, staged: bool, whole: bool = False):
         """The round's copy back: the selection (or the whole accumulator), the loss, the
@@ -325,7 +262,7 @@ class DeviceRound:
             s.memory.after_take()
             indices = s.all_indices()
         else:
-            indices, values = self._copy_back_selection(it, chosen, s.policy.max_push, "select",
+            indices, values = self.selections.copy_back(it, chosen, s.policy.max_push, "select",
                                                         extra)
         host_loss = self._read_loss(it, host_loss, staged, loss_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
@@ -374,3 +311,82 @@ class DeviceRound:
             held = self.dev.xp.zeros(max(size, 2 * held.size), dtype=dtype)
             setattr(self, name, held)
         return held[:size]
+
+
+class SelectionCopy:
+    """A selection's way to the host: (indices, values) through one copy back (with the
+    round's ``extra`` pairs), the policy's output checked. The pinned buffers are the method's
+    and the part's: ZeroMQ sends them without a copy, and parts are in flight together (each
+    buffer is reused once its round's aggregate has come back)."""
+
+    def __init__(self, ctx: RoundContext, dev):
+        self.s, self.dev = ctx, dev
+        self.numel = ctx.net.numel
+        self.flags = dev.xp.zeros(2, dtype=dev.xp.uint64)  # the check kernel's findings
+
+    def copy_back(self, it, chosen, limit, method, extra=(), part: int = 0):
+        if isinstance(chosen, DeviceSelection):
+            return self._engine(it, chosen, f"{method}{part}", method, extra)
+        return self._indices(it, chosen, limit, method, f"{method}{part}", extra)
+
+    def _engine(self, it, chosen: DeviceSelection, tag: str, method: str, extra):
+        """The engine's selection: its report, indices and values (and earlier reports)."""
+        dev = self.dev
+        cap = chosen.capacity
+        report = dev.pinned("report", chosen.report.size, np.int64)
+        idx = dev.pinned(f"{tag}-idx", cap, chosen.indices.dtype)
+        val = dev.pinned(f"{tag}-val", cap, np.float32)
+        if chosen.taken:  # gathered and zeroed by the engine: what follows a take
+            self.s.memory.after_take()
+        pairs = [(chosen.report, report), (chosen.indices, idx)]
+        if chosen.values is not None:
+            pairs.append((chosen.values, val))
+        earlier = [dev.pinned(f"report-{n}", r.size, np.int64)
+                   for n, r in enumerate(chosen.also)]
+        pairs += list(zip(chosen.also, earlier))
+        dev.copy_back(pairs + list(extra))
+        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
+        if bad:
+            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
+                              f"{bad} NaN or inf entries")
+        parts = chosen.host_parts(report)
+        if len(parts) > 1 or parts[0][0] != 0 or parts[0][1] != cap:
+            keep = np.concatenate([np.arange(b, b + c) for b, c in parts]) if parts else \
+                np.empty(0, np.int64)
+            idx, val = idx[keep], val[keep]
+        if chosen.values is None:
+            raise AssertionError(f"{method}: a selection without its values")
+        return idx, val
+
+    def _indices(self, it, chosen, limit, method: str, tag: str, extra):
+        """Plain indices from the policy (device or host): checked on the device (range,
+        order), their values taken, one copy back."""
+        dev, policy = self.dev, self.s.policy
+        if isinstance(chosen, np.ndarray) or not (hasattr(chosen, "dtype") and
+                                                  hasattr(chosen, "ndim")):
+            # indices the policy made on the host: checked there, then one upload
+            check_output(policy, chosen, it, limit, method)
+            chosen = dev.upload("policy-output", np.asarray(chosen, dtype=np.int64))
+        if chosen.ndim != 1 or chosen.dtype.kind not in "iu":
+            check_output(policy, chosen, it, limit, method)  # the host's message for it
+        if chosen.size > limit:
+            raise PolicyError(f"policy {type(policy).__name__}.{method}() at iteration {it} "
+                              f"returned {chosen.size} indices, more than its budget of {limit}")
+        chosen = chosen.astype(np.int64)
+        self.flags.fill(0)
+        if chosen.size:
+            dev.launch_over("psparse_check_indices", chosen.size, (
+                chosen, np.int64(chosen.size), np.int64(self.numel), self.flags))
+        values = self.s.memory.take(chosen) if method == "select" else \
+            self.s.memory.accumulator[chosen]
+        flags = dev.pinned("flags", 2, np.uint64)
+        idx = dev.pinned(f"{tag}-idx", chosen.size, np.int64)
+        val = dev.pinned(f"{tag}-val", chosen.size, np.float32)
+        dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
+        where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
+        if flags[FLAG_RANGE]:
+            raise PolicyError(f"{where} returned an index out of range [0, {self.numel})")
+        if flags[FLAG_ORDER]:
+            raise PolicyError(f"{where} returned indices that are not strictly increasing "
+                              "(they must be sorted, without duplicates)")
+        return idx, val

@@ -158,6 +158,20 @@ class WholeModel:
         return everything, ctx.memory.take(everything)
 
 
+def budget_steps(policy, k_at, iterations: int, warmup: bool, start: int) -> list[list[int]]:
+    """[from_iteration, budget, push_max, propose_max] wherever the budget ``k_at(it)`` changes
+    (only during a density warm-up); push_max and propose_max are what the policy declares for
+    that budget. The policy is left at iteration ``start``'s budget."""
+    steps = []
+    for it in range(iterations if warmup else 1):
+        k = k_at(it)
+        if not steps or steps[-1][1] != k:
+            policy.set_k(k)
+            steps.append([it, k, policy.max_push, policy.max_propose])
+    policy.set_k(k_at(start))
+    return steps
+
+
 def round_shape(policy, whole: bool):
     """A two-phase policy keeps its proposal phase even at density 1 (the run says so)."""
     return TwoPhase() if policy.two_phase else WholeModel() if whole else OnePhase()

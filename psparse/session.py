@@ -34,18 +34,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint, keyranges
+from . import checkpoint
 from .backend import device_backend
-from .client import PSClient, ServerGone, ShardedClient, WorkerError
+from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig
 from .device import FlatModel
 from .device_round import DeviceRound
-from .exchange import HostRound, RoundContext, WholeModel, round_shape
+from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
 from .parts import Parts
 from .policies import Layout, PolicyError, build_policy
 from .rundir import EVAL_VALUES, rank_file
+from .sharded_client import open_client
 from .sparsify import density_to_k
 
 __all__ = ["Session", "WorkerError", "ServerGone", "check_model"]
@@ -87,7 +88,7 @@ class Session:
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
                              beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta,
                              dev=self.dev)
-        self._check_optimizer(optimizer)
+        check_optimizer(optimizer, self.memory, cfg, self.out_dir)
         self.k = density_to_k(cfg.density, self.net.numel)
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
@@ -98,7 +99,7 @@ class Session:
                               "back every round: it runs on the host path (--device cpu, or "
                               "without CuPy)")
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
-        self.client, self.servers = self._client(server, run_token)
+        self.client, self.servers = open_client(cfg, server, rank, self.net.numel, run_token)
         self.start = self.iteration = 0
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
@@ -111,13 +112,7 @@ class Session:
             if cfg.record_selections else None)
         self.parts: Parts | None = None  # --bucket-mb / --overlap: the round in buckets
         try:
-            self.steps = self.budget_steps()
-            whole = all(step[1] == self.net.numel for step in self.steps)
-            shape = round_shape(self.policy, whole)
-            self.rounds = DeviceRound(self.ctx, self.dev, isinstance(shape, WholeModel)) \
-                if self.dev is not None else HostRound(self.ctx, shape)
-            if cfg.overlap or cfg.bucket_mb is not None:
-                self.parts = Parts(self.ctx, self.rounds, self.servers)
+            self._build_rounds()
             if resume:
                 self._restore()
                 self.policy.set_k(self._k_at(self.start))
@@ -125,38 +120,18 @@ class Session:
             self.client.close()  # not registered yet: nobody to tell, just leave
             raise
 
-    def _check_optimizer(self, optimizer) -> None:
-        if optimizer is not None and not self.memory.optimizer_momentum_applies and not (
-                isinstance(optimizer, torch.optim.SGD)
-                and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
-            raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
-                              "must be plain SGD (torch.optim.SGD with momentum=0), got "
-                              f"{type(optimizer).__name__}")
-        if self.cfg.checkpoint_every and (self.out_dir is None or optimizer is None):
-            raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
-                              "PSPARSE_OUT) and the optimizer: connect(model, optimizer, ...)")
-
-    def _client(self, server, run_token):
-        """The connection to the server, or to S key-range shards (a list of addresses, in
-        shard order): (client, how many servers)."""
+    def _build_rounds(self) -> None:
+        """The budget steps the server will enforce, and the round object: on the host or the
+        device, whole or in buckets of layers."""
         cfg = self.cfg
-        servers = server if isinstance(server, list) else [server]
-        if cfg.servers > 1 and len(servers) != cfg.servers:
-            raise ConfigError(f"the run has {cfg.servers} server shards (--servers) but this "
-                              f"worker was given {len(servers)} server address(es): give "
-                              "every shard's HOST:PORT, comma-separated, in shard order")
-        options = dict(timeout=cfg.timeout, max_message_bytes=int(cfg.max_message_mb * 1e6),
-                       curve_keys=cfg.curve_keys, run_token=run_token)
-        if len(servers) == 1:
-            host, port = servers[0]
-            return PSClient(host, port, self.rank, cfg.workers, numel=self.net.numel,
-                            **options), 1
-        try:
-            keyranges.check_shardable(cfg)
-            return ShardedClient(servers, self.rank, cfg.workers, numel=self.net.numel,
-                                 **options), len(servers)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        self.steps = budget_steps(self.policy, self._k_at, self.iterations,
+                                  bool(cfg.density_warmup), self.start)
+        whole = all(step[1] == self.net.numel for step in self.steps)
+        shape = round_shape(self.policy, whole)
+        self.rounds = DeviceRound(self.ctx, self.dev, isinstance(shape, WholeModel)) \
+            if self.dev is not None else HostRound(self.ctx, shape)
+        if cfg.overlap or cfg.bucket_mb is not None:
+            self.parts = Parts(self.ctx, self.rounds, self.servers)
 
     # ----------------------------------------------------------------------------- basics
     def log(self, **values) -> None:
@@ -194,7 +169,6 @@ class Session:
         return {"push_bytes": self.client.sent_bytes, "aggregate_bytes":
                 self.client.received_bytes, **self.ctx.clock.times}
 
-
     def _k_at(self, it: int) -> int:
         """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
         if not self.cfg.density_warmup:
@@ -226,20 +200,6 @@ class Session:
         if self.parts is not None:
             run["parts"] = self.parts.edges
         return run
-
-    def budget_steps(self) -> list[list[int]]:
-        """[from_iteration, budget, push_max, propose_max] wherever the budget changes (only
-        during a density warm-up); push_max and propose_max are what the policy declares for
-        that budget."""
-        steps = []
-        for it in range(self.iterations if self.cfg.density_warmup else 1):
-            k = self._k_at(it)
-            if not steps or steps[-1][1] != k:
-                self.policy.set_k(k)
-                steps.append([it, k, self.policy.max_push, self.policy.max_propose])
-        self.policy.set_k(self._k_at(self.start))
-        return steps
-
 
     # --------------------------------------------------------------------------------- round
     def exchange(self, loss=None) -> None:
@@ -402,7 +362,6 @@ class Session:
         self.say(f"resuming at iteration {start}")
 
 
-
 def _check_eval_values(values: dict) -> None:
     unknown = sorted(set(values) - set(EVAL_VALUES))
     if unknown:
@@ -424,3 +383,17 @@ def check_model(model: torch.nn.Module) -> None:
     if len(devices) > 1:
         raise ConfigError(f"the model's parameters are on several devices ({devices}); "
                           "psparse needs them on one")
+
+
+def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | None) -> None:
+    """The optimizer fits the memory (``dgc`` applies momentum itself) and checkpoints have a
+    run directory and an optimizer to save."""
+    if optimizer is not None and not memory.optimizer_momentum_applies and not (
+            isinstance(optimizer, torch.optim.SGD)
+            and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
+        raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
+                          "must be plain SGD (torch.optim.SGD with momentum=0), got "
+                          f"{type(optimizer).__name__}")
+    if cfg.checkpoint_every and (out_dir is None or optimizer is None):
+        raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
+                          "PSPARSE_OUT) and the optimizer: connect(model, optimizer, ...)")

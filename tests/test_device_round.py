@@ -27,6 +27,7 @@ import torch
 from conftest import REPO, ServerProcess, python_module, read_jsonl
 
 import psparse
+from psparse.device_round import DeviceRound
 
 RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations", "12",
        "--eval-every", "6", "--seed", "5", "--quiet", "--threads", "1"]
@@ -77,7 +78,7 @@ def train(port: int, rank: int, model, iterations: int, out, **options):
             ps.exchange(loss)  # a tensor: on the device path it is read with the round's copy
             optimizer.step()
             optimizer.zero_grad()
-        report = ps.device_round.report(iterations) if ps.device_round is not None else None
+        report = ps.rounds.report(iterations) if isinstance(ps.rounds, DeviceRound) else None
         return ps.net.checksum(), report
 
 

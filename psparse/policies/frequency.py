@@ -161,6 +161,34 @@ class Frequency(SelectionPolicy):
         may reach the key (priority >= p_w; when p_w is 0, priority > 0 or |acc| >= m_w). Every
         pool entry that reaches the key is collected; the k best of the pool are among them
         when at least k are."""
+        bounds = self._sample_bounds(acc, stored, k, pool)
+        if bounds is None:
+            return None
+        a_lo, a_hi, key_w, p_w, m_w = bounds
+        found = self._collect(acc, stored, a_lo, a_hi, p_w, m_w)
+        if found is None:
+            return None
+        idx, mag, prio, n_lo = found
+        edge = mag < a_hi
+        above = n_lo - int(np.count_nonzero(edge))  # entries with |acc| >= a_hi: all in the pool
+        edge_mag = mag[edge]
+        need = pool - above  # pool entries on the edge
+        if not 0 < need <= edge_mag.size:  # the pool's smallest magnitude is outside [a_lo, a_hi)
+            return None
+        kth = np.partition(edge_mag, edge_mag.size - need)[edge_mag.size - need]
+        in_pool = mag > kth
+        short = pool - above - int(np.count_nonzero(edge_mag > kth))
+        if short:  # ties at the pool's smallest magnitude (all on the edge): the lowest indices
+            in_pool[np.flatnonzero(mag == kth)[:short]] = True
+        in_pool &= self._key(prio, mag) >= key_w
+        if int(np.count_nonzero(in_pool)) < k:
+            return None
+        idx, prio, mag = idx[in_pool], prio[in_pool], mag[in_pool]
+        return idx[self._best(prio, mag, k)]
+
+    def _sample_bounds(self, acc, stored, k, pool):
+        """(a_lo, a_hi, the key, its priority p_w and magnitude m_w) from the strided sample,
+        or None when the sample cannot bound the pool."""
         n = acc.size
         mag_s = np.abs(acc[::kernels.SAMPLE_STRIDE])
         prio_s = stored[::kernels.SAMPLE_STRIDE]
@@ -183,7 +211,12 @@ class Frequency(SelectionPolicy):
             key_w = np.uint64(0)
         p_w = np.uint32(key_w >> np.uint64(32)).view(np.float32)
         m_w = np.uint32(key_w & np.uint64(0xFFFFFFFF)).view(np.float32) if p_w == 0 else inf
+        return a_lo, a_hi, key_w, p_w, m_w
 
+    def _collect(self, acc, stored, a_lo, a_hi, p_w, m_w):
+        """The one pass, block by block in cache-sized scratch: (indices, magnitudes,
+        priorities) of the entries collected, and how many reach a_lo; None if none was."""
+        n = acc.size
         block = sparsify.BLOCK
         if self._scratch is None or self._scratch[0].size != block:
             self._scratch = (np.empty(block, np.float32), np.empty(block, bool),
@@ -212,23 +245,7 @@ class Frequency(SelectionPolicy):
         if not parts:
             return None
         idx, mag, prio = (np.concatenate(p) for p in zip(*parts))
-
-        edge = mag < a_hi
-        above = n_lo - int(np.count_nonzero(edge))  # entries with |acc| >= a_hi: all in the pool
-        edge_mag = mag[edge]
-        need = pool - above  # pool entries on the edge
-        if not 0 < need <= edge_mag.size:  # the pool's smallest magnitude is outside [a_lo, a_hi)
-            return None
-        kth = np.partition(edge_mag, edge_mag.size - need)[edge_mag.size - need]
-        in_pool = mag > kth
-        short = pool - above - int(np.count_nonzero(edge_mag > kth))
-        if short:  # ties at the pool's smallest magnitude (all on the edge): the lowest indices
-            in_pool[np.flatnonzero(mag == kth)[:short]] = True
-        in_pool &= self._key(prio, mag) >= key_w
-        if int(np.count_nonzero(in_pool)) < k:
-            return None
-        idx, prio, mag = idx[in_pool], prio[in_pool], mag[in_pool]
-        return idx[self._best(prio, mag, k)]
+        return idx, mag, prio, n_lo
 
     def observe(self, indices, values, iteration):
         self.priority.decay(self.gamma)
