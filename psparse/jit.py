@@ -7,7 +7,7 @@ index coding and the protocol's checks), CUDA C on the GPU (``psparse/kernels.py
 kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
 machine and argument types and then loaded from numba's on-disk cache.
 
-Where the cache lives (README, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
+Where the cache lives (docs/architecture.md, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
 else numba's own choice, ``psparse/__pycache__`` beside the sources when that is writable (an
 editable install: every process of a run or a test session shares it); else, for a read-only
 install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that
