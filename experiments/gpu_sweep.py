@@ -37,7 +37,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from experiments.run import SWEEPS, ended, exit_status, reached, reached_table
+from experiments.run import ended, exit_status, reached, reached_table
+from experiments.sweeps import SWEEPS
 
 CUDA = ["--device", "cuda", "--server-device", "cuda"]
 STOP_GRACE_S = 30  # how long the stopped launchers get, all together, to stop their processes
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", nargs="?", choices=sorted(SWEEPS),
-                   help="the sweep (experiments/run.py) whose runs to start; not with --report")
+                   help="the sweep (experiments/sweeps.py) whose runs to start; not with --report")
     p.add_argument("--only", default="", help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds for every run (default 0)")
     p.add_argument("--seconds", type=float, default=None,

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.run import LENET, RESULTS, ROOT, SWEEP_POLICIES, made_by, run_one
+from experiments.run import RESULTS, ROOT, made_by, run_one
 from experiments.scaling import union_parts
+from experiments.sweeps import LENET, SWEEP_POLICIES
 from psparse import locality
 
 CORE = SWEEP_POLICIES["core"]

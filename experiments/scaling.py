@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.figures import _plt
-from experiments.run import RESULTS, ROOT, SWEEP_POLICIES, made_by, run_one
+from experiments.run import RESULTS, ROOT, made_by, run_one
+from experiments.sweeps import SWEEP_POLICIES
 from psparse import locality
 
 BASE = ["--model", "lenet", "--dataset", "mnist", "--density", "0.01", "--eval-every", "0"]
