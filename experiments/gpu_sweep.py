@@ -37,6 +37,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from experiments.harness import RunDir
 from experiments.run import ended, exit_status, reached, reached_table
 from experiments.sweeps import SWEEPS
 
@@ -134,9 +135,8 @@ def main(argv=None) -> int:
             last_note = time.monotonic()
             state = []
             for (name, seed), (proc, run_dir) in procs.items():
-                evals = (run_dir / "eval.jsonl").read_text().splitlines() \
-                    if (run_dir / "eval.jsonl").is_file() else []
-                e = json.loads(evals[-1]) if evals else None
+                evals = RunDir(run_dir).evals()  # complete lines: the run is writing them
+                e = evals[-1] if evals else None
                 state.append(f"{name}-s{seed} " + (f"epoch {e['epoch']:.0f} acc "
                                                    f"{e['test_acc']:.2%}" if e else "starting")
                              + ("" if proc.poll() is None else f" (exit {proc.returncode})"))
