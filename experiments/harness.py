@@ -1,21 +1,26 @@
-"""What every experiment driver shares: reading a run directory, the run cache and the tables'
-formatting.
+"""What every experiment driver shares: reading a run directory, the run cache, the emulated
+cluster, and the tables' formatting.
 
 * ``RunDir``: one run directory's files as records (config, metrics, evaluations, summary,
   rank files), every JSON-lines file through ``psparse.rundir.read_jsonl``;
 * ``RunCache``: whether a run directory holds a finished run made with given arguments
   (``started.json`` / ``command.json``), so that a sweep redoes only what changed;
+* ``EmulatedCluster``: ``launch/netns.sh cluster``, its hosts, and commands run on them;
 * ``md_table``, ``mean_sd``, ``mean_of``, ``by_run`` and ``made_by``: the markdown tables of
   experiments/results and benchmarks/.
 
-Used by experiments/run.py, scaling.py, low_density.py, gpu_sweep.py and figures.py. Paths are
-passed in, not read from here: the tests point a driver's ROOT at a temporary folder.
+Used by experiments/run.py, cluster.py, scaling.py, low_density.py, gpu_sweep.py, figures.py and
+benchmarks/bench_scale.py. Paths are passed in, not read from here: the tests point a driver's
+ROOT at a temporary folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,8 @@ from psparse.rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, r
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
+NETNS = ROOT / "launch" / "netns.sh"
+NSRSH = ROOT / "launch" / "nsrsh.sh"
 
 
 # ---------------------------------------------------------------------------- run directory
@@ -115,6 +122,92 @@ class RunCache:
         """Mark the run ended (a launcher that failed early may not have made the directory)."""
         self.dir.path.mkdir(parents=True, exist_ok=True)
         (self.dir.path / self.ENDED).write_text(json.dumps(self.identity))
+
+
+# ---------------------------------------------------------------------------- emulated cluster
+
+class EmulatedCluster:
+    """``launch/netns.sh cluster NAME HOSTS RATE`` (root): HOSTS network namespaces NAME-h0 ..
+    (h0 first), each with one link to a bridge shaped at RATE both ways, a CPU share of
+    ``cpus`` / HOSTS cores and, with ``pin`` (netns.sh's default), one CPU each. Built by
+    ``up`` (or ``with``), taken down by ``down``; ``addrs`` are the hosts' addresses."""
+
+    def __init__(self, name: str, hosts: int, rate: str, cpus: float | str | None = None,
+                 pin: bool | None = None):
+        self.name, self.hosts, self.rate = name, hosts, rate
+        self.cpus, self.pin = cpus, pin
+        self.addrs: list[str] = []
+
+    def up(self) -> list[str]:
+        self.down()  # a cluster left over by a run that was killed
+        env = dict(os.environ)
+        if self.cpus is not None:
+            env["PSNET_CPUS"] = str(self.cpus)
+        if self.pin is not None:
+            env["PSNET_PIN"] = "1" if self.pin else "0"
+        self.addrs = subprocess.run(["bash", str(NETNS), "cluster", self.name, str(self.hosts),
+                                     self.rate], capture_output=True, text=True, check=True,
+                                    env=env).stdout.split()
+        return self.addrs
+
+    def down(self) -> None:
+        subprocess.run(["bash", str(NETNS), "down", self.name], capture_output=True)
+
+    def __enter__(self) -> EmulatedCluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def host(self, i: int) -> str:
+        """Host i's namespace (and cgroup) name."""
+        return f"{self.name}-h{i}"
+
+    def on(self, i: int, command: str) -> list[str]:
+        """The command line that runs the shell ``command`` on host i (its namespace and CPU
+        share): launch/nsrsh.sh, the remote shell of psparse-launch --hostfile."""
+        return ["bash", str(NSRSH), self.host(i), command]
+
+    def launch_on(self, i: int, launch: list[str], root: Path = ROOT) -> list[str]:
+        """psparse-launch (``launch``: its argv) started on host i, in the checkout ``root``."""
+        return self.on(i, f"cd {shlex.quote(str(root))} && exec {shlex.join(launch)}")
+
+    def rsh_by_address(self, path: Path) -> Path:
+        """A remote shell for hosts named by their addresses (as --server-hosts names them):
+        it enters the namespace that holds the address (netns.sh numbers them from .1)."""
+        path.write_text("#!/bin/bash\nhost=$1; shift\n"
+                        f"exec bash {NSRSH} {self.name}-h$(( ${{host##*.}} - 1 )) \"$@\"\n")
+        return path
+
+    def cpu_quota_us(self, i: int = 0) -> int:
+        """Host i's CPU share: its cgroup's CPU quota per 10 ms period (µs)."""
+        return int(self._cgroup("cpu", i, "cpu.cfs_quota_us").read_text())
+
+    def set_cpu_quota(self, quota_us: int | None) -> None:
+        """Every host's CPU share (µs per 10 ms period); None: unlimited."""
+        for i in range(self.hosts):
+            path = self._cgroup("cpu", i, "cpu.cfs_quota_us")
+            if path.parent.is_dir():
+                path.write_text(str(quota_us if quota_us is not None else -1))
+
+    def pinned(self) -> bool:
+        """Whether netns.sh pinned the hosts to CPUs (host 1's cpuset)."""
+        cpuset = self._cgroup("cpuset", 1, "cpuset.cpus")
+        return cpuset.is_file() and bool(cpuset.read_text().strip())
+
+    def _cgroup(self, controller: str, i: int, name: str) -> Path:
+        return Path(f"/sys/fs/cgroup/{controller}/psparse-{self.host(i)}/{name}")
+
+    def link_counters(self) -> dict[str, list[int]]:
+        """host -> [rx bytes, tx bytes] of its eth0 (what its link carried, headers included)."""
+        out = {}
+        for i in range(self.hosts):
+            info = json.loads(subprocess.run(
+                ["ip", "-n", self.host(i), "-s", "-j", "link", "show", "eth0"],
+                capture_output=True, text=True, check=True).stdout)[0]["stats64"]
+            out[f"h{i}"] = [info["rx"]["bytes"], info["tx"]["bytes"]]
+        return out
 
 
 # ---------------------------------------------------------------------------- tables
