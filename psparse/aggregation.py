@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import agg_kernels, reference
-from .agg_kernels import emission_for
-from .jit import REFERENCE, Reusable, address_table
+from . import reference
+from .jit import REFERENCE, LazyModule, Reusable, address_table
 from .kernels import NonFiniteError, sparse_mean
 from .protocol import dense_is_smaller, index_dtype_for
 from .xp import cupy_or_none, to_host
 
+agg_kernels = LazyModule("psparse.agg_kernels")
 __all__ = ["Aggregator", "BudgetError", "ServerLimit", "array_module_for"]
 
 
@@ -44,6 +44,11 @@ def array_module_for(device: str):
     if xp is None:
         raise ValueError("--server-device cuda: no CUDA device, or CuPy is not installed")
     return xp
+
+
+def emission_for(numel: int, entries: int) -> tuple[bool, int]:
+    """agg_kernels.emission_for: how the bitmap of a round of ``entries`` is read out."""
+    return agg_kernels.emission_for(numel, entries)
 
 
 class Aggregator:
