@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from . import agg_kernels, keyranges, protocol
-from .aggregation import top_k
+from . import keyranges, protocol
+from .aggregation import agg_kernels, top_k
 from .codec import KeyCache
 from .protocol import ProtocolError
 from .transport import Channel, PeerGone, TransportTimeout
