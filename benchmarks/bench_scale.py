@@ -10,9 +10,10 @@
 
 Parts (every ratio is measured in the same run as its baseline):
 
-``aggregation``: the server's aggregation path (``psparse.aggregation.Aggregator.mean``, i.e.
-``kernels.sparse_mean``: scatter-add of N pushes into the dense scratch, sorted union, mean at
-the union, scratch zeroed) for N pushes of k entries each (half of every push shared by all
+``aggregation``: the server's aggregation path (``psparse.aggregation.Aggregator.mean``: the
+compiled rank-order sum of ``agg_kernels``, whose reference ``reference.sparse_mean`` is the
+scatter-add of N pushes into the dense scratch, sorted union, mean at the union, scratch
+zeroed) for N pushes of k entries each (half of every push shared by all
 workers, half its own), against one memory copy (``numpy.copyto``) of the same bytes (N·k int32
 indices and float32 values), interleaved medians of wall time. Entries aggregated per second
 = N·k / time; the ratio is the aggregation's throughput as a fraction of memcpy's.
