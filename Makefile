@@ -33,8 +33,9 @@ test: install data
 test-fast: install data
 	$(PY) -m pytest -q -ra -m "not slow" tests
 
+# the project's point in one table: 8 workers, top-k against vote keep=1.5 (experiments/demo.py)
 demo: install data
-	$(VENV)/bin/psparse-launch --workers 8 --out runs/demo
+	$(PY) -m experiments.demo --out runs/demo
 
 # experiment sweeps: make exp-lenet-mnist, exp-time-to-accuracy, exp-resnet20-cifar10,
 # exp-cifar-lenet, exp-policies, exp-cost-model (see experiments/README.md)

@@ -41,7 +41,8 @@ from common import record, table  # noqa: E402
 
 from psparse import agg_kernels, aggregation, reference  # noqa: E402
 from psparse.aggregation import Aggregator  # noqa: E402
-from psparse.jit import address_table, as_pointer  # noqa: E402
+from psparse.jit import address_table  # noqa: E402
+from psparse.numba_jit import as_pointer  # noqa: E402
 
 WORKERS = 8
 CASES = [("LeNet-5", 61_706, 0.01), ("11.2M", 11_200_000, 0.01), ("25M", 25_000_000, 0.001)]

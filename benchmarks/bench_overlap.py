@@ -29,7 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
 from common import table  # noqa: E402
+
+from psparse.rundir import read_jsonl  # noqa: E402
 
 MODES = {"sequential": [], "overlapped": ["--overlap"]}
 COMPARED = ("iter", "k", "union", "loss", "budget")
@@ -55,7 +58,7 @@ def run_once(out: Path, args, extra: list[str]) -> dict:
         raise SystemExit(f"run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(args.workers)]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(out / "metrics.jsonl")
     n = summary["iterations"]
     return {
         "iter_s": summary["train_s"] / n,

@@ -10,9 +10,10 @@
 
 Parts (every ratio is measured in the same run as its baseline):
 
-``aggregation``: the server's aggregation path (``psparse.aggregation.Aggregator.mean``, i.e.
-``kernels.sparse_mean``: scatter-add of N pushes into the dense scratch, sorted union, mean at
-the union, scratch zeroed) for N pushes of k entries each (half of every push shared by all
+``aggregation``: the server's aggregation path (``psparse.aggregation.Aggregator.mean``: the
+compiled rank-order sum of ``agg_kernels``, whose reference ``reference.sparse_mean`` is the
+scatter-add of N pushes into the dense scratch, sorted union, mean at the union, scratch
+zeroed) for N pushes of k entries each (half of every push shared by all
 workers, half its own), against one memory copy (``numpy.copyto``) of the same bytes (N·k int32
 indices and float32 values), interleaved medians of wall time. Entries aggregated per second
 = N·k / time; the ratio is the aggregation's throughput as a fraction of memcpy's.
@@ -29,7 +30,7 @@ ms/iteration (training time after 5 warm-up iterations, the slowest shard's cloc
 deterministic (same seed and config, same bytes); times are not. The per-server bytes are
 fitted against N on log-log axes (exponent a in bytes ~ N^a: N·k would give 1, N²·k 2).
 Runs land in ``--runs`` (default runs/bench-scale); a finished run with the same arguments is
-reused. Results: ``benchmarks/bench_scale.json``, figure ``benchmarks/bench_scale.png``.
+reused (experiments/harness.py, ``RunCache``). Results: ``benchmarks/bench_scale.json``, figure ``benchmarks/bench_scale.png``.
 
 ``cluster`` (root; not part of ``all``): the grid's launches on an emulated cluster
 (``launch/netns.sh cluster``, rebuilt for every run and taken down after it): S + N hosts,
@@ -52,11 +53,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +63,23 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
-from common import interleaved_medians  # noqa: E402
+from bench_scale_grid import (  # noqa: E402
+    BANDWIDTH,
+    CLUSTER_RATE,
+    DENSITY,
+    ITERATIONS,
+    POLICIES,
+    SERVERS,
+    SIZES,
+    WARMUP,
+    WORKERS,
+    cluster_config,
+    grid_part,
+    plan,
+)
+from common import half_shared_pushes, interleaved_medians  # noqa: E402
 
+from experiments.harness import md_table  # noqa: E402
 from psparse.aggregation import Aggregator  # noqa: E402
 from psparse.transport import parse_rate  # noqa: E402
 
@@ -78,36 +91,8 @@ AGG_CASES = [("LeNet-5", 61_706, 0.01), ("11.2M", 11_200_000, 0.01),
              ("25M", 25_000_000, 0.001)]
 AGG_WORKERS = (2, 8, 16)
 
-# grid part
-SIZES = {
-    "lenet": ["--model", "lenet", "--dataset", "mnist"],
-    "synthetic-1M": ["--model", "synthetic", "--model-arg", "numel=1M", "--dataset", "digits"],
-}
-POLICIES = {
-    "topk": ["--policy", "topk"],
-    "core": ["--policy", "core"],
-    "core-private1": ["--policy", "core", "--policy-arg", "private=1"],
-}
-POLICY_MIN_WORKERS = {"core-private1": 8}  # private=1 is the large-N variant (docs/policies.md)
-WORKERS = (2, 4, 8, 16)
-SERVERS = (1, 2, 4)
-ITERATIONS = 30
-WARMUP = 5
-BANDWIDTH = "100Mbit"
-DENSITY = "0.01"
-
 
 # ---------------------------------------------------------------------------- aggregation
-
-def pushes(rng, numel: int, k: int, n: int):
-    shared = rng.choice(numel, k // 2, replace=False)
-    idx = []
-    for _ in range(n):
-        own = rng.choice(numel, k, replace=False)
-        own = own[~np.isin(own, shared)][: k - k // 2]
-        idx.append(np.sort(np.concatenate([shared, own])).astype(np.int32))
-    return idx, [rng.standard_normal(i.size).astype(np.float32) for i in idx]
-
 
 def aggregation_part(cases=AGG_CASES, workers=AGG_WORKERS, repeats: int | None = None) -> list:
     rng = np.random.default_rng(0)
@@ -116,7 +101,7 @@ def aggregation_part(cases=AGG_CASES, workers=AGG_WORKERS, repeats: int | None =
         k = max(1, round(numel * density))
         agg = Aggregator(numel)
         for n in workers:
-            idx, val = pushes(rng, numel, k, n)
+            idx, val = half_shared_pushes(rng, numel, k, n)
             src = np.concatenate([np.concatenate(idx).view(np.uint8),
                                   np.concatenate(val).view(np.uint8)])
             dst = np.empty_like(src)
@@ -139,140 +124,13 @@ def aggregation_table(rows: list) -> str:
              f"{r['bytes'] / 1e6:.2f}", f"{r['agg_s'] * 1e3:.3f}", f"{r['copy_s'] * 1e3:.3f}",
              f"{r['agg_entries_per_s'] / 1e6:.1f}", f"{r['copy_entries_per_s'] / 1e6:.0f}",
              f"{r['ratio']:.1%}"] for r in rows]
-    return md_table(body, ["model", "k", "N", "union", "pushed MB", "aggregate ms",
-                           "memcpy ms", "aggregated M entries/s", "memcpy M entries/s",
-                           "aggregate / memcpy throughput"])
+    return md_table(["model", "k", "N", "union", "pushed MB", "aggregate ms", "memcpy ms",
+                     "aggregated M entries/s", "memcpy M entries/s",
+                     "aggregate / memcpy throughput"], body)
 
 
-# ---------------------------------------------------------------------------- grid
-
-def plan(sizes=SIZES, policies=POLICIES, workers=WORKERS, servers=SERVERS) -> list[dict]:
-    """Every grid configuration, small N first (a stopped sweep has all the small ones)."""
-    out = []
-    for n in workers:
-        for size in sizes:
-            for policy in policies:
-                if n < POLICY_MIN_WORKERS.get(policy, 0):
-                    continue
-                for s in servers:
-                    out.append({"size": size, "policy": policy, "workers": n, "servers": s})
-    return out
-
-
-def launch_args(cfg: dict, iterations: int, bandwidth: str | None) -> list[str]:
-    args = ["--workers", str(cfg["workers"]), "--servers", str(cfg["servers"]),
-            *SIZES[cfg["size"]], "--density", DENSITY, "--iterations", str(iterations),
-            "--eval-every", "0", "--seed", "0", *POLICIES[cfg["policy"]]]
-    if bandwidth:
-        args += ["--bandwidth", bandwidth]
-    return args
-
-
-def run_config(cfg: dict, runs: Path, iterations: int = ITERATIONS,
-               bandwidth: str | None = BANDWIDTH, warmup: int = WARMUP) -> dict:
-    """One launch (reused if RUN_DIR holds a finished run of the same arguments) and its
-    per-shard figures."""
-    name = f"{cfg['size']}-{cfg['policy']}-n{cfg['workers']}-s{cfg['servers']}"
-    run_dir = runs / name
-    args = launch_args(cfg, iterations, bandwidth)
-    stamp = run_dir / "bench_args.json"
-    done = (stamp.exists() and json.loads(stamp.read_text()) == args
-            and (run_dir / "summary.json").exists()
-            and json.loads((run_dir / "summary.json").read_text()).get("status") == "ok")
-    if not done:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        t = time.time()
-        proc = subprocess.run([sys.executable, "-m", "psparse.launch", "--quiet",
-                               "--out", str(run_dir), *args], cwd=ROOT,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            return {**cfg, "run": name, "failed": (proc.stderr or proc.stdout)[-400:]}
-        stamp.write_text(json.dumps(args))
-        print(f"  {name}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    return {**cfg, "run": name, **measure(run_dir, cfg["servers"], warmup)}
-
-
-def measure(run_dir: Path, servers: int, warmup: int = WARMUP) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
-    per_shard = np.zeros((len(records), servers))
-    for i, r in enumerate(records):
-        shards = r.get("shards") or [{"upload_bytes": r["upload_bytes"],
-                                      "broadcast_bytes": r["broadcast_bytes"]}]
-        if len(shards) != servers:
-            raise ValueError(f"{run_dir}: iteration {r['iter']} has {len(shards)} shards")
-        up = sum(s["upload_bytes"] for s in shards)
-        down = sum(s["broadcast_bytes"] for s in shards)
-        if (up, down) != (r["upload_bytes"], r["broadcast_bytes"]):
-            raise ValueError(f"{run_dir}: iteration {r['iter']}: shard bytes do not sum to "
-                             f"the totals")
-        per_shard[i] = [s["upload_bytes"] + s["broadcast_bytes"] for s in shards]
-    link = per_shard.mean(axis=0)  # bytes per iteration on each shard's link
-    times = [r["time_s"] for r in records]
-    w = min(warmup, len(times) - 2)
-    return {"numel": summary["numel"], "k": summary["k"], "iterations": len(records),
-            "union_k": summary["union_over_k_mean"],
-            "shard_link_b": link.tolist(), "total_b": float(per_shard.sum(axis=1).mean()),
-            "upload_b": float(np.mean([r["upload_bytes"] for r in records])),
-            "broadcast_b": float(np.mean([r["broadcast_bytes"] for r in records])),
-            "server_max_b": float(link.max()), "server_mean_b": float(link.mean()),
-            "ms_per_iter": 1e3 * (times[-1] - times[w]) / (len(times) - 1 - w),
-            "code": config.get("provenance", {}).get("code_id")}
-
-
-NETNS = ROOT / "launch" / "netns.sh"
-NSRSH = ROOT / "launch" / "nsrsh.sh"
-CLUSTER_RATE = "25mbit"
-CLUSTER = "psbs"  # namespaces psbs-h0 .. psbs-h<N+S-1>, psbs-sw
-
-
-def cluster_config(cfg: dict, runs: Path, rate: str, iterations: int = ITERATIONS,
-                   cpus: str = "2", warmup: int = WARMUP) -> dict:
-    """One configuration on an emulated cluster (launch/netns.sh cluster, root): S + N hosts,
-    shard I on host hI, worker r on host h(S + r), every link shaped at ``rate``, each host a
-    CPU share of ``cpus`` / (S + N) cores pinned to one CPU; no --bandwidth pacing (the links
-    are real). The cluster is built for this run and taken down after it."""
-    n, s = cfg["workers"], cfg["servers"]
-    name = f"cluster-{rate}-{cfg['size']}-{cfg['policy']}-n{n}-s{s}"
-    run_dir = runs / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    subprocess.run(["bash", str(NETNS), "down", CLUSTER], capture_output=True)
-    try:
-        addrs = subprocess.run(["bash", str(NETNS), "cluster", CLUSTER, str(n + s), rate],
-                               capture_output=True, text=True, check=True,
-                               env={**os.environ, "PSNET_CPUS": cpus}).stdout.split()
-        # the hosts go by their addresses (workers reach shard I at --server-hosts' name), and
-        # this remote shell enters the namespace that holds the address
-        rsh = run_dir / "rsh.sh"
-        rsh.write_text("#!/bin/bash\nhost=$1; shift\n"
-                       f"exec bash {NSRSH} {CLUSTER}-h$(( ${{host##*.}} - 1 )) \"$@\"\n")
-        (run_dir / "hostfile").write_text("".join(f"{a} slots=1\n" for a in addrs[s:s + n]))
-        launch = [sys.executable, "-m", "psparse.launch", "--quiet", "--out", str(run_dir),
-                  "--hostfile", str(run_dir / "hostfile"), "--rsh", f"bash {rsh}",
-                  "--server-hosts", ",".join(addrs[:s]), "--server-host", addrs[0],
-                  "--port", "5555", *launch_args(cfg, iterations, None)]
-        t = time.time()
-        proc = subprocess.run(["bash", str(NSRSH), f"{CLUSTER}-h0",
-                               f"cd {ROOT} && exec " + " ".join(map(shlex.quote, launch))],
-                              cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            return {**cfg, "run": name, "failed": (proc.stderr or proc.stdout)[-400:]}
-        print(f"  {name}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    finally:
-        subprocess.run(["bash", str(NETNS), "down", CLUSTER], capture_output=True)
-    return {**cfg, "run": name, "rate": rate, "cpus": cpus, **measure(run_dir, s, warmup)}
-
-
-def grid_part(configs: list[dict], runs: Path, **kw) -> list:
-    rows = []
-    for i, cfg in enumerate(configs):
-        print(f"[{i + 1}/{len(configs)}] {cfg}", file=sys.stderr, flush=True)
-        rows.append(run_config(cfg, runs, **kw))
-    return rows
-
+# ---------------------------------------------------------------------------- grid tables
+# (the grid's configurations and runs: bench_scale_grid.py)
 
 def exponents(rows: list, key: str = "server_max_b") -> dict:
     """(size, policy, S) -> least-squares slope of log(key) against log(N)."""
@@ -308,11 +166,10 @@ def grid_table(rows: list, bandwidth: str | None = BANDWIDTH) -> str:
                      f"{r['server_mean_b'] / 1e3:,.1f}", frac]
                     + ([f"{r['server_max_b'] * 8e3 / rate:.0f}"] if rate else [])
                     + [f"{r['ms_per_iter']:.0f}", speed])
-    text = md_table(body, ["model", "policy", "N", "S", "union/k", "all shards KB/iter",
-                           "busiest server link KB/iter", "mean server link KB/iter",
-                           "busiest / S=1"]
+    text = md_table(["model", "policy", "N", "S", "union/k", "all shards KB/iter",
+                     "busiest server link KB/iter", "mean server link KB/iter", "busiest / S=1"]
                     + ([f"busiest link ms/iter at {bandwidth}"] if rate else [])
-                    + ["ms/iter", "speed-up vs S=1"])
+                    + ["ms/iter", "speed-up vs S=1"], body)
     failed = [f"{r['run']}: {r['failed'][-200:]}" for r in rows if "failed" in r]
     return text + ("\n\nFailed: " + "; ".join(failed) if failed else "")
 
@@ -341,10 +198,10 @@ def summary_table(rows: list, bandwidth: str | None = BANDWIDTH) -> str:
                     + ([each(lambda r: f"{r['server_max_b'] * 8e3 / rate:.0f}")] if rate else [])
                     + [each(lambda r: f"{r['ms_per_iter']:.0f}")])
     s = "/".join(map(str, servers))
-    return md_table(body, ["model", "policy", "N", "union/k", f"busiest link KB/iter, S = {s}",
-                           f"mean link KB/iter, S = {s}", f"busiest / S=1, S = {s}"]
+    return md_table(["model", "policy", "N", "union/k", f"busiest link KB/iter, S = {s}",
+                     f"mean link KB/iter, S = {s}", f"busiest / S=1, S = {s}"]
                     + ([f"busiest link ms/iter at {bandwidth}, S = {s}"] if rate else [])
-                    + [f"measured ms/iter, S = {s}"])
+                    + [f"measured ms/iter, S = {s}"], body)
 
 
 def exponent_table(rows: list) -> str:
@@ -357,8 +214,8 @@ def exponent_table(rows: list) -> str:
                     (r["size"], r["policy"], r["servers"]) == (size, policy, s))
         body.append([size, policy, s, ",".join(map(str, ns)), f"{a:.2f}",
                      f"{e_mean[(size, policy, s)]:.2f}", f"{e_ms[(size, policy, s)]:.2f}"])
-    return md_table(body, ["model", "policy", "S", "N fitted", "busiest link ~ N^a",
-                           "mean link ~ N^a", "ms/iter ~ N^a"])
+    return md_table(["model", "policy", "S", "N fitted", "busiest link ~ N^a",
+                     "mean link ~ N^a", "ms/iter ~ N^a"], body)
 
 
 def figure(rows: list, path: Path = FIGURE, cluster: list | None = None,
@@ -417,12 +274,6 @@ def figure(rows: list, path: Path = FIGURE, cluster: list | None = None,
 
 
 # ---------------------------------------------------------------------------- glue
-
-def md_table(body: list, header: list) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
-    return "\n".join(lines)
-
 
 def protocol_part() -> int:
     import bench_protocol

@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # psparse from this checkout, as the runs' `python -m` use
+from psparse.rundir import read_jsonl  # noqa: E402
+
 LENET_TOLERANCE = {"test_acc": 0.01, "union_over_k_mean": 0.15}  # absolute; relative
 
 
@@ -199,6 +202,20 @@ def train(check: Check, name: str, args: list[str], limit: float,
     return result
 
 
+TIMING = re.compile(r"\w*_s|time\w*|round\w*")  # the fields that differ from run to run
+
+
+def untimed(records):
+    """Records without their timing fields (numbers under a TIMING name, at any depth)."""
+    if isinstance(records, list):
+        return [untimed(r) for r in records]
+    if isinstance(records, dict):
+        return {k: untimed(v) for k, v in records.items()
+                if not (TIMING.fullmatch(k) and isinstance(v, int | float)
+                        and not isinstance(v, bool))}
+    return records
+
+
 def lenet(check: Check) -> None:
     common = ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--policy", "core",
               "--seed", "0", "--quiet"]
@@ -221,10 +238,9 @@ def lenet(check: Check) -> None:
         check.fail("LeNet/MNIST on the device: no round ran as a CUDA graph (the capture "
                    "failed: see the rank logs)")
     if check.cpu:  # the same metrics, to the bit (timing aside)
-        a = (check.work / "lenet-mnist-host" / "metrics.jsonl").read_text().splitlines()
-        b = (check.work / "lenet-mnist-device" / "metrics.jsonl").read_text().splitlines()
-        drop = re.compile(r'"(\w*_s|time\w*|round\w*)": [0-9.e-]+,? ?')
-        same = [drop.sub("", x) for x in a] == [drop.sub("", x) for x in b]
+        a, b = (untimed(read_jsonl(check.work / run / "metrics.jsonl"))
+                for run in ("lenet-mnist-host", "lenet-mnist-device"))
+        same = a == b
         check.figures["lenet_same_metrics"] = same
         if not same:
             check.fail("LeNet/MNIST: the emulated GPU path and the host path gave different "
@@ -334,8 +350,7 @@ def resnet(check: Check) -> None:
         return
     # the pace of training itself, from the probe's iterations after the tenth (its first ones
     # hold CUDA's start-up: on an H200 they made the pace look twice as slow), 10% margin
-    times = [json.loads(line)["time_s"] for line in
-             (check.work / "resnet20-probe" / "metrics.jsonl").read_text().splitlines()]
+    times = [m["time_s"] for m in read_jsonl(check.work / "resnet20-probe" / "metrics.jsonl")]
     per_iteration = 1.1 * (times[-1] - times[9]) / (len(times) - 10) if len(times) >= 20 \
         else 1 / probe["iterations_per_s"]
     # the remaining budget, less start-up, the final evaluation and a margin

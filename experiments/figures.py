@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "experiments" / "results"
+from experiments.harness import RESULTS, ROOT, RunDir, by_run
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (no display on the machines that run this)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,16 +34,19 @@ def _plt():
     return plt
 
 
-def _evals(run_dir: str) -> list[dict]:
-    path = ROOT / run_dir / "eval.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def save(fig, path: Path, dpi: int = 80) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
 
 
 def tradeoff(rows: list[dict], path: Path, floor: float = 90.0) -> Path:
     """Final test accuracy against MB broadcast; filled: no limit, hollow: --server-limit 2k.
 
     One colour per policy in both panels; runs below ``floor`` % are listed under the axes."""
-    plt = _plt()
+    plt = pyplot()
     ok = [r for r in rows if "failed" not in r]
     refs = {r["run"]: r for r in ok if r["run"] in ("dense", "ddp")}
     policies = list(dict.fromkeys(r["run"].split("-d0")[0] for r in rows if "-d0" in r["run"]))
@@ -78,10 +81,7 @@ def tradeoff(rows: list[dict], path: Path, floor: float = 90.0) -> Path:
     axes[1].legend(handles=handles, fontsize=7, loc="lower right")
     axes[0].set_ylabel("final test accuracy (%)")
     axes[0].set_ylim(floor, 99.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def pivot(rows: list[dict]) -> str:
@@ -125,13 +125,10 @@ def pivot(rows: list[dict]) -> str:
 
 def _broadcast_at(run_dir: str) -> list[float]:
     """Cumulative MB broadcast by the server after each iteration (a baseline's ring traffic)."""
-    path = ROOT / run_dir / "metrics.jsonl"
     total, out = 0.0, []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            m = json.loads(line)
-            total += m.get("broadcast_bytes", m.get("allreduce_bytes", 0) / 2) / 1e6
-            out.append(total)
+    for m in RunDir(ROOT / run_dir).metrics():
+        total += m.get("broadcast_bytes", m.get("allreduce_bytes", 0) / 2) / 1e6
+        out.append(total)
     return out
 
 
@@ -140,15 +137,13 @@ def curves(runs: list[tuple[str, str | list[str]]], path: Path, x: str, title: s
     """Test accuracy of (label, run_dir) pairs against iterations (x="iter"), seconds
     (x="time") or MB broadcast so far (x="broadcast", log scale). A label with a list of run
     directories (seeds) is drawn as their mean, with their range shaded."""
-    import numpy as np
-
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, dirs in runs:
         dirs = [dirs] if isinstance(dirs, str) else dirs
         series = []
         for run_dir in dirs:
-            evals = _evals(run_dir)
+            evals = RunDir(ROOT / run_dir).evals()
             if x == "iter":
                 xs = [e["iter"] + 1 for e in evals]
             elif x == "time":
@@ -178,10 +173,7 @@ def curves(runs: list[tuple[str, str | list[str]]], path: Path, x: str, title: s
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
@@ -213,10 +205,8 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
     elif sweep == "cifar-lenet":
         # per density: every run (seeds averaged) and dense, against iterations and against
         # MB broadcast
-        seeds: dict[str, list[str]] = {}
-        for r in rows:
-            if "failed" not in r:
-                seeds.setdefault(r["run"], []).append(r["dir"])
+        seeds = {name: [r["dir"] for r in rs]
+                 for name, rs in by_run([r for r in rows if "failed" not in r]).items()}
         for density, label in (("0.01", "1%"), ("0.001", "0.1%")):
             runs = [(n, d) for n, d in seeds.items() if n == "dense" or n.endswith(f"-d{density}")]
             for x, what in (("iter", "iterations"), ("broadcast", "broadcast")):
@@ -241,13 +231,9 @@ def low_density_tradeoff(rows: list[dict], path: Path) -> Path:
     """Final test accuracy against bytes moved (% of a dense allreduce's, log scale), one point
     per run (mean over its seeds, bars: the seeds' range), labelled with the run and its
     union/k: the CIFAR-10 trade-off at density 0.1% (issue 16, item 3)."""
-    plt = _plt()
-    by_run: dict[str, list[dict]] = {}
-    for r in rows:
-        if "failed" not in r:
-            by_run.setdefault(r["run"], []).append(r)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 4.8))
-    for i, (name, rs) in enumerate(by_run.items()):
+    for i, (name, rs) in enumerate(by_run([r for r in rows if "failed" not in r]).items()):
         acc = np.array([100 * r["test_acc"] for r in rs])
         sent = 100 * np.mean([r["sent_over_allreduce"] for r in rs])
         ax.errorbar(sent, acc.mean(), yerr=[[acc.mean() - acc.min()], [acc.max() - acc.mean()]],
@@ -262,10 +248,7 @@ def low_density_tradeoff(rows: list[dict], path: Path) -> Path:
                  fontsize=10)
     ax.margins(x=0.35, y=0.1)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main(argv=None) -> int:

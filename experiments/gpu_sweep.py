@@ -37,7 +37,9 @@ import tarfile
 import time
 from pathlib import Path
 
-from experiments.run import SWEEPS, ended, exit_status, reached, reached_table
+from experiments.harness import RunDir
+from experiments.run import ended, exit_status, reached, reached_table
+from experiments.sweeps import SWEEPS
 
 CUDA = ["--device", "cuda", "--server-device", "cuda"]
 STOP_GRACE_S = 30  # how long the stopped launchers get, all together, to stop their processes
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", nargs="?", choices=sorted(SWEEPS),
-                   help="the sweep (experiments/run.py) whose runs to start; not with --report")
+                   help="the sweep (experiments/sweeps.py) whose runs to start; not with --report")
     p.add_argument("--only", default="", help="comma-separated run names of the sweep")
     p.add_argument("--seeds", default="0", help="comma-separated seeds for every run (default 0)")
     p.add_argument("--seconds", type=float, default=None,
@@ -133,9 +135,8 @@ def main(argv=None) -> int:
             last_note = time.monotonic()
             state = []
             for (name, seed), (proc, run_dir) in procs.items():
-                evals = (run_dir / "eval.jsonl").read_text().splitlines() \
-                    if (run_dir / "eval.jsonl").is_file() else []
-                e = json.loads(evals[-1]) if evals else None
+                evals = RunDir(run_dir).evals()  # complete lines: the run is writing them
+                e = evals[-1] if evals else None
                 state.append(f"{name}-s{seed} " + (f"epoch {e['epoch']:.0f} acc "
                                                    f"{e['test_acc']:.2%}" if e else "starting")
                              + ("" if proc.poll() is None else f" (exit {proc.returncode})"))

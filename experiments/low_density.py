@@ -31,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.run import LENET, RESULTS, ROOT, SWEEP_POLICIES, made_by, run_one
+from experiments.harness import RESULTS, ROOT, made_by, md_table, mean_of, mean_sd
+from experiments.run import run_one
 from experiments.scaling import union_parts
+from experiments.sweeps import LENET, SWEEP_POLICIES
 from psparse import locality
 
 CORE = SWEEP_POLICIES["core"]
@@ -66,9 +68,7 @@ def accumulator_measures(run_dir: Path) -> dict[str, float]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | seeds | final acc % (± sample SD) | union/k | shared by all, /k | "
-             "captured (last quarter) | backlog (last quarter) | coverage of the model | "
-             "up + bcast, % of allreduce |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = []
     for name in RUNS:
         rs = [r for r in rows if r["run"] == name]
         ok = [r for r in rs if "failed" not in r]
@@ -80,16 +80,17 @@ def table(rows: list[dict]) -> str:
         else:
             note = ""
         if not ok:
-            lines.append(f"| {name} | {len(rs)} | failed{note} | | | | | | |")
+            lines.append([name, len(rs), f"failed{note}"] + [""] * 6)
             continue
-        acc = 100 * np.array([r["test_acc"] for r in ok])
-        sd = f" ± {acc.std(ddof=1):.2f}" if len(ok) > 1 else ""
-        m = lambda key: np.mean([r[key] for r in ok])  # noqa: E731
-        lines.append(f"| {name} | {len(ok)}{note} | {acc.mean():.2f}{sd} | "
-                     f"{m('union_k_mean'):.2f} | {m('all_k'):.2f} | {m('captured'):.2f} "
-                     f"({m('captured_last'):.2f}) | {m('backlog'):.2f} ({m('backlog_last'):.2f}) "
-                     f"| {100 * m('coverage'):.1f}% | {100 * m('sent_over_allreduce'):.2f} |")
-    return "\n".join(lines) + "\n\n" + made_by(rows)
+        m = lambda key: mean_of(ok, key)  # noqa: E731
+        lines.append([name, f"{len(ok)}{note}", mean_sd([100 * r["test_acc"] for r in ok]),
+                      f"{m('union_k_mean'):.2f}", f"{m('all_k'):.2f}",
+                      f"{m('captured'):.2f} ({m('captured_last'):.2f})",
+                      f"{m('backlog'):.2f} ({m('backlog_last'):.2f})",
+                      f"{100 * m('coverage'):.1f}%", f"{100 * m('sent_over_allreduce'):.2f}"])
+    return md_table(["run", "seeds", "final acc % (± sample SD)", "union/k", "shared by all, /k",
+                     "captured (last quarter)", "backlog (last quarter)", "coverage of the model",
+                     "up + bcast, % of allreduce"], lines) + "\n\n" + made_by(rows)
 
 
 def main(argv=None) -> int:

@@ -37,8 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.figures import _plt
-from experiments.run import RESULTS, ROOT, SWEEP_POLICIES, made_by, run_one
+from experiments.figures import pyplot, save
+from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_of, mean_sd
+from experiments.run import run_one
+from experiments.sweeps import SWEEP_POLICIES
 from psparse import locality
 
 BASE = ["--model", "lenet", "--dataset", "mnist", "--density", "0.01", "--eval-every", "0"]
@@ -74,7 +76,7 @@ def union_parts(run_dir: Path, workers: int) -> dict[str, float]:
 
 
 def per_iteration_bytes(run_dir: Path) -> dict[str, float]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = RunDir(run_dir).metrics()
     return {"broadcast_b": float(np.mean([m["broadcast_bytes"] for m in metrics])),
             "upload_b": float(np.mean([m["upload_bytes"] for m in metrics]))}
 
@@ -127,33 +129,29 @@ def exponents(rows: list[dict], key: str) -> dict[str, dict]:
 
 
 def union_table(rows: list[dict]) -> str:
-    lines = ["| policy | N | union/k | shared by all N, /k | by 2..N-1, /k | by one worker, /k "
-             "| broadcast B/iter | upload B/iter | server link B/iter (up + bcast) | "
-             "acc % after 150 it |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if "failed" not in r),
-                    key=lambda r: (list(POLICIES).index(r["policy"]), r["workers"])):
-        lines.append(f"| {r['policy']} | {r['workers']} | {r['union_k_mean']:.2f} | "
-                     f"{r['all_k']:.2f} | {r['several_k']:.2f} | {r['one_k']:.2f} | "
-                     f"{r['broadcast_b']:,.0f} | {r['upload_b']:,.0f} | "
-                     f"{r['broadcast_b'] + r['upload_b']:,.0f} | {100 * r['test_acc']:.2f} |")
+    body = [[r["policy"], r["workers"], f"{r['union_k_mean']:.2f}", f"{r['all_k']:.2f}",
+             f"{r['several_k']:.2f}", f"{r['one_k']:.2f}", f"{r['broadcast_b']:,.0f}",
+             f"{r['upload_b']:,.0f}", f"{r['broadcast_b'] + r['upload_b']:,.0f}",
+             f"{100 * r['test_acc']:.2f}"]
+            for r in sorted((r for r in rows if "failed" not in r),
+                            key=lambda r: (list(POLICIES).index(r["policy"]), r["workers"]))]
     failed = [f"{r['run']}: {r['failed'][:80]}" for r in rows if "failed" in r]
-    return "\n".join(lines + [f"\nFailed: {'; '.join(failed)}" if failed else ""])
+    return md_table(["policy", "N", "union/k", "shared by all N, /k", "by 2..N-1, /k",
+                     "by one worker, /k", "broadcast B/iter", "upload B/iter",
+                     "server link B/iter (up + bcast)", "acc % after 150 it"], body) + \
+        "\n" + (f"\nFailed: {'; '.join(failed)}" if failed else "")
 
 
 def exponent_table(rows: list[dict]) -> str:
     bcast, link = exponents(rows, "broadcast_b"), exponents(rows, "server_b")
-    lines = ["| policy | broadcast B/iter ~ N^a: fitted a | a between neighbouring N | "
-             "server link (up + bcast) ~ N^a |", "|---|---|---|---|"]
-    for policy, e in bcast.items():
-        steps = ", ".join(f"{a:.2f}" for a in e["neighbours"])
-        lines.append(f"| {policy} | {e['fit']:.2f} | {steps} | {link[policy]['fit']:.2f} |")
-    return "\n".join(lines)
+    return md_table(["policy", "broadcast B/iter ~ N^a: fitted a", "a between neighbouring N",
+                     "server link (up + bcast) ~ N^a"],
+                    [[policy, f"{e['fit']:.2f}", ", ".join(f"{a:.2f}" for a in e["neighbours"]),
+                      f"{link[policy]['fit']:.2f}"] for policy, e in bcast.items()])
 
 
 def accuracy_table(rows: list[dict]) -> str:
-    lines = ["| N | policy | seeds | final acc % (± sample SD) | union/k mean | union/k p95 | "
-             "up + bcast, % of dense allreduce |", "|---|---|---|---|---|---|---|"]
+    body = []
     for n in ACCURACY_WORKERS:
         for policy in ACCURACY_POLICIES:
             rs = [r for r in rows if r["policy"] == policy and r.get("workers", n) == n
@@ -161,18 +159,17 @@ def accuracy_table(rows: list[dict]) -> str:
             ok = [r for r in rs if "failed" not in r]
             if not ok:
                 continue
-            acc = 100 * np.array([r["test_acc"] for r in ok])
-            sd = f" ± {acc.std(ddof=1):.2f}" if len(ok) > 1 else ""
-            mean = lambda key: np.mean([r[key] for r in ok])  # noqa: E731
-            lines.append(f"| {n} | {policy} | {len(ok)}"
-                         f"{f' ({len(rs) - len(ok)} failed)' if len(ok) < len(rs) else ''} | "
-                         f"{acc.mean():.2f}{sd} | {mean('union_k_mean'):.2f} | "
-                         f"{mean('union_k_p95'):.2f} | {100 * mean('sent_over_allreduce'):.2f} |")
-    return "\n".join(lines)
+            failed = f" ({len(rs) - len(ok)} failed)" if len(ok) < len(rs) else ""
+            body.append([n, policy, f"{len(ok)}{failed}",
+                         mean_sd([100 * r["test_acc"] for r in ok]),
+                         f"{mean_of(ok, 'union_k_mean'):.2f}", f"{mean_of(ok, 'union_k_p95'):.2f}",
+                         f"{100 * mean_of(ok, 'sent_over_allreduce'):.2f}"])
+    return md_table(["N", "policy", "seeds", "final acc % (± sample SD)", "union/k mean",
+                     "union/k p95", "up + bcast, % of dense allreduce"], body)
 
 
 def figure(rows: list[dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     fits = exponents(rows, "broadcast_b")
     for policy in POLICIES:
@@ -203,10 +200,7 @@ def figure(rows: list[dict], path: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("LeNet/MNIST, density 1% (k = 617), 150 iterations, seed 0", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:

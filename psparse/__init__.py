@@ -1,6 +1,6 @@
 """psparse: gradient-sparsification parameter server for PyTorch over ZeroMQ.
 
-In your own training loop (README, "Use psparse in your own training script")::
+In your own training loop (README.md and docs/api.md)::
 
     import psparse
     ps = psparse.connect(model, optimizer, iterations=...)   # server, rank, world from env

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/jit.py).
+"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/jit.py and
+psparse/numba_jit.py).
 
 Each kernel equals its numpy reference (psparse/reference.py) bit for bit; tests/test_cpu_kernels.py
 holds them to it. They import nothing above psparse.jit.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .jit import as_pointer, kernel, trailing_zeros
+from .numba_jit import as_pointer, kernel, trailing_zeros
 
 MIN_BLOCK_BITS, BLOCK_BITS, MAX_BLOCK_BITS = 13, 16, 18  # 32 KiB .. 1 MiB of float32 scratch
 PAD = 64  # scratch entries past the block, read by the unconditional emission of an empty slot

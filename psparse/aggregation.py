@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import agg_kernels, reference
-from .agg_kernels import emission_for
+from . import reference
 from .device_aggregation import DeviceAggregator
-from .jit import REFERENCE, Reusable, address_table
+from .jit import REFERENCE, LazyModule, Reusable, address_table
 from .kernels import NonFiniteError
 from .protocol import dense_is_smaller, index_dtype_for
 from .xp import cupy_or_none
 
+agg_kernels = LazyModule("psparse.agg_kernels")
 __all__ = ["Aggregator", "BudgetError", "ServerLimit", "array_module_for"]
 
 
@@ -51,6 +51,11 @@ def array_module_for(device: str):
         raise ValueError("--server-device cuda: no CUDA device, or CuPy is not installed")
     from .backend import CudaBackend
     return CudaBackend(xp)
+
+
+def emission_for(numel: int, entries: int) -> tuple[bool, int]:
+    """agg_kernels.emission_for: how the bitmap of a round of ``entries`` is read out."""
+    return agg_kernels.emission_for(numel, entries)
 
 
 class Aggregator:

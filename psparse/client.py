@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from . import agg_kernels, protocol
+from . import protocol
+from .aggregation import agg_kernels
 from .codec import KeyCache
 from .protocol import ProtocolError
 from .transport import Channel, PeerGone, TransportTimeout

@@ -20,11 +20,12 @@ import sys
 
 import numpy as np
 
-from . import codec_kernels
-from .jit import REFERENCE, Reusable
+from .jit import REFERENCE, LazyModule, Reusable
+
+codec_kernels = LazyModule("psparse.codec_kernels")
 
 FORMATS = ("raw", "delta", "bitmap", "cached")
-_MAX_VARINT_BYTES = codec_kernels.MAX_VARINT_BYTES
+_MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
 assert sys.byteorder == "little", "the bitmap kernels read frames as little-endian words"
 # decoded index frames: a server holds each rank's until its next push (the message, then the
 # key cache), so about two per rank are in use at once

@@ -1,5 +1,5 @@
 """Compiled CPU kernels of the index coding and the protocol's frame checks (numba; see
-psparse/jit.py). One pass each over the indices or the frame; each equals its numpy reference
+psparse/jit.py, psparse/numba_jit.py). One pass each over the indices or the frame; each equals its numpy reference
 in psparse/reference.py (tests/test_cpu_kernels.py). They import nothing above psparse.jit.
 
 Their loops avoid data-dependent branches where the data decide them (a varint's length, the
@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .jit import kernel, trailing_zeros
+from .numba_jit import kernel, trailing_zeros
 
 MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
 ENCODE_SLACK = 4  # bytes past a delta frame's end that the encoder may write (then cut off)

@@ -34,7 +34,7 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
       ``MASTER_ADDR``:``PSPARSE_PORT``;
     - options (``policy``, ``density``, ``granularity``, ``memory``, ``policy_args``,
       ``clip_norm``, ``density_warmup``, ``check_every``, ``checkpoint_every``, ``timeout``,
-      ``curve_keys``, ...; the fields of README's run configuration): keyword arguments, else
+      ``curve_keys``, ...; the fields of docs/cli.md's run configuration): keyword arguments, else
       the launcher's run configuration (``PSPARSE_CONFIG``, its config.json), else defaults;
     - ``iterations``: the argument, else the configuration's ``iterations``, else its
       ``epochs`` × ``batches_per_epoch``;

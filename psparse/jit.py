@@ -1,5 +1,10 @@
 """Numba, the project's CPU kernel compiler, configured in one place.
 
+This module is the package's side of them and imports no numba (``psparse/numba_jit.py``
+does, and only the kernel modules import that): ``LazyModule`` loads a kernel module on first
+use, ``warm_up`` compiles or loads them all, ``Reusable`` and ``address_table`` serve their
+callers.
+
 The design: one numpy reference per hot step (``psparse/reference.py``: the code the kernels
 replaced, kept as their test oracle) and one compiled kernel per device -- numba on the CPU
 (``psparse/agg_kernels.py`` for the server's arithmetic, ``psparse/codec_kernels.py`` for the
@@ -7,7 +12,7 @@ index coding and the protocol's checks), CUDA C on the GPU (``psparse/kernels.py
 kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
 machine and argument types and then loaded from numba's on-disk cache.
 
-Where the cache lives (README, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
+Where the cache lives (docs/architecture.md, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
 else numba's own choice, ``psparse/__pycache__`` beside the sources when that is writable (an
 editable install: every process of a run or a test session shares it); else, for a read-only
 install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that
@@ -27,6 +32,7 @@ copies, always run compiled; tests/test_cpu_kernels.py holds them to their refer
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import tempfile
@@ -61,72 +67,24 @@ def cache_dir_fallback() -> Path | None:
     return None  # nothing writable: numba compiles in every process, caching nothing
 
 
-import numba  # noqa: E402  (after the helpers: the cache directory is set before any kernel)
-from llvmlite import ir  # noqa: E402
-from numba import types  # noqa: E402
-from numba.core import cgutils, config  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+class LazyModule:
+    """A kernel module imported on first use: a process that runs no kernel (a --help, an
+    analysis command, a launch refused for its options, a server that only sees registers)
+    never imports numba (~0.25 s) or loads anything from its cache (~0.2 s more)."""
 
+    def __init__(self, name: str):
+        self._name, self._module = name, None
 
-def _without_scipy_blas_probe() -> None:
-    """Import numba.np.arraymath with its BLAS probe answered "none".
-
-    The first compile or cache load of a process imports numba.np.arraymath, which probes for
-    BLAS by importing scipy.linalg (~0.15 s where scipy is installed, e.g. with the dev extras)
-    for helpers no kernel here uses (without it numba's np.cov-like code takes a plain loop;
-    np.dot still finds BLAS, which checks again when used). Where scipy.linalg is loaded
-    already, or numba's internals differ, nothing is changed.
-    """
-    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
-        return
-    try:
-        from numba.np import linalg
-        probe = linalg.ensure_blas
-    except (ImportError, AttributeError):
-        return
-
-    def no_blas():
-        raise ImportError("not probed (psparse.jit)")
-    linalg.ensure_blas = no_blas
-    try:
-        import numba.np.arraymath  # noqa: F401
-    finally:
-        linalg.ensure_blas = probe
-
-
-_without_scipy_blas_probe()
-_fallback = cache_dir_fallback()
-if _fallback is not None:
-    config.CACHE_DIR = str(_fallback)
-CACHING = bool(config.CACHE_DIR) or _writable(_PACKAGE_CACHE)
-
-
-def kernel(fn):
-    """A compiled CPU kernel: nopython, cached on disk, releases the GIL. error_model="numpy"
-    drops Python's divide-by-zero checks from the loops (no kernel divides by zero)."""
-    return numba.njit(cache=CACHING, nogil=True, error_model="numpy")(fn)
+    def __getattr__(self, attribute: str):  # called for the module's names only
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attribute)
 
 
 def cache_dir() -> str:
     """Where numba writes this package's compiled kernels."""
-    return config.CACHE_DIR or (str(_PACKAGE_CACHE) if CACHING else "(not cached)")
-
-
-@intrinsic
-def as_pointer(typingctx, address):
-    """int64 address -> void*: with ``numba.carray`` a kernel reads N separate arrays (the
-    received frames, left where they are) through one table of addresses."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-    return types.voidptr(address), codegen
-
-
-@intrinsic
-def trailing_zeros(typingctx, word):
-    """Count of trailing zero bits of an unsigned 64-bit word (64 for 0): one tzcnt."""
-    def codegen(context, builder, signature, args):
-        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
-    return types.uint64(types.uint64), codegen
+    from . import numba_jit
+    return numba_jit.cache_dir()
 
 
 def address_table(arrays: list) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +140,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     times = warm_up()
     total = time.perf_counter() - t
+    import numba
     print(f"numba {numba.__version__}, cache {cache_dir()}")
     for name, seconds in times.items():
         print(f"  {name}: {seconds:.2f} s")

@@ -311,27 +311,6 @@ class Decaying:
         self.scale = float(state.get("scale", 1.0))
 
 
-# ---------------------------------------------------------------------------- aggregation
-def sparse_mean(accumulator, indices: list, values: list):
-    """Mean of N sparse vectors as (sorted union of their indices, mean values there): the host
-    reference of the server's arithmetic (``psparse.reference``; compiled: ``agg_kernels``,
-    on a GPU ``device_aggregation``).
-
-    ``accumulator`` is a zeroed dense scratch, left zeroed on return; only the union's entries
-    are touched. Pushes are added in list order, so the result does not depend on message
-    arrival order.
-    """
-    if not indices:
-        return np.empty(0, np.int64), np.empty(0, np.float32)
-    for idx, val in zip(indices, values):
-        # numpy >= 1.25 has a fast add.at path, ~3x faster than acc[idx] += val
-        np.add.at(accumulator, idx, val)
-    union = sorted_union(indices)
-    mean = accumulator[union] / np.float32(len(values))
-    accumulator[union] = 0.0
-    return union, mean
-
-
 def slice_bounds(indices, slices) -> list[tuple[int, int]]:
     """For sorted global ``indices`` and slices [(offset, size), ...] in order: per slice, the
     (lo, hi) such that indices[lo:hi] are the slice's."""

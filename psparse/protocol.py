@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from . import codec, codec_kernels
-from .codec import CodecError, KeyCache
+from . import codec
+from .codec import CodecError, KeyCache, codec_kernels
 from .jit import REFERENCE
 
 # 2: register proves the run token and carries the run description (``run``) instead of a

@@ -10,7 +10,7 @@ import pytest
 from psparse.backend import CudaBackend
 from psparse.device_aggregation import DeviceAggregator
 from psparse.emulated import EmulatedBackend
-from psparse.kernels import sparse_mean
+from psparse.reference import sparse_mean
 from psparse.xp import cupy_or_none
 
 

@@ -1,4 +1,5 @@
-"""The README documents every command-line flag and every metrics field."""
+"""The docs document every command-line flag (docs/cli.md), every run-directory field
+(docs/run-directory.md), the protocol (docs/protocol.md), and the README stays a front page."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import pytest
 
 from psparse import launch, server, worker
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+CLI = (ROOT / "docs" / "cli.md").read_text()
+RUN_DIRECTORY = (ROOT / "docs" / "run-directory.md").read_text()
 
 
 @pytest.mark.parametrize("module", [launch, server, worker], ids=["launch", "server", "worker"])
-def test_every_flag_is_in_the_readme(module):
+def test_every_flag_is_in_the_cli_reference(module):
     flags = [s for a in module.build_parser()._actions for s in a.option_strings
              if s.startswith("--") and s != "--help"]
-    missing = [f for f in flags if f"`{f}" not in README]
-    assert not missing, f"README does not document {missing}"
+    missing = [f for f in flags if f"`{f}" not in CLI]
+    assert not missing, f"docs/cli.md does not document {missing}"
 
 
-def test_every_metrics_and_summary_field_is_in_the_readme(tmp_path):
+def test_every_metrics_and_summary_field_is_in_the_run_directory_doc(tmp_path):
     from conftest import ServerProcess
     from test_server import start_clients
 
@@ -34,8 +38,8 @@ def test_every_metrics_and_summary_field_is_in_the_readme(tmp_path):
     assert s.wait()[0] == 0
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    missing = [k for k in [*record, *summary] if f"`{k}`" not in README]
-    assert not missing, f"README does not document {missing}"
+    missing = [k for k in [*record, *summary] if f"`{k}`" not in RUN_DIRECTORY]
+    assert not missing, f"docs/run-directory.md does not document {missing}"
 
 
 
@@ -121,11 +125,12 @@ def test_python_version_is_the_same_everywhere():
 
 
 def test_the_policy_help_and_readme_list_every_registered_policy():
-    """`--policy` help (shared by psparse-launch and psparse-worker) and the README name them all."""
+    """`--policy` help (shared by psparse-launch and psparse-worker) and docs/cli.md name them
+    all."""
     from psparse.config import HELP
     from psparse.policies import REGISTRY
 
-    readme_row = next(line for line in README.splitlines() if line.startswith("| `--policy` |"))
+    readme_row = next(line for line in CLI.splitlines() if line.startswith("| `--policy` |"))
     for name in REGISTRY:
         assert f" {name}," in HELP["policy"], name
         assert f"`{name}`" in readme_row, name
@@ -272,3 +277,37 @@ def test_every_environment_variable_the_package_reads_is_documented():
     used = set(re.findall(r"\bPSPARSE_[A-Z_]+\b", code))
     missing = sorted(v for v in used if f"`{v}" not in docs and f"${v}" not in docs)
     assert not missing, f"undocumented environment variables: {missing}"
+
+
+def test_the_readme_is_a_front_page_and_its_map_is_complete():
+    """README.md: short, the two commands and psparse.connect on its first screen; every doc
+    it points to exists and every docs/*.md is on its map."""
+    import re
+
+    lines = README.splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/"
+    first_screen = "\n".join(lines[:50])
+    for needle in ("make demo", "make test", "psparse.connect"):
+        assert needle in first_screen, needle
+    linked = set(re.findall(r"\]\(([^)#]+)\)", README))
+    for target in linked:
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+    for doc in (ROOT / "docs").glob("*.md"):
+        assert f"docs/{doc.name}" in linked, f"README.md's map does not list docs/{doc.name}"
+
+
+def test_every_file_the_docs_name_exists():
+    """`docs/x.md`, `psparse/y.py` and links between the docs name files that are there."""
+    import re
+
+    readmes = [ROOT / d / "README.md" for d in ("", "experiments", "benchmarks", "launch")]
+    for doc in [*readmes, *(ROOT / "docs").glob("*.md")]:
+        text = doc.read_text()
+        named = set(re.findall(r"\b((?:docs|psparse|experiments|benchmarks|launch|examples|tests)"
+                               r"/[\w/-]+\.(?:md|py|cu|sh|toml))\b", text))
+        named |= {str((doc.parent / t).resolve().relative_to(ROOT))
+                  for t in re.findall(r"\]\(([\w./-]+\.md)\)", text)}
+        # placeholders such as results/SWEEP.md name no file
+        missing = sorted(n for n in named if not (ROOT / n).exists()
+                         and not any(part.split(".")[0].isupper() for part in n.split("/")))
+        assert not missing, f"{doc.relative_to(ROOT)} names missing files: {missing}"

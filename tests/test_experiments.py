@@ -102,7 +102,7 @@ def test_cluster_sweep_runs_parse_and_name_the_peers():
 
 
 def test_cpu_per_iteration_leaves_out_evaluations():
-    from experiments.cluster import cpu_per_iteration
+    from experiments.cluster_report import cpu_per_iteration
 
     # server 2 ms and workers 10 / 12 ms of CPU per iteration; an evaluation at iteration 10
     # (rank 0's 5 s of CPU) falls between the stretches and is not counted
@@ -261,20 +261,20 @@ def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypat
 
 def test_cluster_seed_summary_pairs_seeds_and_uses_sample_sd():
     """exp-cluster --seeds: mean ± sample SD over seeds, and psparse ÷ peer per same seed."""
-    from experiments import cluster
+    from experiments import cluster_report
 
-    by_seed = {}
+    by_seed, targets = {}, cluster_report.MODELS["lenet"]["targets"]
     for seed in range(3):
         for name, t in (("vote", 10.0 + seed), ("ddp", 20.0), ("powersgd-r1", None)):
             by_seed.setdefault(("80mbit", name), []).append(
                 {"run": name, "rate": "80mbit", "seed": seed, "median_ms": 50.0 + seed,
                  "test_acc": 0.9, "to_target": {f"{x:g}": {"train_time_to_target_s": t}
-                                                for x in cluster.MODELS["lenet"]["targets"]}})
-    text = cluster.seed_summary("lenet", by_seed)
+                                                for x in targets}})
+    text = cluster_report.seed_summary("lenet", by_seed)
     assert "| 80mbit | vote | 51.0 ± 1.0 (3) | 11.0 ± 1.0 (3) |" in text  # ddof 1
     assert "`vote` ÷ `ddp` = 0.55 ± 0.05 (3)" in text
     assert "3 not reached" in text and "÷ `powersgd-r1`" not in text
-    assert cluster.seed_summary("lenet", {k: v[:1] for k, v in by_seed.items()}) == ""
+    assert cluster_report.seed_summary("lenet", {k: v[:1] for k, v in by_seed.items()}) == ""
 
 
 def _record(path, sets_per_iteration, numel=100):

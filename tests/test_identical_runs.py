@@ -24,31 +24,44 @@ SUMMARY = ("status", "numel", "iterations", "union_over_k_mean", "union_over_k_m
            "final_loss", "test_acc")
 
 
-def launch_pair(tmp_path, policy):
-    """The same run with the compiled kernels and with the references, side by side (two
-    processes at once: they share nothing but the machine)."""
-    procs = {}
-    for kernels in ("compiled", "numpy"):
-        env = {k: v for k, v in os.environ.items() if k != "PSPARSE_CPU_KERNELS"}
-        if kernels == "numpy":
-            env["PSPARSE_CPU_KERNELS"] = "numpy"
-        procs[kernels] = subprocess.Popen(
-            python_module("psparse.launch", "--out", str(tmp_path / kernels), *RUN,
-                          "--policy", policy),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    for kernels, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{kernels}: {out}"
-    return tmp_path / "compiled", tmp_path / "numpy"
+POLICIES = ["topk", "core", "ema", "frequency", "vote", "cltk"]
+AT_ONCE = 4  # launches running side by side (they share nothing but the machine)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every policy's run with the compiled kernels and with the references, launched four at
+    a time: {(policy, "compiled" | "numpy"): run directory}."""
+    root = tmp_path_factory.mktemp("identical")
+    todo = [(policy, kernels) for policy in POLICIES for kernels in ("compiled", "numpy")]
+    running, done = {}, {}
+    while todo or running:
+        while todo and len(running) < AT_ONCE:
+            policy, kernels = todo.pop(0)
+            env = {k: v for k, v in os.environ.items() if k != "PSPARSE_CPU_KERNELS"}
+            if kernels == "numpy":
+                env["PSPARSE_CPU_KERNELS"] = "numpy"
+            out = root / f"{policy}-{kernels}"
+            running[(policy, kernels)] = (out, subprocess.Popen(
+                python_module("psparse.launch", "--out", str(out), *RUN, "--policy", policy),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+        key = next(iter(running))
+        out, proc = running.pop(key)
+        log, _ = proc.communicate(timeout=300)
+        done[key] = (out, proc.returncode, log)
+    return done
 
 
 def untimed(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-@pytest.mark.parametrize("policy", ["topk", "core", "ema", "frequency", "vote", "cltk"])
-def test_compiled_kernels_give_the_reference_run(tmp_path, policy):
-    ours, ref = launch_pair(tmp_path, policy)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_kernels_give_the_reference_run(runs, policy):
+    for kernels in ("compiled", "numpy"):
+        _, code, log = runs[(policy, kernels)]
+        assert code == 0, f"{kernels}: {log}"
+    ours, ref = runs[(policy, "compiled")][0], runs[(policy, "numpy")][0]
     metrics = untimed(read_jsonl(ours / "metrics.jsonl"))
     assert metrics == untimed(read_jsonl(ref / "metrics.jsonl"))
     assert untimed(read_jsonl(ours / "eval.jsonl")) == untimed(read_jsonl(ref / "eval.jsonl"))

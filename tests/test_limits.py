@@ -8,7 +8,7 @@ from test_server import NUMEL, random_push, start_clients
 
 from psparse import protocol
 from psparse.aggregation import ServerLimit
-from psparse.kernels import sparse_mean
+from psparse.reference import sparse_mean
 
 
 @pytest.mark.parametrize("limit", [1, 7, 40, 200])

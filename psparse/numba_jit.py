@@ -1,0 +1,76 @@
+"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the two
+intrinsics the kernels use, and where numba's cache lives (psparse/jit.py's docstring has the
+rules; README, "Compiled CPU kernels"). Imported by the kernel modules only."""
+
+from __future__ import annotations
+
+import sys
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from .jit import _PACKAGE_CACHE, _writable, cache_dir_fallback
+
+
+def _without_scipy_blas_probe() -> None:
+    """Import numba.np.arraymath with its BLAS probe answered "none".
+
+    The first compile or cache load of a process imports numba.np.arraymath, which probes for
+    BLAS by importing scipy.linalg (~0.15 s where scipy is installed, e.g. with the dev extras)
+    for helpers no kernel here uses (without it numba's np.cov-like code takes a plain loop;
+    np.dot still finds BLAS, which checks again when used). Where scipy.linalg is loaded
+    already, or numba's internals differ, nothing is changed.
+    """
+    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
+        return
+    try:
+        from numba.np import linalg
+        probe = linalg.ensure_blas
+    except (ImportError, AttributeError):
+        return
+
+    def no_blas():
+        raise ImportError("not probed (psparse.numba_jit)")
+    linalg.ensure_blas = no_blas
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        linalg.ensure_blas = probe
+
+
+_without_scipy_blas_probe()
+_fallback = cache_dir_fallback()
+if _fallback is not None:
+    config.CACHE_DIR = str(_fallback)
+CACHING = bool(config.CACHE_DIR) or _writable(_PACKAGE_CACHE)
+
+
+def kernel(fn):
+    """A compiled CPU kernel: nopython, cached on disk, releases the GIL. error_model="numpy"
+    drops Python's divide-by-zero checks from the loops (no kernel divides by zero)."""
+    return numba.njit(cache=CACHING, nogil=True, error_model="numpy")(fn)
+
+
+def cache_dir() -> str:
+    """Where numba writes this package's compiled kernels."""
+    return config.CACHE_DIR or (str(_PACKAGE_CACHE) if CACHING else "(not cached)")
+
+
+@intrinsic
+def as_pointer(typingctx, address):
+    """int64 address -> void*: with ``numba.carray`` a kernel reads N separate arrays (the
+    received frames, left where they are) through one table of addresses."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(address), codegen
+
+
+@intrinsic
+def trailing_zeros(typingctx, word):
+    """Count of trailing zero bits of an unsigned 64-bit word (64 for 0): one tzcnt."""
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
