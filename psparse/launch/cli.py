@@ -273,7 +273,8 @@ def main(argv=None) -> int:
                 script=shlex.split(cfg.script) if cfg.script else None, baseline=args.baseline,
                 powersgd_rank=args.powersgd_rank, master_addr=args.master_addr,
                 resume=args.resume is not None,
-                rendezvous_port=free_port() if args.baseline and not args.hostfile else 0)
+                rendezvous_port=free_port() if (args.baseline or args.script)
+                and not (args.hostfile or args.slurm) else 0)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
