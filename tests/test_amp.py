@@ -1,5 +1,5 @@
 """Mixed precision on real processes (psparse.amp): bf16 autocast, and fp16 autocast with a
-GradScaler whose step overflows on one rank, through psparse-launch (tests/user_amp.py)."""
+GradScaler whose step overflows on one rank, through psparse-launch (examples/mixed_precision.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 from conftest import python_module, read_jsonl
 
-HERE = Path(__file__).resolve().parent
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mixed_precision.py"
 
 
 def launch(out: Path, *args: str, policy=()) -> dict:
     r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", *policy,
-                                     "--out", str(out), str(HERE / "user_amp.py"), *args),
+                                     "--out", str(out), str(EXAMPLE), *args),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "summary.json").read_text())

@@ -1,10 +1,11 @@
-"""A user's mixed-precision loop for the tests (tests/test_amp.py), through psparse-launch:
-fp16 autocast with a GradScaler, or bf16 autocast without one, on scikit-learn's digits.
+"""Mixed precision with psparse: fp16 autocast with a GradScaler, or bf16 autocast without
+one, a small CNN on scikit-learn's digits (docs/api.md, Mixed precision).
 
-    psparse-launch --workers 2 tests/user_amp.py --precision fp16 --overflow-at 1:3 --dump DIR
+    psparse-launch --workers 2 examples/mixed_precision.py --precision fp16
 
---overflow-at R:T puts an inf into rank R's gradient at iteration T (an fp16 overflow, forced);
---dump DIR saves, per rank, the accumulator, the parameters and the scale around that step.
+For tests/test_amp.py: --overflow-at R:T puts an inf into rank R's gradient at iteration T (an
+fp16 overflow, forced); --dump DIR saves, per rank, the accumulator, the parameters and the
+scale around that step; --init-scale sets the GradScaler's first scale.
 """
 
 import argparse
