@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", nargs="?", default=None, metavar="TRAIN.PY",
                    help="your own training script (it calls psparse.connect), started once per "
                         "worker with RANK, WORLD_SIZE, LOCAL_RANK, PSPARSE_SERVER, PSPARSE_OUT, "
-                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention); without "
+                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention; on this "
+                        "host MASTER_ADDR/MASTER_PORT too, for a process group); without "
                         "it the built-in loop trains --model on --dataset")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed on to TRAIN.PY")
