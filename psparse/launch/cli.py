@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", nargs="?", default=None, metavar="TRAIN.PY",
                    help="your own training script (it calls psparse.connect), started once per "
                         "worker with RANK, WORLD_SIZE, LOCAL_RANK, PSPARSE_SERVER, PSPARSE_OUT, "
-                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention); without "
+                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention; on this "
+                        "host MASTER_ADDR/MASTER_PORT too, for a process group); without "
                         "it the built-in loop trains --model on --dataset")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed on to TRAIN.PY")
@@ -308,7 +309,8 @@ def main(argv=None) -> int:
                 script=shlex.split(cfg.script) if cfg.script else None, baseline=args.baseline,
                 powersgd_rank=args.powersgd_rank, master_addr=args.master_addr,
                 resume=args.resume is not None,
-                rendezvous_port=free_port() if args.baseline and not args.hostfile else 0)
+                rendezvous_port=free_port() if (args.baseline or args.script)
+                and not (args.hostfile or args.slurm) else 0)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
