@@ -153,19 +153,18 @@ def decode_delta(data, count, out, wide_shift):
     a repeated index, SUM_OVERFLOW an index of 2**63 or more, WIDE a varint reaching the group
     at bit ``wide_shift`` (35 for int32 output: its gap may not fit, decode again as int64; 63
     for int64: a 10-byte varint, examined by ``_long_varints``). Every byte takes the same
-    path: a varint's end is a mask that the running index, gap and shift are combined with (no
-    select for the compiler to turn into a branch), and the per-byte work is only that; the
-    checks follow in passes of their own. (Decoding the two halves of a frame as two chains in
-    one loop was tried: slower, the loop is bound by its instructions, not by the chain.)
+    path: each 7-bit group is added into the running index at its shift (the groups of a gap
+    do not overlap, so adding them one by one is adding the gap), and a varint's end is a mask
+    that resets the shift (no select for the compiler to turn into a branch); the checks
+    follow in passes of their own. (Tried: decoding the two halves of a frame as two chains in
+    one loop, slower; assembling each gap apart before adding it, ~1.7x the time.)
     """
-    gap = np.uint64(0)
     shift = np.uint64(0)
     index = np.uint64(0)
     varints = np.uint64(0)
     widest = np.uint64(0)
     for p in range(data.size):
-        gap, shift, index, varints, widest = _step(data[p], gap, shift, index, varints, widest,
-                                                   out)
+        shift, index, varints, widest = _step(data[p], shift, index, varints, widest, out)
     flags = 0
     if widest >= np.uint64(wide_shift):
         if wide_shift < 63:
@@ -177,17 +176,16 @@ def decode_delta(data, count, out, wide_shift):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _step(byte, gap, shift, index, varints, widest, out):
-    """One byte of a delta frame: (gap, shift, index, varints, widest) after it; the index
-    so far is written at out[varints] whether the varint ended or not (varints <= bytes)."""
+def _step(byte, shift, index, varints, widest, out):
+    """One byte of a delta frame: (shift, index, varints, widest) after it; the index so far
+    is written at out[varints] whether the varint ended or not (varints <= bytes; the frame
+    ends on a varint's last byte, so the index returned is whole)."""
     byte = np.uint64(byte)
     last = (byte >> np.uint64(7)) ^ np.uint64(1)  # 1 on a varint's last byte, else 0
-    keep = last - np.uint64(1)  # all ones inside a varint, 0 on its last byte
     widest = max(widest, shift)
-    gap |= (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
-    out[varints] = index + gap
-    index += gap & ~keep
-    return gap & keep, (shift + np.uint64(7)) & keep, index, varints + last, widest
+    index += (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
+    out[varints] = index
+    return (shift + np.uint64(7)) & (last - np.uint64(1)), index, varints + last, widest
 
 
 @kernel
