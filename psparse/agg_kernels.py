@@ -90,19 +90,8 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
         if first == none_left:
             break
         lo = (first >> block_bits) << block_bits
-        last = np.int64(0)
-        for r in range(pushes):
-            n = lengths[r]
-            start = position[r]
-            stops[r] = start
-            if start >= n:
-                continue
-            index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
-            stop = _run_end(index, start, n, lo + block)
-            _mark_run(index, np.uint64(start), np.uint64(stop), lo, np.uint64(block), bits)
-            if stop > start:
-                last = max(last, np.int64(index[stop - 1]) - lo)
-            stops[r] = stop
+        last = _mark_block(index_addresses, lengths, index_proto, position, stops, lo, block,
+                           bits)
         w0, w1 = np.uint64((first - lo) >> 6), np.uint64((last >> 6) + 1)
         union = _word_offsets(bits, w0, w1, offsets)
         out_value[count:count + union] = 0.0
@@ -111,13 +100,9 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
                 n = lengths[r]
                 index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
                 value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
-                run = (index, value, np.uint64(position[r]), np.uint64(stops[r]), lo,
-                       np.uint64(block), bits, offsets, np.uint64(count),
-                       np.uint64(count + max(union, 1) - 1), out_index, out_value)
-                if absolute:
-                    _add_run_abs(*run)
-                else:
-                    _add_run(*run)
+                _add_run(index, value, np.uint64(position[r]), np.uint64(stops[r]), lo,
+                         np.uint64(block), bits, offsets, np.uint64(count),
+                         np.uint64(count + max(union, 1) - 1), out_index, out_value, absolute)
             position[r] = stops[r]
         bits[w0:w1] = 0
         count += union
@@ -126,6 +111,26 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
 
 # The loops below index with unsigned integers: numba then emits no wraparound code for
 # negative indices, and the few live values fit in registers.
+@kernel
+def _mark_block(index_addresses, lengths, index_proto, position, stops, lo, block, bits):
+    """Mark every push's run in the block at ``lo`` (from position[r] to stops[r], set here);
+    returns the largest offset marked."""
+    last = np.int64(0)
+    for r in range(lengths.size):
+        n = lengths[r]
+        start = position[r]
+        stops[r] = start
+        if start >= n:
+            continue
+        index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
+        stop = _run_end(index, start, n, lo + block)
+        _mark_run(index, np.uint64(start), np.uint64(stop), lo, np.uint64(block), bits)
+        if stop > start:
+            last = max(last, np.int64(index[stop - 1]) - lo)
+        stops[r] = stop
+    return last
+
+
 @kernel
 def _mark_run(index, start, stop, lo, block, bits):
     """Set bit index - lo in ``bits`` for every entry of [start, stop)."""
@@ -145,32 +150,32 @@ def _word_offsets(bits, w0, w1, offsets):
     return total
 
 
+@numba.njit(inline="always", nogil=True, cache=True)
+def _slot(entry, lo, block, bits, offsets, base, limit):
+    """(output slot, index) of a pushed index: base + its rank in the block's union (its
+    word's offset and the bits below it), clamped to ``limit`` (reached by unsorted input
+    only: a wrong answer, never a stray write)."""
+    j = np.uint64(np.int64(entry) - lo) & (block - np.uint64(1))
+    w = j >> np.uint64(6)
+    below = bits[w] & ((np.uint64(1) << (j & np.uint64(63))) - np.uint64(1))
+    return min(base + np.uint64(offsets[w]) + population_count(below), limit), lo + np.int64(j)
+
+
 @kernel
 def _add_run(index, value, start, stop, lo, block, bits, offsets, base, limit, out_index,
-             out_value):
-    """out_value[slot] += value and out_index[slot] = index over [start, stop), slot = base +
-    the entry's rank in the block's union (its word's offset and the bits below it), clamped
-    below ``limit`` (reached by unsorted input only: a wrong answer, never a stray write)."""
-    for t in range(start, stop):
-        j = np.uint64(np.int64(index[t]) - lo) & (block - np.uint64(1))
-        w = j >> np.uint64(6)
-        below = bits[w] & ((np.uint64(1) << (j & np.uint64(63))) - np.uint64(1))
-        slot = min(base + np.uint64(offsets[w]) + population_count(below), limit)
-        out_index[slot] = lo + np.int64(j)
-        out_value[slot] += value[t]
-
-
-@kernel
-def _add_run_abs(index, value, start, stop, lo, block, bits, offsets, base, limit, out_index,
-                 out_value):
-    """``_add_run`` of |value| (the vote's score)."""
-    for t in range(start, stop):
-        j = np.uint64(np.int64(index[t]) - lo) & (block - np.uint64(1))
-        w = j >> np.uint64(6)
-        below = bits[w] & ((np.uint64(1) << (j & np.uint64(63))) - np.uint64(1))
-        slot = min(base + np.uint64(offsets[w]) + population_count(below), limit)
-        out_index[slot] = lo + np.int64(j)
-        out_value[slot] += abs(value[t])
+             out_value, absolute):
+    """out_value[slot] += value (|value| with ``absolute``: the vote's score) and
+    out_index[slot] = index over [start, stop); one loop per case, so neither tests it."""
+    if absolute:
+        for t in range(start, stop):
+            slot, at = _slot(index[t], lo, block, bits, offsets, base, limit)
+            out_index[slot] = at
+            out_value[slot] += abs(value[t])
+    else:
+        for t in range(start, stop):
+            slot, at = _slot(index[t], lo, block, bits, offsets, base, limit)
+            out_index[slot] = at
+            out_value[slot] += value[t]
 
 
 @kernel
