@@ -27,9 +27,9 @@ the kernels it runs (~5 ms each; all of them, every argument type, cost ~0.5 s m
 
 Small calls in a process without numba: a process started alone (a server, a worker, as the
 tests start them) whose every payload is small (below ``SMALL`` entries a call) runs the numpy
-references, which give the same result there (``tests/test_cpu_kernels.py``), and never
-imports numba (~0.6 CPU-seconds a process, import, initialisation and cache loads, against
-tens of microseconds a call for the reference at that size). The first call at or above
+references for the index coding, the frame checks and the server's sum, which give the same
+bytes and dtypes there (``tests/test_small_calls.py``), and never imports numba (0.6-1
+CPU-seconds a process: import, initialisation and cache loads). The first call at or above
 ``SMALL``, or any call once numba is loaded (a launched run, a test session), runs the kernel.
 
 ``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
