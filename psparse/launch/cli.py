@@ -152,11 +152,12 @@ def prepare_run_dir(plan: Plan) -> None:
 
 def warm_up() -> None:
     """Before forking local children: import the worker (and torch, and torch.optim's lazy
-    torch._dynamo) once, and compile or load the CPU kernels (psparse/jit.py) once, so that no
-    child pays for them: ~6 CPU-seconds each, ~25 s of start-up for 8 workers on 2 cores."""
+    torch._dynamo) once, and start numba, compiling the CPU kernels if the cache lacks them
+    (psparse/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
+    of start-up for 8 workers on 2 cores."""
     importlib.import_module("psparse.worker")
     importlib.import_module("torch._dynamo")
-    jit.warm_up()
+    jit.prepare()
 
 
 def run(plan: Plan, quiet: bool = False, grace_s: float = 5.0, max_restarts: int = 0,
