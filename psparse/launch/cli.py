@@ -45,29 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
-    g = p.add_argument_group("cluster (default: server and workers on this host)")
-    g.add_argument("--hostfile", type=Path, default=None,
-                   help="lines 'host slots=K': workers fill the slots in order, started with "
-                        "--rsh; the server runs here")
-    g.add_argument("--slurm", action="store_true",
-                   help="inside a SLURM allocation: the server here, workers through one srun "
-                        "(--workers defaults to SLURM_NTASKS)")
-    g.add_argument("--server-host", default=None,
-                   help="address the workers use to reach this host's server (default: this "
-                        "host's name)")
-    g.add_argument("--port", type=int, default=5555,
-                   help="server port in cluster modes (shard I of --servers S: this + I)")
-    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...",
-                   help="with --servers S in cluster modes: start shard I on the I-th host "
-                        "through --rsh (S names, in shard order; each writes RUN_DIR/shard-I/ "
-                        "on its host) instead of all shards here")
-    g.add_argument("--bind", default="0.0.0.0",
-                   help="server bind address in cluster modes (default 0.0.0.0)")
-    g.add_argument("--rsh", default="ssh -o BatchMode=yes",
-                   help="remote shell for --hostfile (default 'ssh -o BatchMode=yes')")
-    g.add_argument("--gpus-per-node", type=int, default=None,
-                   help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
-                        "already set")
+    _add_cluster_arguments(p)
     p.add_argument("--baseline", choices=["ddp", "powersgd"], default=None,
                    help="train the same run with torch DistributedDataParallel (dense ring "
                         "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for "
@@ -76,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
                    help="with --baseline powersgd: the rank of PowerSGD's low-rank "
                         "approximation (default 4)")
-    g.add_argument("--master-addr", default=None,
+    p.add_argument("--master-addr", default=None,
                    help="with --baseline and --hostfile: the address of rank 0's host, where "
                         "the DDP ranks meet (port --port; default: that host's name)")
     p.add_argument("--run-token", default=None, metavar="SECRET",
@@ -104,6 +82,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed on to TRAIN.PY")
     return p
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (default: server and workers on this host)")
+    g.add_argument("--hostfile", type=Path, default=None,
+                   help="lines 'host slots=K': workers fill the slots in order, started with "
+                        "--rsh; the server runs here")
+    g.add_argument("--slurm", action="store_true",
+                   help="inside a SLURM allocation: the server here, workers through one srun "
+                        "(--workers defaults to SLURM_NTASKS)")
+    g.add_argument("--server-host", default=None,
+                   help="address the workers use to reach this host's server (default: this "
+                        "host's name)")
+    g.add_argument("--port", type=int, default=5555,
+                   help="server port in cluster modes (shard I of --servers S: this + I)")
+    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...",
+                   help="with --servers S in cluster modes: start shard I on the I-th host "
+                        "through --rsh (S names, in shard order; each writes RUN_DIR/shard-I/ "
+                        "on its host) instead of all shards here")
+    g.add_argument("--bind", default="0.0.0.0",
+                   help="server bind address in cluster modes (default 0.0.0.0)")
+    g.add_argument("--rsh", default="ssh -o BatchMode=yes",
+                   help="remote shell for --hostfile (default 'ssh -o BatchMode=yes')")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
+                        "already set")
 
 
 def check_policy(cfg: RunConfig) -> None:
