@@ -2,7 +2,7 @@
 
 --fail-at T --fail-rank R: rank R raises a data error at iteration T, --fail-times N times in
 all over the run's attempts (counted in a file of the run directory); --vary puts the count in
-the message, so that each failure has another cause. Batches are a function of the iteration
+the message, so that each failure has another cause. --no-data: rank R fails before connecting. Batches are a function of the iteration
 (as docs/api.md asks of a script that is to restart identically).
 """
 
@@ -24,8 +24,11 @@ def main():
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-times", type=int, default=1)
     p.add_argument("--vary", action="store_true")
+    p.add_argument("--no-data", action="store_true", help="rank --fail-rank finds no data set")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.no_data and rank == args.fail_rank:  # before it ever reaches the server
+        raise FileNotFoundError("no data set at /nowhere/train.bin")
     train, test = Digits(rank, world, True), Digits(rank, world, False)
     per_epoch = len(train) // 16
     torch.manual_seed(0)

@@ -131,6 +131,18 @@ def test_a_fault_that_keeps_changing_uses_up_the_restarts(tmp_path):
     assert config["checkpoint_every"] == 100  # implied by --max-restarts
 
 
+def test_a_failure_before_registration_reaches_summary_as_its_cause(tmp_path):
+    """The server only knows it was stopped; summary.json names the worker and its error."""
+    out = tmp_path / "run"
+    r = launch(out, *SCRIPT_RUN, "--no-data")
+    assert r.returncode != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(
+        "rank-1 failed before its first iteration")
+    assert "FileNotFoundError: no data set at /nowhere/train.bin" in summary["error"]
+    assert summary["stopped_by"].startswith("terminated by signal")
+
+
 def test_max_restarts_is_checked_before_anything_starts(tmp_path):
     r = launch(tmp_path / "run", "--max-restarts", "1", "--baseline", "ddp", *RUN, timeout=60)
     assert r.returncode == 2 and "--baseline runs (torch DDP) keep none" in r.stderr

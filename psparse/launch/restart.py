@@ -25,8 +25,10 @@ from pathlib import Path
 
 from .. import checkpoint, keyranges
 from ..rundir import METRICS_FILE, SUMMARY_FILE, read_jsonl, write_json
+from .supervisor import is_server
 
 BACKOFF_S = 2.0  # default wait before a restart: ports and sockets of the stopped run close
+STOPPED = "terminated by signal"  # how a server's summary begins when the launcher stopped it
 
 
 @dataclass
@@ -47,7 +49,9 @@ class Attempt:
         return self.process, self.iterations_done, self.error
 
     def describe(self) -> str:
-        where = "" if self.iterations_done is None else f" after {self.iterations_done} iterations"
+        done = self.iterations_done
+        where = "" if done is None else \
+            " before its first iteration" if done == 0 else f" after {done} iterations"
         return f"{self.process or 'the run'} failed{where}: {self.error}"
 
 
@@ -69,22 +73,29 @@ def last_line(log: Path) -> str | None:
 
 
 def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
-    """Fill in ``attempt``'s cause: the supervisor's first failure, the server's error message
-    when it recorded one, the rounds completed."""
+    """Fill in ``attempt``'s cause: the first process that failed and what it said. The
+    server's summary.json has the words when the server failed on its own or names the workers
+    that did (``failed_ranks``); when a worker failed before the server knew of it (e.g. before
+    it registered), the server's summary only says it was stopped, and the worker's own last
+    log line is the cause."""
     attempt.exit_code = code
     name, proc_code = supervisor.failure or (None, code)
     attempt.process, attempt.process_exit_code = name, (proc_code if name else None)
     attempt.noticed_at, attempt.stopped_at = supervisor.noticed_at, supervisor.stopped_at
     attempt.iterations_done = iterations_done(out)
-    summary = read_summary(out)
-    if summary and summary.get("status") != "ok" and summary.get("error"):
-        attempt.error = summary["error"]
-        ranks = summary.get("failed_ranks")
-        if ranks and name not in [f"rank-{r}" for r in ranks]:
+    summary = read_summary(out) or {}
+    server_error = summary.get("error") if summary.get("status") != "ok" else None
+    ranks = summary.get("failed_ranks")
+    if server_error and ranks:
+        attempt.error = server_error
+        if name not in [f"rank-{r}" for r in ranks]:
             # the server knows which worker failed; the others it stopped may be reaped first
             attempt.process = f"rank-{ranks[0]}"
             proc = supervisor.procs.get(attempt.process)
             attempt.process_exit_code = None if proc is None else proc.poll()
+    elif server_error and (name is None or is_server(name)
+                           or not server_error.startswith(STOPPED)):
+        attempt.error = server_error
     elif name is not None:
         line = last_line(out / "logs" / f"{name}.log")
         attempt.error = f"exited with code {proc_code}" + (f"; its last line: {line}" if line
@@ -130,6 +141,9 @@ def write_history(out: Path, attempts: list[Attempt], code: int, restarts_allowe
             return
         summary = {"status": "failed", "error": attempts[-1].describe(),
                    "written_by": "psparse-launch"}
+    elif code != 0 and str(summary.get("error") or "").startswith(STOPPED) \
+            and attempts[-1].error and not attempts[-1].error.startswith(STOPPED):
+        summary["stopped_by"], summary["error"] = summary["error"], attempts[-1].describe()
     summary["restarts"] = len(attempts) - 1
     summary["attempts"] = [asdict(a) for a in attempts]
     write_json(out / SUMMARY_FILE, summary)
