@@ -96,6 +96,29 @@ class Membership:
         self.peers[peer], self.rank_peer[rank] = rank, peer
         return rank
 
+    def failed_before_training(self, peer: Hashable, msg: protocol.Message) -> str:
+        """A worker's ``error`` before ``ready`` (it cannot start: a bad model, a refused
+        register, ...): the reason the run cannot start, naming its rank. Raises ProtocolError
+        unless the sender holds the rank (its register was accepted) or names one and proves
+        the run token for it (docs/protocol.md, Admission), so a stranger cannot end the run."""
+        rank = self.peers.get(peer)
+        if rank is None:
+            rank = msg.get("rank")
+            if rank is None or rank >= self.world_size:
+                raise ProtocolError("a worker's error before training must name its rank "
+                                    f"(0 <= rank < {self.world_size})")
+            if self.run_token is not None:
+                if not protocol.proof_is_valid(self.run_token, msg.header):
+                    raise ProtocolError("error before training does not prove the run token "
+                                        "(fields nonce and proof; docs/protocol.md, Admission)")
+                if msg["nonce"] in self._nonces:
+                    raise ProtocolError("error nonce already used (a replayed message)")
+                self._nonces.add(msg["nonce"])
+        elif msg.get("rank", rank) != rank:
+            raise ProtocolError(f"peer registered as rank {rank} cannot send for rank "
+                                f"{msg['rank']}")
+        return f"rank {rank} failed before training started: {msg['message']}"
+
     def unbind(self, rank: int, why: str) -> None:
         """Free a rank whose peer registered and left before training: another may take it."""
         peer = self.rank_peer.pop(rank, None)

@@ -26,7 +26,9 @@ checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, lifecycle
 from .backend import device_backend
 from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig
@@ -49,7 +51,7 @@ from .rundir import EVAL_VALUES, rank_file
 from .sharded_client import open_client
 from .sparsify import density_to_k
 
-__all__ = ["Session", "WorkerError", "ServerGone", "check_model"]
+__all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
 
 
 class Session:
@@ -62,13 +64,14 @@ class Session:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  cfg: RunConfig, *, rank: int,
-                 server: tuple[str, int] | list[tuple[str, int]], iterations: int,
+                 server: tuple[str, int] | list[tuple[str, int]], iterations: int | None,
                  batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
                  run_token: str | None = None, resume: bool = False, device=None, say=None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
-        self.iterations = iterations
+        self.length = lifecycle.RunLength(iterations)  # fixed, or open-ended (0 / None)
+        self.iterations = self.length.iterations
         self.batches_per_epoch = batches_per_epoch
         if cfg.density_warmup and not batches_per_epoch:
             raise ConfigError("density_warmup needs the epoch length: connect(..., "
@@ -104,9 +107,10 @@ class Session:
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
         self.closed = False
+        self._accumulating = False  # inside ps.accumulating(): backward passes only
         self.ctx = RoundContext(
             cfg=cfg, net=self.net, memory=self.memory, policy=self.policy, client=self.client,
-            budget=self._k_at, note_live=self._note_live, applied=self._applied,
+            budget=self._k_at, note_live=self._note_round, applied=self._applied,
             before=self._before_round, iteration=lambda: self.iteration, say=self.say,
             recorder=SelectionRecorder(self.net.layer_sizes, self.net.layer_names)
             if cfg.record_selections else None)
@@ -124,7 +128,10 @@ class Session:
         """The budget steps the server will enforce, and the round object: on the host or the
         device, whole or in buckets of layers."""
         cfg = self.cfg
-        self.steps = budget_steps(self.policy, self._k_at, self.iterations,
+        # an open-ended run's budget steps: through the end of the density warm-up
+        horizon = self.iterations or math.ceil(cfg.density_warmup * (self.batches_per_epoch
+                                                                      or 0)) + 1
+        self.steps = budget_steps(self.policy, self._k_at, horizon,
                                   bool(cfg.density_warmup), self.start)
         whole = all(step[1] == self.net.numel for step in self.steps)
         shape = round_shape(self.policy, whole)
@@ -181,7 +188,9 @@ class Session:
     def register(self) -> None:
         """Join the run: every worker registered and agreed (the server checks) or an error."""
         self.client.register(self.describe_run(), self.net.checksum(), self.start)
-        self.say(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
+        lifecycle.opened(self)  # a script that ends without close() is told so
+        self.say(f"registered: numel={self.net.numel} k={self.k} "
+                 f"iterations={self.iterations or 'open-ended'} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}"
                  + (f"(beta={self.memory.beta})" if self.cfg.memory == "scalecom" else ""))
         if self.last_report is not None and self.last_report[0] == self.start - 1:
@@ -195,7 +204,7 @@ class Session:
         config = {**self.cfg.agreed(), "layers": [
             f"{name}:{'x'.join(map(str, shape))}"
             for name, shape in zip(self.net.layer_names, self.net.layer_shapes)]}
-        run = {"numel": self.net.numel, "iterations": self.iterations,
+        run = {"numel": self.net.numel, "iterations": self.iterations or 0,
                "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
         if self.parts is not None:
             run["parts"] = self.parts.edges
@@ -211,6 +220,12 @@ class Session:
         ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
         """
         it = self.iteration
+        if self._accumulating:
+            raise WorkerError("exchange() inside ps.accumulating(): the micro-batches inside "
+                              "only accumulate; do the last one's backward and exchange() "
+                              "after the with block")
+        if not self.net.grads_changed():
+            raise lifecycle.missing_backward(it)
         if self.parts is not None:
             return self.parts.exchange(it, loss)  # its first bucket runs _before_round
         self._before_round(it)
@@ -219,13 +234,14 @@ class Session:
     def _before_round(self, it: int) -> None:
         """What precedes round ``it``: it is within the run, and a checkpoint due is written
         (the state after iteration it - 1's update, untouched yet)."""
-        if it >= self.iterations:
-            raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
-                              "iterations agreed at connect)")
+        self.length.check_round(it)
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)
 
-    def _note_live(self, agg) -> None:
+    def _note_round(self, agg) -> None:
+        """What an aggregate's header says about the run: a stop request (this round is the
+        last), fewer live ranks."""
+        self.length.note(agg, agg["iter"])
         if "live" in agg.header and agg["live"] != self.live:
             self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
             self.policy.set_live(self.live)
@@ -235,6 +251,7 @@ class Session:
         """Iteration ``it`` is applied: the next one's number, and the buffers a checkpoint of
         the next iteration must keep."""
         self.iteration = it + 1
+        self.net.mark_grads()  # the next exchange needs a backward pass after this
         if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
             # The checkpoint of iteration it + 1 is written at the next exchange, once the
             # optimizer has stepped; by then the next forward pass has moved buffers such as
@@ -243,21 +260,55 @@ class Session:
                                            for name, b in self.net.model.named_buffers()}
 
     # -------------------------------------------------------------------------------- ending
+    @property
+    def running(self) -> bool:
+        """Whether another exchange is due: the run is neither at its length nor stopped."""
+        return self.length.running(self.iteration)
+
+    def stop(self) -> None:
+        """Ask to end the run (any rank, e.g. early stopping on the evaluator's accuracy): the
+        request goes with this rank's next push, and that round is every rank's last; then
+        ``running`` is False everywhere and ``close()`` ends the run with status ok."""
+        self.client.request_stop()
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Gradient accumulation: backward passes inside the block only add to ``.grad``
+        (with overlap, its hooks push nothing); the last micro-batch's backward, after the
+        block, is exchanged with them by the next ``exchange()``::
+
+            with ps.accumulating():
+                for x, y in micro_batches[:-1]:
+                    (loss_fn(model(x), y) / n).backward()
+            (loss_fn(model(x_last), y_last) / n).backward()
+            ps.exchange(loss)
+        """
+        if self.parts is not None and self.parts.in_round:
+            raise WorkerError("ps.accumulating() after a backward pass of this round: with "
+                              "overlap its buckets are sent already; enter it first")
+        self._accumulating = True
+        if self.parts is not None:
+            self.parts.accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = False
+            if self.parts is not None:
+                self.parts.accumulating = False
+
     def close(self, **final) -> None:
         """End of training: the final report (with the evaluator's ``final`` values, e.g.
         ``close(test_acc=...)``, and the weight checksum), the server's shutdown, then this
         rank's rank-R.json. The server writes summary.json."""
-        if self.iteration < self.iterations:
-            raise WorkerError(f"close() after {self.iteration} of {self.iterations} iterations "
-                              "(the run's length was agreed at connect)")
+        self.length.check_close(self.iteration)
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
         # the rounds' device crossings, before the reads of the final report below
-        device = self.rounds.report(self.iterations - self.start) \
+        device = self.rounds.report(self.iteration - self.start) \
             if isinstance(self.rounds, DeviceRound) else None
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
-        self.client.finish(self.iterations - 1, values, self.net.checksum())
-        info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
+        self.client.finish(self.iteration - 1, values, self.net.checksum())
+        info = {"rank": self.rank, "iterations": self.iteration, "numel": self.net.numel,
                 "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 "options": self.cfg.agreed(),
@@ -275,14 +326,13 @@ class Session:
     def fail(self, exc: BaseException) -> None:
         """Report why this worker stops (summary.json names the cause), then disconnect."""
         if not isinstance(exc, ServerGone):
-            cause = str(exc) if isinstance(exc, (WorkerError, PolicyError, ConfigError)) \
-                else f"{type(exc).__name__}: {exc}"
-            self.client.give_up(cause)
+            self.client.give_up(failure_cause(exc))
         self.disconnect()
 
     def disconnect(self) -> None:
         if not self.closed:
             self.closed = True
+            lifecycle.closed(self)
             if self.parts is not None:
                 self.parts.remove_hooks()
             self.client.close()
@@ -297,9 +347,9 @@ class Session:
             return
         if exc is not None:
             self.fail(exc)
-        elif self.iteration < self.iterations:
-            early = WorkerError(f"left the run after {self.iteration} of {self.iterations} "
-                                "iterations")
+        elif self.running:
+            early = WorkerError(f"left the run {self.length.where(self.iteration)}: end it "
+                                "with ps.stop(), or run every iteration agreed at connect")
             self.fail(early)
             raise early
         else:
@@ -360,6 +410,13 @@ class Session:
                               f"{self.cfg.workers} workers saved")
         self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}", start))
         self.say(f"resuming at iteration {start}")
+
+
+def failure_cause(exc: BaseException) -> str:
+    """An exception as summary.json names a worker's failure: psparse's own errors by their
+    text, anything else with its type."""
+    return str(exc) if isinstance(exc, (WorkerError, PolicyError, ConfigError)) \
+        else f"{type(exc).__name__}: {exc}"
 
 
 def _check_eval_values(values: dict) -> None:
