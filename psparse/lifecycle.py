@@ -17,11 +17,12 @@ instead of "its connection closed".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 
 from .client import WorkerError
 
-__all__ = ["RunLength", "end_of_script"]
+__all__ = ["LoopControl", "RunLength", "end_of_script"]
 
 CLOSE_FIX = ("end training with ps.close(...) (it sends the final report the server waits "
              "for), or run the loop inside `with psparse.connect(...) as ps:`, which closes a "
@@ -69,6 +70,48 @@ class RunLength:
                               "exchanges; end the run with ps.stop() (the round it goes "
                               "with is every rank's last) or run all the iterations agreed "
                               "at connect")
+
+
+class LoopControl:
+    """What a ``Session`` offers a loop about its run's course: ``running``, ``stop()``,
+    ``accumulating()`` (it holds ``length``, ``iteration``, ``client``, ``parts`` and
+    ``_accumulating``)."""
+
+    @property
+    def running(self) -> bool:
+        """Whether another exchange is due: the run is neither at its length nor stopped."""
+        return self.length.running(self.iteration)
+
+    def stop(self) -> None:
+        """Ask to end the run (any rank, e.g. early stopping on the evaluator's accuracy): the
+        request goes with this rank's next push, and that round is every rank's last; then
+        ``running`` is False everywhere and ``close()`` ends the run with status ok."""
+        self.client.request_stop()
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Gradient accumulation: backward passes inside the block only add to ``.grad``
+        (with overlap, its hooks push nothing); the last micro-batch's backward, after the
+        block, is exchanged with them by the next ``exchange()``::
+
+            with ps.accumulating():
+                for x, y in micro_batches[:-1]:
+                    (loss_fn(model(x), y) / n).backward()
+            (loss_fn(model(x_last), y_last) / n).backward()
+            ps.exchange(loss)
+        """
+        if self.parts is not None and self.parts.in_round:
+            raise WorkerError("ps.accumulating() after a backward pass of this round: with "
+                              "overlap its buckets are sent already; enter it first")
+        self._accumulating = True
+        if self.parts is not None:
+            self.parts.accumulating = True
+        try:
+            yield self
+        finally:
+            self._accumulating = False
+            if self.parts is not None:
+                self.parts.accumulating = False
 
 
 def missing_backward(it: int) -> WorkerError:

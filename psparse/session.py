@@ -26,7 +26,6 @@ checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -45,6 +44,7 @@ from .device_round import DeviceRound
 from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
+from .optimizers import as_optimizer
 from .parts import Parts
 from .policies import Layout, PolicyError, build_policy
 from .rundir import EVAL_VALUES, rank_file
@@ -54,7 +54,7 @@ from .sparsify import density_to_k
 __all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
 
 
-class Session:
+class Session(lifecycle.LoopControl):
     """One worker's side of a psparse run, for any training loop (see the module's docstring).
 
     Attributes a loop reads: ``rank``, ``world_size``, ``start`` (first iteration: > 0 after a
@@ -84,14 +84,14 @@ class Session:
             device = next(p for p in model.parameters() if p.requires_grad).device
         self.net = FlatModel(model, torch.device(device))
         self.device = self.net.device
-        self.optimizer = optimizer
+        self.optimizer = as_optimizer(optimizer)  # several: one object with their state
         # the GPU path: accumulator, selection and policy state on the device (a backend,
         # psparse.backend); None: the host path
         self.dev = device_backend(self.device, self.say)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
                              beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta,
                              dev=self.dev)
-        check_optimizer(optimizer, self.memory, cfg, self.out_dir)
+        check_optimizer(self.optimizer, self.memory, cfg, self.out_dir)
         self.k = density_to_k(cfg.density, self.net.numel)
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
@@ -260,42 +260,6 @@ class Session:
                                            for name, b in self.net.model.named_buffers()}
 
     # -------------------------------------------------------------------------------- ending
-    @property
-    def running(self) -> bool:
-        """Whether another exchange is due: the run is neither at its length nor stopped."""
-        return self.length.running(self.iteration)
-
-    def stop(self) -> None:
-        """Ask to end the run (any rank, e.g. early stopping on the evaluator's accuracy): the
-        request goes with this rank's next push, and that round is every rank's last; then
-        ``running`` is False everywhere and ``close()`` ends the run with status ok."""
-        self.client.request_stop()
-
-    @contextlib.contextmanager
-    def accumulating(self):
-        """Gradient accumulation: backward passes inside the block only add to ``.grad``
-        (with overlap, its hooks push nothing); the last micro-batch's backward, after the
-        block, is exchanged with them by the next ``exchange()``::
-
-            with ps.accumulating():
-                for x, y in micro_batches[:-1]:
-                    (loss_fn(model(x), y) / n).backward()
-            (loss_fn(model(x_last), y_last) / n).backward()
-            ps.exchange(loss)
-        """
-        if self.parts is not None and self.parts.in_round:
-            raise WorkerError("ps.accumulating() after a backward pass of this round: with "
-                              "overlap its buckets are sent already; enter it first")
-        self._accumulating = True
-        if self.parts is not None:
-            self.parts.accumulating = True
-        try:
-            yield self
-        finally:
-            self._accumulating = False
-            if self.parts is not None:
-                self.parts.accumulating = False
-
     def close(self, **final) -> None:
         """End of training: the final report (with the evaluator's ``final`` values, e.g.
         ``close(test_acc=...)``, and the weight checksum), the server's shutdown, then this
@@ -446,7 +410,8 @@ def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | N
     """The optimizer fits the memory (``dgc`` applies momentum itself) and checkpoints have a
     run directory and an optimizer to save."""
     if optimizer is not None and not memory.optimizer_momentum_applies and not (
-            isinstance(optimizer, torch.optim.SGD)
+            all(isinstance(o, torch.optim.SGD) for o in getattr(optimizer, "members",
+                                                                 [optimizer]))
             and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
         raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
                           "must be plain SGD (torch.optim.SGD with momentum=0), got "
