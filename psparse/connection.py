@@ -59,25 +59,16 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     run_token = run_token or os.environ.get("PSPARSE_TOKEN") or None
+    cfg = None
     try:
         cfg = _resolve_options(options, world_size)
-        if iterations is None:
-            iterations = _run_length(cfg, batches_per_epoch)
-        if out is None and os.environ.get("PSPARSE_OUT"):
-            out = os.environ["PSPARSE_OUT"]
-        if resume is None:
-            resume = os.environ.get("PSPARSE_RESUME") == "1"
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        session = Session(model, optimizer, cfg, rank=rank,
-                          server=servers if len(servers) > 1 else servers[0],
-                          iterations=iterations, batches_per_epoch=batches_per_epoch,
-                          out_dir=out, run_token=run_token, resume=resume)
+        session = _open_session(model, optimizer, cfg, rank, servers, iterations,
+                                batches_per_epoch, out, run_token, resume)
     except Exception as exc:  # not registered: tell the server why, for summary.json
-        world = world_size or cluster.world_size_from_env()
+        world = cfg.workers if cfg else world_size or cluster.world_size_from_env()
         if world is not None:
             report_failure(servers, rank, world, failure_cause(exc), run_token=run_token,
-                           curve_keys=options.get("curve_keys"))
+                           curve_keys=cfg.curve_keys if cfg else options.get("curve_keys"))
         raise
     try:
         session.register()
@@ -86,6 +77,24 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise
     return session
 
+
+
+def _open_session(model, optimizer, cfg: RunConfig, rank: int, servers: list, iterations,
+                  batches_per_epoch, out, run_token, resume) -> Session:
+    """The Session, not registered yet; the length, run directory and resume flag from the
+    arguments, else the configuration and the environment."""
+    if iterations is None:
+        iterations = _run_length(cfg, batches_per_epoch)
+    if out is None and os.environ.get("PSPARSE_OUT"):
+        out = os.environ["PSPARSE_OUT"]
+    if resume is None:
+        resume = os.environ.get("PSPARSE_RESUME") == "1"
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return Session(model, optimizer, cfg, rank=rank,
+                   server=servers if len(servers) > 1 else servers[0], iterations=iterations,
+                   batches_per_epoch=batches_per_epoch, out_dir=out, run_token=run_token,
+                   resume=resume)
 
 
 def _run_length(cfg: RunConfig, batches_per_epoch: int | None) -> int:

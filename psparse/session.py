@@ -3,14 +3,14 @@ makes one, psparse/connect.py).
 
 A user keeps their own loop and adds a handful of lines::
 
-    ps = psparse.connect(model, optimizer, iterations=len(loader) * epochs)
-    for x, y in loader:                       # for it in range(ps.start, ps.iterations): ...
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        ps.exchange(loss)                     # error feedback, selection, push, aggregate -> .grad
-        optimizer.step()
-        optimizer.zero_grad()
-    ps.close()                                # final report; the server writes summary.json
+    with psparse.connect(model, optimizer, iterations=len(loader) * epochs) as ps:
+        for x, y in loader:                   # or: while ps.running (ps.stop() ends the run)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            ps.exchange(loss)                 # error feedback, selection, push, aggregate -> .grad
+            optimizer.step()
+            optimizer.zero_grad()
+        ps.close()                            # final report; the server writes summary.json
 
 ``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection
 policy pick this round's entries, sends them to the server (``psparse.client``) and writes the
@@ -58,7 +58,8 @@ class Session(lifecycle.LoopControl):
     """One worker's side of a psparse run, for any training loop (see the module's docstring).
 
     Attributes a loop reads: ``rank``, ``world_size``, ``start`` (first iteration: > 0 after a
-    resume), ``iterations``, ``iteration`` (the next exchange's), ``evaluator`` (the rank whose
+    resume), ``iterations`` (None: open-ended), ``iteration`` (the next exchange's), ``running``
+    (another exchange is due; lifecycle.LoopControl), ``evaluator`` (the rank whose
     ``log`` values are recorded), ``k`` and ``stats`` (bytes and seconds so far).
     """
 

@@ -5,7 +5,10 @@ and the misuses that must fail naming their fix (tests/user_loops.py is the scri
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,16 +65,17 @@ def test_gradient_accumulation_exchanges_once_per_step_with_and_without_overlap(
     """Two micro-batches per exchange, the first in ps.accumulating(): one round per step;
     with overlap the hooks push only on the last micro-batch's backward (a push on the first
     would be refused when the second backward completes the bucket again), and the weights
-    are bit-identical to the run that exchanges the same buckets after backward."""
+    are bit-identical to the run that exchanges the same buckets after backward. Both runs
+    are open-ended: the stop travels in a run with parts too."""
     weights = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap-{overlap}"
         r = launch(out, "--workers", "2", "--density", "0.05", "--granularity", "layer",
                    "--bucket-mb", "0.004", *(["--overlap"] if overlap else []), SCRIPT,
-                   "--iterations", "30", "--accumulate", "2")
+                   "--stop-at", "29", "--accumulate", "2")
         assert r.returncode == 0, r.stdout + r.stderr
         assert len(read_jsonl(out / "metrics.jsonl")) == 30  # one round per step
-        assert summary(out)["ended"] == "iterations reached"
+        assert summary(out)["ended"] == "stopped by rank 0 at iteration 29"
         assert summary(out)["test_acc"] > 0.5
         report = json.loads((out / "rank-0.json").read_text())["overlap"]
         buckets = len(report["parts"]) - 1
@@ -94,6 +98,18 @@ def test_a_script_that_ends_without_close_is_told_to_close_or_use_with(tmp_path)
     assert ("failed after the last iteration: the script ended without ps.close() after the "
             "run's last iteration: end training with ps.close(...)") in s["error"], s["error"]
     assert "`with psparse.connect(...) as ps:`" in s["error"]
+
+
+def test_a_script_run_by_python_that_ends_without_close_is_told_too(server_factory):
+    """Without the launcher (python train.py, as torchrun runs it) an atexit hook reports it."""
+    server = server_factory(1)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PSPARSE_OUT": str(server.out),
+           "PSPARSE_SERVER": f"127.0.0.1:{server.port}"}
+    r = subprocess.run([sys.executable, SCRIPT, "--iterations", "3", "--misuse", "no-close"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=HERE)
+    assert "psparse: error: the script ended without ps.close()" in r.stderr, r.stderr
+    assert server.wait()[0] == 1
+    assert "the script ended without ps.close()" in summary(server.out)["error"]
 
 
 def one_worker(server, model, **kw):
