@@ -20,12 +20,14 @@ from .session import Session, failure_cause
 __all__ = ["connect"]
 
 
-def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def connect(model: torch.nn.Module, optimizer=None, *,
             iterations: int | None = None, batches_per_epoch: int | None = None,
             server: str | None = None, rank: int | None = None, world_size: int | None = None,
             out: str | Path | None = None, run_token: str | None = None,
             resume: bool | None = None, **options) -> Session:
     """Join a psparse run with ``model``: register with the server and return the Session.
+    ``optimizer``: one, a list of them (saved together in checkpoints), or None (the loop
+    applies ``p.grad`` itself).
 
     Where things come from (first found wins):
 
