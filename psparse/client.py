@@ -12,6 +12,7 @@ interface when the run has S key-range server shards). Transport failures arrive
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 
@@ -81,6 +82,9 @@ class PSClient:
         self.parts: np.ndarray | None = None  # a round in parts: the key ranges' boundaries
         self.part_caches: list[KeyCache] = []  # ... and one key cache per part
         self.heartbeat: Heartbeat | None = None
+        self.stop_requested = False  # ps.stop(): every push from now on asks to end the run
+        self.heard = False  # anything came from the server (it is there)
+        self.ready = False  # its ready came: registered, training
         self.sent_bytes = 0  # wire bytes of pushes and proposals (the worker's upload)
         self.received_bytes = 0  # wire bytes of aggregates and index messages
         try:
@@ -106,6 +110,7 @@ class PSClient:
             if got is None:
                 raise ServerGone(f"no {what} from the server within {self.timeout:g} s "
                                  "(server gone or stalled)")
+            self.heard = True
             _, frames, nbytes = got
             try:
                 msg = protocol.decode(frames, numel=self.numel, cache=self.cache) \
@@ -152,7 +157,7 @@ class PSClient:
         local = np.asarray(indices, dtype=np.int64) - lo
         self.sent_bytes += self.send(push_frames(
             it, self.rank, local, values, size, self.part_caches[part], loss, checksum,
-            part=part))
+            part=part, stop=self.stop_requested))
 
     def await_parts(self, it: int) -> protocol.Message:
         """Every part's aggregate of iteration ``it`` (they come in the order the server
@@ -186,7 +191,17 @@ class PSClient:
                                   run=run, checksum=checksum, start=start, **proof))
 
     def await_ready(self) -> protocol.Message:
-        ready = self.expect("ready", "the ready signal (all workers registered)")
+        try:
+            ready = self.expect("ready", "the ready signal (all workers registered)")
+        except ServerGone as exc:
+            if self.heard:
+                raise
+            raise ServerGone(
+                f"no answer from a psparse server at {self.host}:{self.port} within "
+                f"{self.timeout:g} s: start psparse-server (or run under psparse-launch), or "
+                "point the worker at it: connect(server='host:port'), PSPARSE_SERVER=host:port, "
+                "or MASTER_ADDR with PSPARSE_PORT") from exc
+        self.ready = True
         if ready["heartbeat_s"] > 0:
             self.heartbeat = Heartbeat(self.host, self.port, self.rank, ready["token"],
                                        ready["heartbeat_s"], self.curve_keys)
@@ -228,7 +243,7 @@ class PSClient:
                   overflow: bool = False) -> None:
         self.sent_bytes += self.send(push_frames(
             it, self.rank, indices, values, self.numel, self.cache, loss, checksum,
-            dense_buffer=dense_buffer, overflow=overflow))
+            dense_buffer=dense_buffer, overflow=overflow, stop=self.stop_requested))
 
     def await_aggregate(self, it: int) -> protocol.Message:
         agg = self.expect("aggregate", f"the aggregate of iteration {it}", it)
@@ -267,8 +282,13 @@ class PSClient:
     def give_up(self, cause: str) -> None:
         """Tell the server why this worker stops, and wait (briefly) for its acknowledging
         shutdown, so that the cause is in summary.json before this process exits."""
+        proof = {}
+        if not self.ready and self.run_token:  # before ready: the run token proves the rank
+            nonce = secrets.token_hex(16)
+            proof = {"nonce": nonce, "proof": protocol.error_proof(self.run_token, self.rank,
+                                                                   nonce)}
         try:
-            self.channel.send(protocol.encode("error", message=cause, rank=self.rank))
+            self.channel.send(protocol.encode("error", message=cause, rank=self.rank, **proof))
         except (TransportTimeout, PeerGone):
             return
         deadline = time.monotonic() + min(self.timeout, 10.0)
@@ -282,6 +302,10 @@ class PSClient:
             except ProtocolError:
                 continue  # e.g. an index set cached on a connection we no longer track
 
+    def request_stop(self) -> None:
+        """Ask, with every push from now on, to end the run with that round."""
+        self.stop_requested = True
+
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -291,13 +315,18 @@ class PSClient:
 
 def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, size: int, cache,
                 loss: float | None, checksum: str | None, part: int | None = None,
-                dense_buffer: np.ndarray | None = None, overflow: bool = False) -> list:
+                dense_buffer: np.ndarray | None = None, overflow: bool = False,
+                stop: bool = False) -> list:
     """One push's frames: (index, value) pairs over a vector of ``size`` entries (the model, or
     one part of it, ``indices`` local to it), or all ``size`` values when that is smaller
-    (SparCML's switch; written into ``dense_buffer`` when given)."""
+    (SparCML's switch; written into ``dense_buffer`` when given). ``overflow``: this worker's
+    gradient is not finite (no entries; docs/protocol.md, Overflow). ``stop``: this rank asks
+    to end the run with this round."""
     header = {"iter": it, "rank": rank}
     if part is not None:
         header["part"] = part
+    if stop:
+        header["stop"] = True
     if checksum:
         header["checksum"] = checksum
     if loss is not None:
@@ -320,6 +349,8 @@ def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protoc
     dense (every index, zeros where nothing was aggregated), as a single server sends it."""
     header = dict(parts[0].header)
     header["workers"] = parts[0]["workers"]
+    if any(m.get("stop") for m in parts):  # the round's last part (or every shard) says so
+        header["stop"] = True
     numel = int(edges[-1])
     if any(m.get("dense") for m in parts):
         values = np.zeros(numel, dtype=np.float32)
@@ -347,3 +378,25 @@ def global_indices(parts: list[np.ndarray], edges: np.ndarray) -> np.ndarray:
         agg_kernels.shifted_copy(p, 0, p.size, int(edges[n]), out, at)
         at += p.size
     return out
+
+
+def report_failure(servers: list[tuple[str, int]], rank: int, world_size: int, cause: str, *,
+                   run_token: str | None, curve_keys: str | None = None,
+                   timeout: float = 5.0) -> None:
+    """A worker that failed before it could register tells every server why (an ``error``
+    proving the run token), so that summary.json names the cause; waits briefly for the
+    acknowledging shutdown, and gives up quietly if nobody answers."""
+    for host, port in servers:
+        try:  # nobody listening there: nobody to tell (and no reason to wait for an answer)
+            socket.create_connection((host, port), timeout=1.0).close()
+        except OSError:
+            continue
+        try:
+            client = PSClient(host, port, rank, world_size, numel=1, timeout=timeout,
+                              curve_keys=curve_keys, run_token=run_token)
+        except WorkerError:
+            continue
+        try:
+            client.give_up(cause)
+        finally:
+            client.channel.close(linger_s=0.5)

@@ -12,19 +12,22 @@ from pathlib import Path
 import torch
 
 from . import cluster
+from .client import report_failure
 from .config import LAUNCHER_OPTIONS, ConfigError, RunConfig
 from .options import config_from_json, load_config_file
-from .session import Session
+from .session import Session, failure_cause
 
 __all__ = ["connect"]
 
 
-def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def connect(model: torch.nn.Module, optimizer=None, *,
             iterations: int | None = None, batches_per_epoch: int | None = None,
             server: str | None = None, rank: int | None = None, world_size: int | None = None,
             out: str | Path | None = None, run_token: str | None = None,
             resume: bool | None = None, **options) -> Session:
     """Join a psparse run with ``model``: register with the server and return the Session.
+    ``optimizer``: one, a list of them (saved together in checkpoints), or None (the loop
+    applies ``p.grad`` itself).
 
     Where things come from (first found wins):
 
@@ -37,7 +40,8 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
       ``curve_keys``, ...; the fields of docs/cli.md's run configuration): keyword arguments, else
       the launcher's run configuration (``PSPARSE_CONFIG``, its config.json), else defaults;
     - ``iterations``: the argument, else the configuration's ``iterations``, else its
-      ``epochs`` × ``batches_per_epoch``;
+      ``epochs`` × ``batches_per_epoch``, else (and with ``iterations=0``) open-ended: the run
+      goes on until a rank calls ``stop()``;
     - ``out`` (the run directory, for rank-R.json and checkpoints): the argument, else
       ``PSPARSE_OUT``; ``run_token``: the argument, else ``PSPARSE_TOKEN``; ``resume``: the
       argument, else ``PSPARSE_RESUME=1`` (psparse-launch --resume).
@@ -46,30 +50,28 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     them and names the first difference). The initial weights must match too: seed torch the
     same on every rank before building the model, or load the same weights.
     """
-    cfg = _resolve_options(options, world_size)
     if rank is None:
         rank = cluster.rank_from_env()
         if rank is None:
             raise ConfigError("psparse.connect: no rank (pass rank=..., or run under "
                               "psparse-launch / torchrun, which set RANK)")
-    if iterations is None:
-        iterations = _run_length(cfg, batches_per_epoch)
     address = server or cluster.server_from_env() or "127.0.0.1:5555"
     try:
         servers = cluster.parse_servers(address)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if out is None and os.environ.get("PSPARSE_OUT"):
-        out = os.environ["PSPARSE_OUT"]
-    if resume is None:
-        resume = os.environ.get("PSPARSE_RESUME") == "1"
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    session = Session(model, optimizer, cfg, rank=rank,
-                      server=servers if len(servers) > 1 else servers[0],
-                      iterations=iterations, batches_per_epoch=batches_per_epoch, out_dir=out,
-                      run_token=run_token or os.environ.get("PSPARSE_TOKEN") or None,
-                      resume=resume)
+    run_token = run_token or os.environ.get("PSPARSE_TOKEN") or None
+    cfg = None
+    try:
+        cfg = _resolve_options(options, world_size)
+        session = _open_session(model, optimizer, cfg, rank, servers, iterations,
+                                batches_per_epoch, out, run_token, resume)
+    except Exception as exc:  # not registered: tell the server why, for summary.json
+        world = cfg.workers if cfg else world_size or cluster.world_size_from_env()
+        if world is not None:
+            report_failure(servers, rank, world, failure_cause(exc), run_token=run_token,
+                           curve_keys=cfg.curve_keys if cfg else options.get("curve_keys"))
+        raise
     try:
         session.register()
     except BaseException as exc:
@@ -78,16 +80,33 @@ def connect(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     return session
 
 
+
+def _open_session(model, optimizer, cfg: RunConfig, rank: int, servers: list, iterations,
+                  batches_per_epoch, out, run_token, resume) -> Session:
+    """The Session, not registered yet; the length, run directory and resume flag from the
+    arguments, else the configuration and the environment."""
+    if iterations is None:
+        iterations = _run_length(cfg, batches_per_epoch)
+    if out is None and os.environ.get("PSPARSE_OUT"):
+        out = os.environ["PSPARSE_OUT"]
+    if resume is None:
+        resume = os.environ.get("PSPARSE_RESUME") == "1"
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return Session(model, optimizer, cfg, rank=rank,
+                   server=servers if len(servers) > 1 else servers[0], iterations=iterations,
+                   batches_per_epoch=batches_per_epoch, out_dir=out, run_token=run_token,
+                   resume=resume)
+
+
 def _run_length(cfg: RunConfig, batches_per_epoch: int | None) -> int:
     """The run's iterations when connect() was not told: the configuration's, else its epochs
-    of ``batches_per_epoch``."""
+    of ``batches_per_epoch``, else 0: open-ended (until a rank calls ``stop()``)."""
     if cfg.iterations is not None:
         return cfg.iterations
     if batches_per_epoch:
         return math.ceil(cfg.epochs * batches_per_epoch)
-    raise ConfigError("psparse.connect: the run's length is needed: iterations=N "
-                      "(or batches_per_epoch=len(loader) with the epochs option, or "
-                      "psparse-launch --iterations/--epochs)")
+    return 0
 
 
 def _resolve_options(options: dict, world_size: int | None) -> RunConfig:

@@ -52,6 +52,20 @@ class FlatModel:
             self.grad_views.append(view)
             offset += n
         self.parameters = params
+        self.mark_grads()
+
+    def mark_grads(self) -> None:
+        """Remember the gradients as they are now (the aggregate just applied), so that
+        ``grads_changed`` can tell whether a backward pass has run since."""
+        self._grad_versions = [view._version for view in self.grad_views]
+
+    def grads_changed(self) -> bool:
+        """Whether a gradient changed since ``mark_grads``: backward adds into ``.grad`` in
+        place (its version counter moves) or, after ``zero_grad()``, sets a new tensor. False:
+        no backward ran, every ``.grad`` is None or still the aggregate."""
+        return any(p.grad is not None and (p.grad is not view or view._version != version)
+                   for p, view, version in zip(self.parameters, self.grad_views,
+                                               self._grad_versions))
 
     def checksum(self) -> str:
         return hashlib.blake2b(self.params.cpu().numpy().data, digest_size=8).hexdigest()

@@ -81,13 +81,7 @@ class Membership:
                                 f"{self.world_size}")
         if rank >= self.world_size:
             raise ProtocolError(f"rank {rank} out of range [0, {self.world_size})")
-        if self.run_token is not None:
-            if not protocol.proof_is_valid(self.run_token, msg.header):
-                raise ProtocolError("register does not prove the run token (fields nonce and "
-                                    "proof; docs/protocol.md, Admission)")
-            if msg["nonce"] in self._nonces:
-                raise ProtocolError("register nonce already used (a replayed register)")
-            self._nonces.add(msg["nonce"])
+        self._check_proof(msg)
         if "run" in msg.header:
             protocol.check_run(msg["run"])
         if peer in self.peers and self.peers[peer] != rank:
@@ -100,6 +94,36 @@ class Membership:
         self.registrations[rank] = msg  # the latest register of this peer counts
         self.peers[peer], self.rank_peer[rank] = rank, peer
         return rank
+
+    def failed_before_training(self, peer: Hashable, msg: protocol.Message) -> str:
+        """A worker's ``error`` before ``ready`` (it cannot start: a bad model, a refused
+        register, ...): the reason the run cannot start, naming its rank. Raises ProtocolError
+        unless the sender holds the rank (its register was accepted) or names one and proves
+        the run token for it (docs/protocol.md, Admission), so a stranger cannot end the run."""
+        rank = self.peers.get(peer)
+        if rank is None:
+            rank = msg.get("rank")
+            if rank is None or rank >= self.world_size:
+                raise ProtocolError("a worker's error before training must name its rank "
+                                    f"(0 <= rank < {self.world_size})")
+            self._check_proof(msg)
+        elif msg.get("rank", rank) != rank:
+            raise ProtocolError(f"peer registered as rank {rank} cannot send for rank "
+                                f"{msg['rank']}")
+        return f"rank {rank} failed before training started: {msg['message']}"
+
+    def _check_proof(self, msg: protocol.Message) -> None:
+        """A register (or an early error) proves the run token with an unused nonce, when the
+        server has a token; ProtocolError otherwise."""
+        if self.run_token is None:
+            return
+        what = "register" if msg.type == "register" else "error before training"
+        if not protocol.proof_is_valid(self.run_token, msg.header):
+            raise ProtocolError(f"{what} does not prove the run token (fields nonce and "
+                                "proof; docs/protocol.md, Admission)")
+        if msg["nonce"] in self._nonces:
+            raise ProtocolError(f"{msg.type} nonce already used (a replayed {msg.type})")
+        self._nonces.add(msg["nonce"])
 
     def unbind(self, rank: int, why: str) -> None:
         """Free a rank whose peer registered and left before training: another may take it."""

@@ -55,6 +55,7 @@ class Parts:
         ctx.client.use_parts(self.edges)
         self.hooks = []
         self.in_round = False
+        self.accumulating = False  # inside Session.accumulating(): backward adds, no pushes
         self.iteration = 0  # the round under way (set by begin)
         self.ready = [0] * len(self.buckets)  # gradients produced this round, per bucket
         self.pushed: set[int] = set()
@@ -98,6 +99,8 @@ class Parts:
 
     def on_grad(self, layer: int) -> None:
         """A parameter's gradient is complete (autograd hook, during backward)."""
+        if self.accumulating:
+            return  # a micro-batch before the last: its gradient only accumulates
         if not self.in_round:
             self.begin(self.ctx.iteration())  # the session's next exchange
         b = self.bucket_of[layer]
@@ -105,9 +108,9 @@ class Parts:
         first, end = self.buckets[b]
         if self.ready[b] > end - first or b in self.pushed:
             raise WorkerError("with overlap, every exchange() follows exactly one backward "
-                              "pass (a second backward before exchange() would change "
-                              "gradients already sent; accumulate micro-batches without "
-                              "overlap)")
+                              "pass outside ps.accumulating() (a second one would change "
+                              "gradients already sent): accumulate micro-batches in `with "
+                              "ps.accumulating():` and do the last one's backward after it")
         if self.ready[b] == end - first:
             self.trace.append(f"ready {b}")
             if b != 0:  # part 0 is ready last; exchange() sends it with the loss

@@ -79,17 +79,21 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     # sent when that is smaller than the sparse form (SparCML's switch).
     # part: in a run with parts (the run's "parts"), which key range this push holds.
     # overflow: this worker's gradient is not finite (a GradScaler step to skip): count 0.
+    # stop: this rank asks to end the run with this round (docs/protocol.md, Stopping).
     "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,),
-             "part": _INT, "overflow": (bool,)},
+             "part": _INT, "overflow": (bool,), "stop": (bool,)},
     # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
     # part: in a run with parts, which key range this aggregate holds.
     # overflow: some push of the round had overflow: every worker skips the step (count 0).
+    # stop: a push of this round asked to end the run: it is the last round for every rank.
     "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT,
-                  "overflow": (bool,)},
+                  "overflow": (bool,), "stop": (bool,)},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
     "candidates": {"index_format": (str,)},
-    "error": {"iter": _INT, "rank": _INT},
+    # nonce + proof: a worker that fails before its register was accepted proves the run token
+    # as a register does (prefix psparse-error-v2), so a stranger cannot end the run.
+    "error": {"iter": _INT, "rank": _INT, "nonce": (str,), "proof": (str,)},
     "metrics": {"checksum": (str,)},
     "heartbeat": {"rank": _INT, "token": (str,)},
 }
@@ -107,6 +111,7 @@ RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": 
 RUN_OPTIONAL = {"parts": _LIST}
 CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
 REGISTER_PROOF_PREFIX = "psparse-register-v2"
+ERROR_PROOF_PREFIX = "psparse-error-v2"
 
 
 class ProtocolError(ValueError):
@@ -421,8 +426,9 @@ def check_run(run: dict) -> dict:
     if unknown:
         raise ProtocolError(f"run has unknown field {unknown[0]!r}")
     numel, iterations = run["numel"], run["iterations"]
-    if numel < 1 or iterations < 1:
-        raise ProtocolError("run fields 'numel' and 'iterations' must be >= 1")
+    if numel < 1 or iterations < 0:  # iterations 0: open-ended, until a rank asks to stop
+        raise ProtocolError("run field 'numel' must be >= 1 and 'iterations' >= 0 (0: "
+                            "open-ended)")
     if "parts" in run:
         parts = run["parts"]
         _check_type("run", "parts", parts, RUN_OPTIONAL["parts"])
@@ -499,15 +505,27 @@ def same_value(a, b) -> bool:
 def register_proof(token: str, rank: int, world_size: int, nonce: str) -> str:
     """HMAC-SHA256 (key: the token's UTF-8 bytes) of "psparse-register-v2\n<rank>\n<world_size>
     \n<nonce>", as lowercase hex: what a register proves the run token with."""
-    text = f"{REGISTER_PROOF_PREFIX}\n{rank}\n{world_size}\n{nonce}"
+    return _hmac(token, f"{REGISTER_PROOF_PREFIX}\n{rank}\n{world_size}\n{nonce}")
+
+
+def error_proof(token: str, rank: int, nonce: str) -> str:
+    """The same for a worker's ``error`` before its register was accepted, of
+    "psparse-error-v2\n<rank>\n<nonce>" (no world size: it may be what the server refused)."""
+    return _hmac(token, f"{ERROR_PROOF_PREFIX}\n{rank}\n{nonce}")
+
+
+def _hmac(token: str, text: str) -> str:
     return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
 def proof_is_valid(token: str, header: dict) -> bool:
+    """Whether a register's (or, without ``world_size``, an error's) nonce and proof prove
+    the run token."""
     nonce, proof = header.get("nonce"), header.get("proof")
-    if not nonce or not proof:
+    if not nonce or not proof or "rank" not in header:
         return False
-    expected = register_proof(token, header["rank"], header["world_size"], nonce)
+    expected = register_proof(token, header["rank"], header["world_size"], nonce) \
+        if "world_size" in header else error_proof(token, header["rank"], nonce)
     return hmac.compare_digest(expected, proof)
 
 

@@ -37,7 +37,7 @@ METRICS_FIELDS = ("iter", "workers", "k", "budget", "union", "broadcast_entries"
 # the iteration it follows and the time since training started.
 EVAL_VALUES = ("epoch", "test_loss", "test_acc", "train_loss")
 EVAL_FIELDS = ("iter", *EVAL_VALUES, "time_s")
-SUMMARY_FIELDS = ("status", "error", "world_size", "numel", "k", "iterations", "wall_s",
+SUMMARY_FIELDS = ("status", "error", "ended", "world_size", "numel", "k", "iterations", "wall_s",
                   "iterations_per_s", "train_s", "train_iterations_per_s", "union_over_k_mean", "union_over_k_max", "pushed_k_mean",
                   "upload_mb", "broadcast_mb", "dense_mb", "allreduce_mb", "final_loss", "test_acc",
                   "test_loss", "rejected_messages", "lost_workers", "evaluators",

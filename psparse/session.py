@@ -3,14 +3,14 @@ makes one, psparse/connect.py).
 
 A user keeps their own loop and adds a handful of lines::
 
-    ps = psparse.connect(model, optimizer, iterations=len(loader) * epochs)
-    for x, y in loader:                       # for it in range(ps.start, ps.iterations): ...
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        ps.exchange(loss)                     # error feedback, selection, push, aggregate -> .grad
-        optimizer.step()
-        optimizer.zero_grad()
-    ps.close()                                # final report; the server writes summary.json
+    with psparse.connect(model, optimizer, iterations=len(loader) * epochs) as ps:
+        for x, y in loader:                   # or: while ps.running (ps.stop() ends the run)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            ps.exchange(loss)                 # error feedback, selection, push, aggregate -> .grad
+            optimizer.step()
+            optimizer.zero_grad()
+        ps.close()                            # final report; the server writes summary.json
 
 ``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection
 policy pick this round's entries, sends them to the server (``psparse.client``) and writes the
@@ -27,6 +27,7 @@ checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import amp, checkpoint
+from . import amp, checkpoint, lifecycle
 from .backend import device_backend
 from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig
@@ -43,32 +44,35 @@ from .device_round import DeviceRound
 from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
 from .locality import SelectionRecorder
 from .memory import SCALECOM_BETA, Memory, density_schedule
+from .optimizers import as_optimizer
 from .parts import Parts
 from .policies import Layout, PolicyError, build_policy
 from .rundir import EVAL_VALUES, rank_file
 from .sharded_client import open_client
 from .sparsify import density_to_k
 
-__all__ = ["Session", "WorkerError", "ServerGone", "check_model"]
+__all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
 
 
-class Session:
+class Session(lifecycle.LoopControl):
     """One worker's side of a psparse run, for any training loop (see the module's docstring).
 
     Attributes a loop reads: ``rank``, ``world_size``, ``start`` (first iteration: > 0 after a
-    resume), ``iterations``, ``iteration`` (the next exchange's), ``evaluator`` (the rank whose
+    resume), ``iterations`` (None: open-ended), ``iteration`` (the next exchange's), ``running``
+    (another exchange is due; lifecycle.LoopControl), ``evaluator`` (the rank whose
     ``log`` values are recorded), ``k`` and ``stats`` (bytes and seconds so far).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  cfg: RunConfig, *, rank: int,
-                 server: tuple[str, int] | list[tuple[str, int]], iterations: int,
+                 server: tuple[str, int] | list[tuple[str, int]], iterations: int | None,
                  batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
                  run_token: str | None = None, resume: bool = False, device=None, say=None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
-        self.iterations = iterations
+        self.length = lifecycle.RunLength(iterations)  # fixed, or open-ended (0 / None)
+        self.iterations = self.length.iterations
         self.batches_per_epoch = batches_per_epoch
         if cfg.density_warmup and not batches_per_epoch:
             raise ConfigError("density_warmup needs the epoch length: connect(..., "
@@ -81,14 +85,14 @@ class Session:
             device = next(p for p in model.parameters() if p.requires_grad).device
         self.net = FlatModel(model, torch.device(device))
         self.device = self.net.device
-        self.optimizer = optimizer
+        self.optimizer = as_optimizer(optimizer)  # several: one object with their state
         # the GPU path: accumulator, selection and policy state on the device (a backend,
         # psparse.backend); None: the host path
         self.dev = device_backend(self.device, self.say)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
                              beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta,
                              dev=self.dev)
-        check_optimizer(optimizer, self.memory, cfg, self.out_dir)
+        check_optimizer(self.optimizer, self.memory, cfg, self.out_dir)
         self.k = density_to_k(cfg.density, self.net.numel)
         self.policy = build_policy(cfg.policy, cfg.policy_args,
                                    Layout(self.net.layer_sizes, cfg.granularity),
@@ -104,9 +108,10 @@ class Session:
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
         self.closed = False
+        self._accumulating = False  # inside ps.accumulating(): backward passes only
         self.ctx = RoundContext(
             cfg=cfg, net=self.net, memory=self.memory, policy=self.policy, client=self.client,
-            budget=self._k_at, note_live=self._note_live, applied=self._applied,
+            budget=self._k_at, note_live=self._note_round, applied=self._applied,
             before=self._before_round, iteration=lambda: self.iteration, say=self.say,
             recorder=SelectionRecorder(self.net.layer_sizes, self.net.layer_names)
             if cfg.record_selections else None)
@@ -124,7 +129,10 @@ class Session:
         """The budget steps the server will enforce, and the round object: on the host or the
         device, whole or in buckets of layers."""
         cfg = self.cfg
-        self.steps = budget_steps(self.policy, self._k_at, self.iterations,
+        # an open-ended run's budget steps: through the end of the density warm-up
+        horizon = self.iterations or math.ceil(cfg.density_warmup * (self.batches_per_epoch
+                                                                      or 0)) + 1
+        self.steps = budget_steps(self.policy, self._k_at, horizon,
                                   bool(cfg.density_warmup), self.start)
         whole = all(step[1] == self.net.numel for step in self.steps)
         shape = round_shape(self.policy, whole)
@@ -181,7 +189,9 @@ class Session:
     def register(self) -> None:
         """Join the run: every worker registered and agreed (the server checks) or an error."""
         self.client.register(self.describe_run(), self.net.checksum(), self.start)
-        self.say(f"registered: numel={self.net.numel} k={self.k} iterations={self.iterations} "
+        lifecycle.opened(self)  # a script that ends without close() is told so
+        self.say(f"registered: numel={self.net.numel} k={self.k} "
+                 f"iterations={self.iterations or 'open-ended'} "
                  f"policy={self.policy.describe()} memory={self.cfg.memory}"
                  + (f"(beta={self.memory.beta})" if self.cfg.memory == "scalecom" else ""))
         if self.last_report is not None and self.last_report[0] == self.start - 1:
@@ -195,7 +205,7 @@ class Session:
         config = {**self.cfg.agreed(), "layers": [
             f"{name}:{'x'.join(map(str, shape))}"
             for name, shape in zip(self.net.layer_names, self.net.layer_shapes)]}
-        run = {"numel": self.net.numel, "iterations": self.iterations,
+        run = {"numel": self.net.numel, "iterations": self.iterations or 0,
                "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
         if self.parts is not None:
             run["parts"] = self.parts.edges
@@ -215,6 +225,12 @@ class Session:
         self.ctx.scaling = amp.scaling_for(scaler, self.optimizer, in_parts=self.parts
                                            is not None, on_device=self.dev is not None)
         it = self.iteration
+        if self._accumulating:
+            raise WorkerError("exchange() inside ps.accumulating(): the micro-batches inside "
+                              "only accumulate; do the last one's backward and exchange() "
+                              "after the with block")
+        if not self.net.grads_changed():
+            raise lifecycle.missing_backward(it)
         if self.parts is not None:
             return self.parts.exchange(it, loss)  # its first bucket runs _before_round
         self._before_round(it)
@@ -223,13 +239,14 @@ class Session:
     def _before_round(self, it: int) -> None:
         """What precedes round ``it``: it is within the run, and a checkpoint due is written
         (the state after iteration it - 1's update, untouched yet)."""
-        if it >= self.iterations:
-            raise WorkerError(f"exchange() after the run's last iteration ({self.iterations} "
-                              "iterations agreed at connect)")
+        self.length.check_round(it)
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)
 
-    def _note_live(self, agg) -> None:
+    def _note_round(self, agg) -> None:
+        """What an aggregate's header says about the run: a stop request (this round is the
+        last), fewer live ranks."""
+        self.length.note(agg, agg["iter"])
         if "live" in agg.header and agg["live"] != self.live:
             self.live = sorted(agg["live"])  # an elastic run lost workers (docs/protocol.md)
             self.policy.set_live(self.live)
@@ -239,6 +256,7 @@ class Session:
         """Iteration ``it`` is applied: the next one's number, and the buffers a checkpoint of
         the next iteration must keep."""
         self.iteration = it + 1
+        self.net.mark_grads()  # the next exchange needs a backward pass after this
         if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
             # The checkpoint of iteration it + 1 is written at the next exchange, once the
             # optimizer has stepped; by then the next forward pass has moved buffers such as
@@ -251,17 +269,15 @@ class Session:
         """End of training: the final report (with the evaluator's ``final`` values, e.g.
         ``close(test_acc=...)``, and the weight checksum), the server's shutdown, then this
         rank's rank-R.json. The server writes summary.json."""
-        if self.iteration < self.iterations:
-            raise WorkerError(f"close() after {self.iteration} of {self.iterations} iterations "
-                              "(the run's length was agreed at connect)")
+        self.length.check_close(self.iteration)
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
         # the rounds' device crossings, before the reads of the final report below
-        device = self.rounds.report(self.iterations - self.start) \
+        device = self.rounds.report(self.iteration - self.start) \
             if isinstance(self.rounds, DeviceRound) else None
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
-        self.client.finish(self.iterations - 1, values, self.net.checksum())
-        info = {"rank": self.rank, "iterations": self.iterations, "numel": self.net.numel,
+        self.client.finish(self.iteration - 1, values, self.net.checksum())
+        info = {"rank": self.rank, "iterations": self.iteration, "numel": self.net.numel,
                 "k": self.k, "checksum": self.net.checksum(), "wall_s": round(wall, 3),
                 "policy": self.policy.describe(), "policy_state": self.policy.state_digest(),
                 "options": self.cfg.agreed(),
@@ -279,14 +295,13 @@ class Session:
     def fail(self, exc: BaseException) -> None:
         """Report why this worker stops (summary.json names the cause), then disconnect."""
         if not isinstance(exc, ServerGone):
-            cause = str(exc) if isinstance(exc, (WorkerError, PolicyError, ConfigError)) \
-                else f"{type(exc).__name__}: {exc}"
-            self.client.give_up(cause)
+            self.client.give_up(failure_cause(exc))
         self.disconnect()
 
     def disconnect(self) -> None:
         if not self.closed:
             self.closed = True
+            lifecycle.closed(self)
             if self.parts is not None:
                 self.parts.remove_hooks()
             self.client.close()
@@ -301,9 +316,9 @@ class Session:
             return
         if exc is not None:
             self.fail(exc)
-        elif self.iteration < self.iterations:
-            early = WorkerError(f"left the run after {self.iteration} of {self.iterations} "
-                                "iterations")
+        elif self.running:
+            early = WorkerError(f"left the run {self.length.where(self.iteration)}: end it "
+                                "with ps.stop(), or run every iteration agreed at connect")
             self.fail(early)
             raise early
         else:
@@ -366,6 +381,13 @@ class Session:
         self.say(f"resuming at iteration {start}")
 
 
+def failure_cause(exc: BaseException) -> str:
+    """An exception as summary.json names a worker's failure: psparse's own errors by their
+    text, anything else with its type."""
+    return str(exc) if isinstance(exc, (WorkerError, PolicyError, ConfigError)) \
+        else f"{type(exc).__name__}: {exc}"
+
+
 def _check_eval_values(values: dict) -> None:
     unknown = sorted(set(values) - set(EVAL_VALUES))
     if unknown:
@@ -393,7 +415,8 @@ def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | N
     """The optimizer fits the memory (``dgc`` applies momentum itself) and checkpoints have a
     run directory and an optimizer to save."""
     if optimizer is not None and not memory.optimizer_momentum_applies and not (
-            isinstance(optimizer, torch.optim.SGD)
+            all(isinstance(o, torch.optim.SGD) for o in getattr(optimizer, "members",
+                                                                 [optimizer]))
             and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
         raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
                           "must be plain SGD (torch.optim.SGD with momentum=0), got "

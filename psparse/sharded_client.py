@@ -122,6 +122,10 @@ class ShardedClient:
         for c in self.shards:
             c.give_up(cause)
 
+    def request_stop(self) -> None:  # every shard ends the run with the same round
+        for c in self.shards:
+            c.request_stop()
+
     def cache_state(self):
         return [c.cache.state() for c in self.shards]
 

@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from . import cluster
-from .client import ServerGone, WorkerError
+from .client import ServerGone, WorkerError, report_failure
 from .config import ConfigError, RunConfig
 from .data import DataError, Shard, load_dataset, test_batches
 from .device import pick_device
 from .models import build_model
 from .options import add_config_arguments, resolve_config
 from .policies import PolicyError
-from .session import Session
+from .session import Session, failure_cause
 
 __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 
@@ -116,11 +116,16 @@ def setup(cfg: RunConfig, rank: int):
 def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
                save_weights: Path | None = None, resume: bool = False,
                run_token: str | None = None) -> int:
-    data, shard, model, optimizer, device = setup(cfg, rank)
-    iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
-    session = Session(model, optimizer, cfg, rank=rank, server=server,
-                      iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
-                      out_dir=out_dir, run_token=run_token, resume=resume, device=device)
+    try:
+        data, shard, model, optimizer, device = setup(cfg, rank)
+        iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
+        session = Session(model, optimizer, cfg, rank=rank, server=server,
+                          iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
+                          out_dir=out_dir, run_token=run_token, resume=resume, device=device)
+    except Exception as exc:  # not registered: tell the server why, for summary.json
+        report_failure(server if isinstance(server, list) else [server], rank, cfg.workers,
+                       failure_cause(exc), run_token=run_token, curve_keys=cfg.curve_keys)
+        raise
     try:
         session.say("model and data ready; registering")
         session.register()

@@ -201,7 +201,7 @@ def test_a_replayed_register_and_a_second_claim_on_a_bound_rank_are_refused(serv
     first.send(frames)
     # a refused message behind it on the same connection: its error reply means the register
     # was handled (two connections' messages have no order between them)
-    first.send(protocol.encode("error", message="probe"))
+    first.send(protocol.encode("metrics", iter=0, rank=0, report={}))
     assert "expected register" in recv(first)["message"]
     replay = Channel.client("127.0.0.1", server.port)
     replay.send(frames)  # the same bytes from another peer: the nonce is spent

@@ -1,5 +1,6 @@
 """examples/: the custom loop (BatchNorm CNN + Adam on CIFAR-10) and the same with a user policy,
-run as users run them, through psparse-launch, for a few iterations."""
+the open-ended run (early stopping, accumulation, OneCycle) and the compiled model with
+parameter groups / several optimizers / none, run as users run them, through psparse-launch."""
 
 from __future__ import annotations
 
@@ -29,3 +30,51 @@ def test_example_runs_through_the_launcher(tmp_path, example, policy):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["iterations"] == 6
     assert json.loads((out / "rank-0.json").read_text())["policy"] == policy
+
+
+def launch_example(out, *args, timeout=600):
+    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", "--out",
+                                     str(out), *args),
+                       capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PSPARSE_DATA": str(data_dir())})
+    return r, json.loads((out / "summary.json").read_text())
+
+
+def test_the_open_ended_example_equals_its_fixed_length_form(tmp_path):
+    """Open-ended, early stopping armed, 2 micro-batches a step, OneCycle: when the schedule
+    ends before the accuracy stalls, rank 0's stop makes it the same run as the one whose
+    length was declared at connect, bit for bit."""
+    runs = {}
+    for form in ("open", "fixed"):
+        r, summary = launch_example(
+            tmp_path / form, "--policy", "vote", "--policy-arg", "keep=1.5",
+            str(EXAMPLES / "open_ended.py"), "--train-samples", "4000", "--eval-every", "40",
+            *(["--fixed"] if form == "fixed" else []))
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs[form] = (summary, json.loads((tmp_path / form / "rank-0.json").read_text()))
+    (open_run, open_rank), (fixed_run, fixed_rank) = runs["open"], runs["fixed"]
+    assert fixed_run["ended"] == "iterations reached" and fixed_run["iterations"] == 124
+    assert open_run["ended"] == "stopped by ranks 0, 1 at iteration 123"
+    assert open_rank["checksum"] == fixed_rank["checksum"]
+    assert open_run["test_acc"] == fixed_run["test_acc"] > 0.5
+
+
+@pytest.mark.parametrize("optimizers, backend", [("groups", "aot_eager"), ("two", "none"),
+                                                 ("none", "none")])
+def test_the_compiled_and_parameter_groups_example(tmp_path, optimizers, backend):
+    """torch.compile (aot_eager: inductor works too but compiles for a minute on 2 cores),
+    AdamW with two parameter groups, two optimizers as a list (both in the checkpoints), and
+    optimizer=None with the update applied by hand."""
+    out = tmp_path / "run"
+    checkpoints = ["--checkpoint-every", "20"] if optimizers == "two" else []
+    r, summary = launch_example(out, "--density", "0.05", *checkpoints,
+                                str(EXAMPLES / "compiled_groups.py"), "--optimizers",
+                                optimizers, "--backend", backend, "--iterations", "40",
+                                "--train-samples", "4000")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["status"] == "ok" and summary["test_acc"] > 0.3  # chance: 0.1
+    if checkpoints:
+        import pickle
+        state = pickle.loads((out / "checkpoint" / "rank-0-20.pt").read_bytes())
+        assert [list(s["state"]) != [] for s in state["optimizer"]["optimizers"]] == [True,
+                                                                                      True]

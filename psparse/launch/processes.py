@@ -126,11 +126,27 @@ def run_script(argv: list[str]) -> int:
     script = Path(argv[0])
     sys.argv = [str(script), *argv[1:]]
     sys.path.insert(0, str(script.resolve().parent))
+    code = 0
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
-        print(exc.code, file=sys.stderr)  # sys.exit("message"), as python prints it
-        return 1
-    return 0
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)  # sys.exit("message"), as python prints it
+            code = 1
+    except BaseException as exc:
+        _sessions_left_open(exc)  # its cause, not "connection closed", reaches summary.json
+        raise
+    problem = _sessions_left_open(None if code == 0 else f"the script exited with code {code}")
+    if problem:
+        print(f"psparse: error: {problem}", file=sys.stderr, flush=True)
+        return code or 1
+    return code
+
+
+def _sessions_left_open(cause):
+    """psparse.lifecycle.end_of_script for a script that used psparse (the fork exits with
+    os._exit, which skips the atexit hook that does it otherwise)."""
+    lifecycle = sys.modules.get("psparse.lifecycle")
+    return lifecycle.end_of_script(cause) if lifecycle is not None else None

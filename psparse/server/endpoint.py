@@ -32,6 +32,7 @@ class Endpoint:
         self.numel = 0
         self.parts: list[int] | None = None
         self.caches: dict = {}  # per connection (and part): the index sets both ends hold
+        self.closed_hint = ""  # added to "its connection closed" (the server's finish sets it)
 
     def configure(self, numel: int, parts: list[int] | None, world_size: int) -> None:
         """The agreed run's size and parts: what messages are decoded against, and one key
@@ -92,7 +93,8 @@ class Endpoint:
             except TransportTimeout:
                 pass  # connected but not reading: silence decides, in wait
         if gone:
-            members.lose(gone, it, what, "its connection closed (the worker has gone)")
+            members.lose(gone, it, what,
+                         "its connection closed (the worker has gone)" + self.closed_hint)
         return bool(gone)
 
     def reachable(self, peer: bytes) -> bool:

@@ -137,8 +137,8 @@ class Records:
         self.last_eval = state["last_eval"]
         self.t0 = time.perf_counter() - state["elapsed"]
 
-    def summary(self, status: str, error: str | None, *, world_size: int, numel: int, k: int,
-                members, limit, shard=None) -> dict:
+    def summary(self, status: str, error: str | None, *, ended: str | None, world_size: int,
+                numel: int, k: int, members, limit, shard=None) -> dict:
         """summary.json's fields (docs/run-directory.md)."""
         t = self.totals
         wall = time.perf_counter() - self.t0
@@ -146,7 +146,8 @@ class Records:
         dense_round = 2 * world_size * numel * 4  # float32 up and down, every worker
         derived = summarize(self.rounds)
         summary = {
-            "status": status, "error": error, "world_size": world_size, "numel": numel,
+            "status": status, "error": error, "ended": ended, "world_size": world_size,
+            "numel": numel,
             "k": k, "iterations": done, "wall_s": round(wall, 3),
             "iterations_per_s": pace(done, wall),
             # training alone: to the last round's aggregate (wall_s also holds the final
@@ -228,6 +229,7 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
         out.pop("failed_ranks", None)
         if "failed_ranks" in s:
             out["failed_ranks"] = s["failed_ranks"]
+        out["ended"] = "failed"
     out["numel"] = sum(s["numel"] for s in summaries)
     for key in ("wall_s", "train_s"):
         values = [s[key] for s in summaries if s.get(key) is not None]

@@ -37,7 +37,9 @@ class Rounds:
         self.sharded = shard[1] > 1
 
     # ------------------------------------------------------------------------------ a round
-    def serve(self, it: int) -> None:
+    def serve(self, it: int) -> list[int]:
+        """Serve round ``it``; the ranks that asked to end the run with it (docs/protocol.md,
+        Stopping): none, or the round was the last."""
         t_start = time.perf_counter()
         step = protocol.step_at(self.run, it)  # (budget, push cap, proposal cap), once
         upload = broadcast = 0
@@ -49,12 +51,17 @@ class Rounds:
             broadcast, proposed = self._vote(it, step, [proposals[r] for r in sorted(proposals)])
         count = 1 if self.parts is None else len(self.parts) - 1
         got: list[dict[int, protocol.Message]] = [{} for _ in range(count)]
+        # open: parts not aggregated yet (the last one carries any stop request, all pushes
+        # of the round being in by then); stop: the ranks whose push asked to end the run
         totals = {"upload": upload, "broadcast": broadcast, "union": 0, "sent": 0,
-                  "residual": 0, "dense": False, "overflow": False}
+                  "residual": 0, "dense": False, "overflow": False, "open": count,
+                  "stop": set()}
 
         def on_push(msg, nbytes):
             part = msg.get("part") or 0
             got[part][msg["rank"]] = msg
+            if msg.get("stop"):
+                totals["stop"].add(msg["rank"])
             totals["upload"] += nbytes
             self.endpoint.pace(nbytes)
             if self.parts is not None and not self.members.active - set(got[part]):
@@ -85,6 +92,7 @@ class Rounds:
             "loss": float(np.mean(losses)) if losses else None,
             "round_s": round(time.perf_counter() - t_start, 6),
             "time_s": self.records.elapsed()})
+        return sorted(totals["stop"])
 
     def _vote(self, it: int, step, ordered: list) -> tuple[int, int]:
         """Phase 1's answer: the group's indices (a shard: its best with their scores, the
@@ -108,6 +116,9 @@ class Rounds:
         agg = self.aggregators[part]
         ranks = sorted(pushes)
         fields = dict(iter=it, workers=len(ranks))
+        totals["open"] -= 1
+        if totals["open"] == 0 and totals["stop"]:  # the round's last aggregate
+            fields["stop"] = True
         if self.parts is not None:
             fields["part"] = part
         elif len(self.members.active) < self.members.world_size:

@@ -71,7 +71,9 @@ class Server:
         self.endpoint = Endpoint(channel, self.members, timeout=timeout, log=self.log,
                                  records=self.records)
         self.rounds: Rounds | None = None  # from registration on (the agreed run is known)
-        self.numel = self.iterations = self.k = 0
+        self.numel = self.iterations = self.k = 0  # iterations 0: open-ended (stop ends it)
+        self.end = 0  # the iterations served, once the rounds are over
+        self.ended: str | None = None  # why they are over (summary.json's "ended")
         self.run_description: dict | None = None  # the agreed run, from the registrations
 
     @property
@@ -109,11 +111,7 @@ class Server:
             self.register_workers()
             if self.resume:
                 self._restore()
-            for it in range(self.start, self.iterations):
-                self.rounds.serve(it)
-                if self.checkpoint_every and (it + 1) % self.checkpoint_every == 0 \
-                        and it + 1 < self.iterations:
-                    self._checkpoint(it + 1)
+            self.serve_rounds()
             self.finish()
             return 0
         except RunAborted as exc:
@@ -122,6 +120,25 @@ class Server:
         finally:
             self.records.close()
             self.endpoint.channel.close()
+
+    def serve_rounds(self) -> None:
+        """Every round of the run: up to its ``iterations`` or, sooner (and in an open-ended
+        run, ``iterations`` 0, only so), through the round a rank's push asked to stop."""
+        it = self.start
+        while self.iterations == 0 or it < self.iterations:
+            stoppers = self.rounds.serve(it)
+            it += 1
+            if stoppers:
+                self.ended = (f"stopped by rank{'s' if len(stoppers) > 1 else ''} "
+                              f"{', '.join(map(str, stoppers))} at iteration {it - 1}")
+                break
+            if self.checkpoint_every and it % self.checkpoint_every == 0 \
+                    and (self.iterations == 0 or it < self.iterations):
+                self._checkpoint(it)
+        else:
+            self.ended = "iterations reached"
+        self.end = self.members.iterations = it  # (an elastic hand-over after the end names it)
+        self.log(f"{self.ended}; waiting for the final reports")
 
     # -------------------------------------------------------------------------- registration
     def register_workers(self) -> None:
@@ -133,6 +150,10 @@ class Server:
                                             f"{members.missing()})", deadline)
             try:
                 msg = protocol.decode(frames)
+                if msg.type == "error":  # a worker that cannot start: the run cannot either
+                    reason = members.failed_before_training(peer, msg)
+                    endpoint.try_send(peer, protocol.encode("shutdown", ok=False, reason=reason))
+                    raise RunAborted(reason)
                 self._check_shard(msg)
                 members.register(peer, msg)
             except ProtocolError as exc:
@@ -227,9 +248,13 @@ class Server:
     def finish(self) -> None:
         """Wait for every worker's final report, verify replicas, write summary, stop workers."""
         finals = self.records.finals
+        # a worker whose connection closes now never called close() (or was killed)
+        self.endpoint.closed_hint = (" before its final report (a training script ends with "
+                                     "ps.close(), or runs in `with psparse.connect(...) as "
+                                     "ps:`, which closes a finished run)")
         self.rounds.gather(lambda: sorted(self.members.active - set(finals)),
                            lambda: "final reports", None, None, None, None)
-        check_checksums(self.iterations, {r: f["checksum"] for r, f in finals.items()})
+        check_checksums(self.end, {r: f["checksum"] for r, f in finals.items()})
         if self.limit is not None and self.out_dir:
             # what the limit still holds back: sent by no round yet, kept for inspection
             np.savez(self.out_dir / "server_residual.npz", indices=self.limit.support,
@@ -238,7 +263,7 @@ class Server:
         self.endpoint.shutdown(True, "training complete")
         if self.sharded and self.run_dir:  # the last shard to finish writes the merged view
             merge_run_dir(self.run_dir, self.shard[1])
-        self.log(f"done: {self.iterations} iterations in "
+        self.log(f"done: {self.end - self.start} iterations in "
                  f"{time.perf_counter() - self.records.t0:.1f} s")
 
     def abort(self, reason: str, ranks: list[int] | None = None) -> None:
@@ -249,7 +274,8 @@ class Server:
     def _write_summary(self, status: str, error: str | None = None,
                        failed_ranks: list[int] | None = None) -> None:
         summary = self.records.summary(
-            status, error, world_size=self.world_size, numel=self.numel, k=self.k,
+            status, error, ended=self.ended if error is None else "failed",
+            world_size=self.world_size, numel=self.numel, k=self.k,
             members=self.members, limit=self.limit,
             shard=(list(self.shard), list(self.key_range)) if self.sharded else None)
         if failed_ranks is not None:
