@@ -21,7 +21,7 @@ The session builds a worker's parts (flat model, device backend, memory, policy,
 its round: ``exchange.HostRound`` on the host, ``device_round.DeviceRound`` on a GPU, either
 in buckets through ``parts.Parts``; they see it only through a ``RoundContext``. The session
 keeps what is the user's: registration, the run's length and evaluator, the end of the run,
-checkpoints.
+checkpoints (their state: psparse/session_state.py).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from . import amp, checkpoint, lifecycle
+from . import amp, lifecycle
 from .backend import device_backend
 from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig
@@ -48,13 +47,14 @@ from .optimizers import as_optimizer
 from .parts import Parts
 from .policies import Layout, PolicyError, build_policy
 from .rundir import EVAL_VALUES, rank_file
+from .session_state import Checkpointed
 from .sharded_client import open_client
 from .sparsify import density_to_k
 
 __all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
 
 
-class Session(lifecycle.LoopControl):
+class Session(lifecycle.LoopControl, Checkpointed):
     """One worker's side of a psparse run, for any training loop (see the module's docstring).
 
     Attributes a loop reads: ``rank``, ``world_size``, ``start`` (first iteration: > 0 after a
@@ -74,9 +74,6 @@ class Session(lifecycle.LoopControl):
         self.length = lifecycle.RunLength(iterations)  # fixed, or open-ended (0 / None)
         self.iterations = self.length.iterations
         self.batches_per_epoch = batches_per_epoch
-        if cfg.density_warmup and not batches_per_epoch:
-            raise ConfigError("density_warmup needs the epoch length: connect(..., "
-                              "batches_per_epoch=len(loader))")
         self.out_dir = Path(out_dir) if out_dir else None
         self._t_created = time.perf_counter()
         self._say = say  # where progress lines go (default: stderr)
@@ -89,6 +86,7 @@ class Session(lifecycle.LoopControl):
         # the GPU path: accumulator, selection and policy state on the device (a backend,
         # psparse.backend); None: the host path
         self.dev = device_backend(self.device, self.say)
+        check_options(cfg, batches_per_epoch, on_device=self.dev is not None)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
                              beta=SCALECOM_BETA if cfg.memory_beta is None else cfg.memory_beta,
                              dev=self.dev)
@@ -98,10 +96,6 @@ class Session(lifecycle.LoopControl):
                                    Layout(self.net.layer_sizes, cfg.granularity),
                                    self._k_at(0), rank=rank, world_size=cfg.workers,
                                    seed=cfg.seed, dev=self.dev)
-        if cfg.record_selections and self.dev is not None:
-            raise ConfigError("--record-selections reads the whole gradient and accumulator "
-                              "back every round: it runs on the host path (--device cpu, or "
-                              "without CuPy)")
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
         self.client, self.servers = open_client(cfg, server, rank, self.net.numel, run_token)
         self.start = self.iteration = 0
@@ -325,60 +319,6 @@ class Session(lifecycle.LoopControl):
             self.close()
 
     # ---------------------------------------------------------------------- checkpoint, resume
-    def state_dict(self) -> dict:
-        """Everything of this worker's exchange state a resume needs: model, optimizer,
-        accumulator, policy state, key cache, byte and time totals, the last evaluation."""
-        # clones: the parameters are views of one flat buffer, and pickling a view writes the
-        # whole buffer once per parameter
-        model = {name: t.detach().clone() for name, t in self.net.model.state_dict().items()}
-        return {
-            "iteration": self.iteration,
-            "model": model,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "memory": {name: self.policy.host(a) for name, a in self.memory.state_dict().items()},
-            "policy": {name: self.policy.host(v) if hasattr(v, "shape") else v
-                       for name, v in self.policy.state_dict().items()},
-            "cache": self.client.cache_state(),
-            "stats": self.stats,
-            "last_report": self.last_report,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():  # copies into the flat buffers the parameters view
-            self.net.model.load_state_dict(state["model"])
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        for name, array in state["memory"].items():
-            if self.dev is not None:
-                self.dev.upload(f"restore-{name}", np.asarray(array), out=getattr(self.memory, name))
-            else:
-                getattr(self.memory, name)[...] = np.asarray(array)
-        self.policy.load_state_dict(state["policy"])
-        self.client.restore_cache(state["cache"])
-        stats = state["stats"]
-        self.client.sent_bytes = stats["push_bytes"]
-        self.client.received_bytes = stats["aggregate_bytes"]
-        self.ctx.clock.times.update({k: stats[k] for k in self.ctx.clock.times})
-        self.last_report = state["last_report"]
-        self.start = self.iteration = state["iteration"]
-
-    def _checkpoint(self, iteration: int) -> None:
-        state = self.state_dict()
-        if self._buffers_at_checkpoint is not None:
-            state["model"].update(self._buffers_at_checkpoint)
-            self._buffers_at_checkpoint = None
-        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration, {**state,
-                                                                     "iteration": iteration})
-
-    def _restore(self) -> None:
-        if not self.out_dir:
-            raise WorkerError("resume needs the run directory (--out)")
-        start = checkpoint.latest_common(self.out_dir, self.cfg.workers, self.servers)
-        if start is None:
-            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
-                              f"{self.cfg.workers} workers saved")
-        self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}", start))
-        self.say(f"resuming at iteration {start}")
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -393,6 +333,17 @@ def _check_eval_values(values: dict) -> None:
     if unknown:
         raise ValueError(f"unknown evaluation value {', '.join(unknown)}; eval.jsonl records "
                          f"{', '.join(EVAL_VALUES)}")
+
+
+def check_options(cfg: RunConfig, batches_per_epoch: int | None, on_device: bool) -> None:
+    """Options this worker cannot honour, named before it registers."""
+    if cfg.density_warmup and not batches_per_epoch:
+        raise ConfigError("density_warmup needs the epoch length: connect(..., "
+                          "batches_per_epoch=len(loader))")
+    if cfg.record_selections and on_device:
+        raise ConfigError("--record-selections reads the whole gradient and accumulator "
+                          "back every round: it runs on the host path (--device cpu, or "
+                          "without CuPy)")
 
 
 def check_model(model: torch.nn.Module) -> None:

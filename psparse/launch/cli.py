@@ -31,9 +31,9 @@ from .plan import Plan, Topology
 from .processes import free_port
 from .progress import Progress
 from .restart import BACKOFF_S, Restarts
+from .supervisor import Supervisor
 
 DEFAULT_CHECKPOINT_EVERY = 100  # iterations, where --max-restarts finds no --checkpoint-every
-from .supervisor import Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:

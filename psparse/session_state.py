@@ -1,0 +1,75 @@
+"""What a worker's checkpoint holds and how a resumed worker takes it back: ``Checkpointed``,
+the part of ``Session`` (psparse/session.py) that ``--checkpoint-every`` and ``--resume`` use.
+
+A checkpoint is written at an iteration boundary (psparse/checkpoint.py): the parameters and
+optimizer state after the last update, the model's buffers as they were after that
+iteration's forward pass, the error-feedback memory, the policy's state, the key cache, the
+byte and time totals and the evaluator's last report. The session's attributes it reads are
+those ``Session.__init__`` sets (``net``, ``optimizer``, ``memory``, ``policy``, ``client``,
+``ctx``, ``dev``, ``out_dir``, ``cfg``, ``servers``, ``rank``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .client import WorkerError
+
+
+class Checkpointed:
+    def state_dict(self) -> dict:
+        """Everything of this worker's exchange state a resume needs: model, optimizer,
+        accumulator, policy state, key cache, byte and time totals, the last evaluation."""
+        # clones: the parameters are views of one flat buffer, and pickling a view writes the
+        # whole buffer once per parameter
+        model = {name: t.detach().clone() for name, t in self.net.model.state_dict().items()}
+        return {
+            "iteration": self.iteration,
+            "model": model,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "memory": {name: self.policy.host(a) for name, a in self.memory.state_dict().items()},
+            "policy": {name: self.policy.host(v) if hasattr(v, "shape") else v
+                       for name, v in self.policy.state_dict().items()},
+            "cache": self.client.cache_state(),
+            "stats": self.stats,
+            "last_report": self.last_report,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():  # copies into the flat buffers the parameters view
+            self.net.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for name, array in state["memory"].items():
+            if self.dev is not None:
+                self.dev.upload(f"restore-{name}", np.asarray(array), out=getattr(self.memory, name))
+            else:
+                getattr(self.memory, name)[...] = np.asarray(array)
+        self.policy.load_state_dict(state["policy"])
+        self.client.restore_cache(state["cache"])
+        stats = state["stats"]
+        self.client.sent_bytes = stats["push_bytes"]
+        self.client.received_bytes = stats["aggregate_bytes"]
+        self.ctx.clock.times.update({k: stats[k] for k in self.ctx.clock.times})
+        self.last_report = state["last_report"]
+        self.start = self.iteration = state["iteration"]
+
+    def _checkpoint(self, iteration: int) -> None:
+        state = self.state_dict()
+        if self._buffers_at_checkpoint is not None:
+            state["model"].update(self._buffers_at_checkpoint)
+            self._buffers_at_checkpoint = None
+        checkpoint.save(self.out_dir, f"rank-{self.rank}", iteration, {**state,
+                                                                     "iteration": iteration})
+
+    def _restore(self) -> None:
+        if not self.out_dir:
+            raise WorkerError("resume needs the run directory (--out)")
+        start = checkpoint.latest_common(self.out_dir, self.cfg.workers, self.servers)
+        if start is None:
+            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
+                              f"{self.cfg.workers} workers saved")
+        self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}", start))
+        self.say(f"resuming at iteration {start}")
