@@ -32,8 +32,8 @@ WARMUP = 0.3  # OneCycleLR's pct_start (its default): the share of the schedule 
 
 def main():
     args = parse_args()
-    loader, test = mnist(args.batch_size, args.train_samples)
-    torch.manual_seed(0)  # the same initial weights on every rank
+    loader, test = mnist(args.batch_size, args.train_samples, seed=args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = lenet()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.max_lr, momentum=0.9)
     steps = args.epochs * len(loader)  # the schedule's nominal length
@@ -79,6 +79,7 @@ def parse_args():
     p.add_argument("--min-delta", type=float, default=0.0,
                    help="an improvement is a gain of more than this on the best accuracy")
     p.add_argument("--train-samples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     p.add_argument("--fixed", action="store_true",
                    help="declare the length at connect and train it all (no early stopping)")
     p.add_argument("--iterations", type=int, default=None,
