@@ -1,11 +1,13 @@
 """examples/: the custom loop (BatchNorm CNN + Adam on CIFAR-10) and the same with a user policy,
-the open-ended run (early stopping, accumulation, OneCycle) and the compiled model with
-parameter groups / several optimizers / none, run as users run them, through psparse-launch."""
+the open-ended run (early stopping, bf16 autocast, accumulation, OneCycle) and the compiled
+model with parameter groups / several optimizers / none, run as users run them, through
+psparse-launch."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -40,23 +42,43 @@ def launch_example(out, *args, timeout=600):
     return r, json.loads((out / "summary.json").read_text())
 
 
-def test_the_open_ended_example_equals_its_fixed_length_form(tmp_path):
-    """Open-ended, early stopping armed, 2 micro-batches a step, OneCycle: when the schedule
-    ends before the accuracy stalls, rank 0's stop makes it the same run as the one whose
-    length was declared at connect, bit for bit."""
-    runs = {}
-    for form in ("open", "fixed"):
-        r, summary = launch_example(
-            tmp_path / form, "--policy", "vote", "--policy-arg", "keep=1.5",
-            str(EXAMPLES / "open_ended.py"), "--train-samples", "4000", "--eval-every", "40",
-            *(["--fixed"] if form == "fixed" else []))
-        assert r.returncode == 0, r.stdout + r.stderr
-        runs[form] = (summary, json.loads((tmp_path / form / "rank-0.json").read_text()))
-    (open_run, open_rank), (fixed_run, fixed_rank) = runs["open"], runs["fixed"]
-    assert fixed_run["ended"] == "iterations reached" and fixed_run["iterations"] == 124
-    assert open_run["ended"] == "stopped by ranks 0, 1 at iteration 123"
-    assert open_rank["checksum"] == fixed_rank["checksum"]
+OPEN_ENDED = ("--train-samples", "2000", "--epochs", "4", "--max-lr", "0.05",
+              "--eval-every", "5", "--eval-samples", "500", "--patience", "2",
+              "--min-delta", "0.01")  # 31 steps an epoch a worker: a schedule of 124
+
+
+def test_the_open_ended_example_stopped_early_equals_its_fixed_length_form(tmp_path):
+    """Open-ended, bf16 autocast, 2 micro-batches a step, OneCycle laid out over 124 steps:
+    rank 0's early stopping fires before the schedule's end, at T, and the fixed-length form
+    declared at T + 1 iterations is the same run on the same seed: the same weights on every
+    rank (checksums), the same test accuracy."""
+    policy = ("--density", "0.1", "--policy", "vote", "--policy-arg", "keep=1.5")
+    r, open_run = launch_example(tmp_path / "open", *policy, str(EXAMPLES / "open_ended.py"),
+                                 *OPEN_ENDED)
+    assert r.returncode == 0, r.stdout + r.stderr
+    stopped = re.fullmatch(r"stopped by rank 0 at iteration (\d+)", open_run["ended"])
+    assert stopped, open_run["ended"]
+    last = int(stopped[1])
+    assert last < 123 and open_run["iterations"] == last + 1  # early: not the schedule's end
+    r, fixed_run = launch_example(tmp_path / "fixed", *policy, str(EXAMPLES / "open_ended.py"),
+                                  *OPEN_ENDED, "--fixed", "--iterations", str(last + 1))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert fixed_run["ended"] == "iterations reached" and fixed_run["iterations"] == last + 1
+    for rank in (0, 1):
+        open_rank, fixed_rank = (json.loads((tmp_path / form / f"rank-{rank}.json").read_text())
+                                 for form in ("open", "fixed"))
+        assert open_rank["checksum"] == fixed_rank["checksum"]
     assert open_run["test_acc"] == fixed_run["test_acc"] > 0.5
+
+
+def test_the_open_ended_example_ends_with_its_schedule(tmp_path):
+    """When the accuracy never stalls, every rank asks to stop at the schedule's end: the
+    run is exactly the schedule's length (1 epoch of 15 steps a worker)."""
+    r, summary = launch_example(tmp_path / "run", str(EXAMPLES / "open_ended.py"),
+                                "--train-samples", "1000", "--epochs", "1", "--patience", "99")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert summary["ended"] == "stopped by ranks 0, 1 at iteration 14"
+    assert summary["iterations"] == 15 and summary["status"] == "ok"
 
 
 @pytest.mark.parametrize("optimizers, backend", [("groups", "aot_eager"), ("two", "none"),
