@@ -43,7 +43,8 @@ import numpy as np
 
 from .. import kernels, radix
 from ..device_policy import DeviceDecaying
-from ..sparsify import positions, topk_exact
+from ..jit import compiled
+from ..sparsify import positions, select_kernels, topk_exact
 from .base import Param, SelectionPolicy
 
 CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|
@@ -101,8 +102,12 @@ class SharedCore(SelectionPolicy):
         core = self._core(offset, acc.size, k - int(round(self.own_share * k)))
         if core.size == k:
             return core
+        selector = self._selectors[self._slice_index(offset)]
+        if compiled(acc):  # |acc| with the core at float32's maximum, compiled
+            return selector.scored(acc, k, select_kernels.CORE, None,
+                                   np.ascontiguousarray(core, dtype=np.int64))
         mag = self._mag[offset:offset + acc.size]
-        if xp is np and self._selectors[self._slice_index(offset)].exact:
+        if xp is np and selector.exact:
             # a small host slice: one partition of |acc| with the core at the top
             np.abs(acc, out=mag)
             mag[core] = CORE_SCORE
@@ -166,7 +171,12 @@ class SharedCore(SelectionPolicy):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
         xp = self.xp
         small = xp is np and all(selector.exact for selector in self._selectors)
-        if small and indices.size:  # the scatter by hand, keeping the old values
+        if compiled(self.priority.stored):  # compiled: the old values come with it
+            updated = np.empty(indices.size, np.float32)
+            old = np.empty(indices.size, np.float32) if small else None
+            self.priority.add_compiled(indices, values, 1.0 - self.beta,
+                                       magnitude=not self.signed, out=updated, old=old)
+        elif small and indices.size:  # the scatter by hand, keeping the old values
             priority = self.priority
             add = np.float32((1.0 - self.beta) / priority.scale) * \
                 (values if self.signed else np.abs(values))  # as Decaying.add: bit-identical

@@ -25,6 +25,8 @@ import numpy as np
 
 from .. import kernels, radix, sparsify
 from ..device_policy import DeviceDecaying
+from ..jit import compiled
+from ..sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
 # A large host slice's pool is streamed when it is over this fraction of the slice, else listed
@@ -73,6 +75,8 @@ class Frequency(SelectionPolicy):
             return self.topk(acc, pool, offset)
         xp = self.xp
         stored = self.priority.stored[offset:offset + acc.size]
+        if pool < acc.size and compiled(acc, stored):  # one compiled call
+            return self._compiled(acc, stored, k, pool)
         if xp is np and pool > STREAM_ABOVE * acc.size and \
                 not self._selectors[self._slice_index(offset)].exact:
             chosen = self._streamed(acc, stored, k, pool)
@@ -83,6 +87,17 @@ class Frequency(SelectionPolicy):
             return self._listed(acc, stored, k, pool)
         candidates = self.topk(acc, pool, offset)
         return candidates[self._best(stored[candidates], xp.abs(acc[candidates]), k)]
+
+    def _compiled(self, acc, stored, k, pool):
+        """``select_kernels.frequency_top_k``: the pool collected by the top-k pass, its k best
+        keys by a radix select; the numpy ways below are its reference."""
+        out = np.empty(k, np.int64)
+        status = select_kernels.frequency_top_k(acc, stored, pool, k, out)
+        if status < 0:
+            raise kernels.NonFiniteError("the accumulator holds NaN or inf (first at index "
+                                         f"{-1 - status})")
+        self._selectors[0].fallbacks += status
+        return out
 
     def _listed(self, acc, stored, k, pool):
         """The plain way on a small host slice, in fewer steps: the pool from |acc| by one

@@ -14,12 +14,12 @@ model-sized score array and no scatter across the model per round.
 import numpy as np
 
 from .. import radix
-from ..sparsify import positions
+from ..sparsify import positions, select_kernels
 from ..xp import to_host
-from .base import Param, SelectionPolicy
+from .base import Param, ScoredPolicy
 
 
-class Penalty(SelectionPolicy):
+class Penalty(ScoredPolicy):
     name = "penalty"
     params = {
         "pi": Param(float, 0.25, "factor for indices absent from the previous aggregate",
@@ -39,21 +39,19 @@ class Penalty(SelectionPolicy):
     def device_key(self, accumulator):
         return radix.Key(radix.KEY_PENALTY, accumulator, mask=self.shared, p0=self.pi)
 
-    def select_slice(self, acc, k, offset):
-        return self.topk_scored(self._scorer(acc, offset), k, offset,
-                                self._score[offset:offset + acc.size])
+    def score_kind(self, acc, offset):
+        """|acc| times pi, except at the slice's entries of the previous aggregate."""
+        return select_kernels.PENALTY, None, self._shared(offset, acc.size), self.pi
 
-    def score(self, acc, offset):
-        out = self._score[offset:offset + acc.size]
-        self._scorer(acc, offset)(slice(0, acc.size), out)
-        return out
+    def _shared(self, offset, size):
+        """The previous aggregate's entries in the slice [offset, offset + size), relative."""
+        lo, hi = (int(i) for i in np.searchsorted(self._previous_host, [offset, offset + size]))
+        return self.previous[lo:hi] - offset
 
     def _scorer(self, acc, offset):
         """A function writing score[sl] into out, for the slice of ``acc`` at ``offset``."""
         xp = self.xp
-        lo, hi = (int(i) for i in np.searchsorted(self._previous_host,
-                                                  [offset, offset + acc.size]))
-        shared = self.previous[lo:hi] - offset  # the slice's shared entries
+        shared = self._shared(offset, acc.size)
 
         def score(sl, out):
             xp.abs(acc[sl], out=out)

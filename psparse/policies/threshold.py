@@ -14,6 +14,8 @@ once, so the rule is per layer there and here alike).
 import numpy as np
 
 from .. import kernels, radix, sparsify
+from ..jit import compiled
+from ..sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
 
@@ -44,7 +46,10 @@ class Threshold(SelectionPolicy):
                                                            p0=self.lam), shares, self.fusion,
                                        exclude_zero=True)
         # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
-        chosen = kernels.at_least(accumulator, self.lam, self._scratch)
+        if compiled(accumulator):
+            chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
+        else:
+            chosen = kernels.at_least(accumulator, self.lam, self._scratch)
         slices = self.layout.slices
         bounds = kernels.slice_bounds(chosen, slices)
         if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):
