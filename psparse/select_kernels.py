@@ -113,19 +113,10 @@ def _sample_threshold(kind, acc, aux, marks, p, k):
     """The score about MARGIN * k entries reach, from every SAMPLE_STRIDE-th score (as
     ``kernels.sample_threshold``); -1 - j when the score at a sampled j is NaN or inf."""
     n = acc.size
-    m = (n + SAMPLE_STRIDE - 1) // SAMPLE_STRIDE
-    sample = np.empty(m, np.float32)
-    cursor = 0
-    for i in range(m):
-        j = i * SAMPLE_STRIDE
-        marked = False
-        if kind == PENALTY or kind == CORE:
-            cursor, marked = _marked(marks, cursor, j)
-        s = CORE_SCORE if kind == CORE and marked else \
-            _score(kind, abs(acc[j]), aux, p, j, marked)
-        if not np.isfinite(s):
-            return np.float32(0), -1 - j
-        sample[i] = s
+    sample, status = _scores(kind, acc, aux, marks, p, SAMPLE_STRIDE)
+    if status < 0:
+        return np.float32(0), status
+    m = sample.size
     expected = k * m / n
     want = max(expected * MARGIN, expected + 3 * np.sqrt(expected))
     want = min(m, max(1, int(np.ceil(want)) + 1))
@@ -242,12 +233,14 @@ def _merge_marks(idx, val, count, marks):
 
 
 @kernel
-def _all_scores(kind, acc, aux, marks, p):
-    """Every score (the exact fallback's input); -1 - j at the first NaN or inf."""
-    n = acc.size
-    scores = np.empty(n, np.float32)
+def _scores(kind, acc, aux, marks, p, stride):
+    """The scores of every stride-th entry (the sample; all of them for the exact fallback);
+    -1 - j at the first NaN or inf."""
+    m = (acc.size + stride - 1) // stride
+    scores = np.empty(m, np.float32)
     cursor = 0
-    for j in range(n):
+    for i in range(m):
+        j = i * stride
         marked = False
         if kind == PENALTY or kind == CORE:
             cursor, marked = _marked(marks, cursor, j)
@@ -255,7 +248,7 @@ def _all_scores(kind, acc, aux, marks, p):
             _score(kind, abs(acc[j]), aux, p, j, marked)
         if not np.isfinite(s):
             return scores, -1 - j
-        scores[j] = s
+        scores[i] = s
     return scores, 0
 
 
@@ -280,13 +273,31 @@ def candidates(kind, acc, aux, marks, p, q, k):
         if k <= count <= capacity:
             return idx, val, count, min(attempt, 1)
         if attempt == 0:  # the sample misjudged: the exact k-th score
-            scores, status = _all_scores(kind, acc, aux, marks, p)
+            scores, status = _scores(kind, acc, aux, marks, p, 1)
             if status < 0:
                 return NO_MARKS, NO_AUX, 0, status
             t = _float(np.uint32(kth_largest(scores.view(np.uint32), scores.size, k)))
         else:  # many ties at the k-th score: room for all of them
             capacity = count
     return idx, val, count, 1
+
+
+@kernel
+def largest(keys, count, k, positions):
+    """The positions of the k largest of keys[:count] (unsigned integers, or float32 bits),
+    ties to the lower position, into ``positions`` in increasing order (1 <= k <= count)."""
+    kth = kth_largest(keys, count, k)
+    above = 0
+    for j in range(count):
+        above += keys[j] > kth
+    ties = k - above
+    c = 0
+    for j in range(count):
+        key = keys[j]
+        if key > kth or (key == kth and ties > 0):
+            ties -= key == kth
+            positions[c] = j
+            c += 1
 
 
 @kernel
@@ -297,20 +308,11 @@ def trim(idx, val, count, k, out_idx, out_val):
         out_idx[:count] = idx[:count]
         out_val[:count] = val[:count]
         return count
-    bits = val.view(np.uint32)
-    kth = np.uint32(kth_largest(bits, count, k))
-    above = 0
-    for j in range(count):
-        above += bits[j] > kth
-    ties = k - above
-    c = 0
-    for j in range(count):
-        b = bits[j]
-        if b > kth or (b == kth and ties > 0):
-            ties -= b == kth
-            out_idx[c], out_val[c] = idx[j], val[j]
-            c += 1
-    return c
+    positions = np.empty(k, np.int64)
+    largest(val.view(np.uint32), count, k, positions)
+    for c in range(k):
+        out_idx[c], out_val[c] = idx[positions[c]], val[positions[c]]
+    return k
 
 
 @kernel
@@ -339,17 +341,10 @@ def frequency_top_k(acc, stored, pool, k, out):
     key = np.empty(pool, np.uint64)
     for j in range(pool):
         key[j] = (np.uint64(counts[pool_idx[j]]) << np.uint64(32)) | np.uint64(mags[j])
-    kth = kth_largest(key, pool, k)
-    above = 0
-    for j in range(pool):
-        above += key[j] > kth
-    ties = k - above
-    c = 0
-    for j in range(pool):
-        if key[j] > kth or (key[j] == kth and ties > 0):
-            ties -= key[j] == kth
-            out[c] = pool_idx[j]
-            c += 1
+    positions = np.empty(k, np.int64)
+    largest(key, pool, k, positions)
+    for c in range(k):
+        out[c] = pool_idx[positions[c]]
     return status
 
 
