@@ -161,10 +161,13 @@ def _collect(kind, acc, aux, marks, p, t, start, stop, cursor, count, capacity, 
     """The scores of acc[start:stop], one by one, those >= t into idx / val (a store without a
     branch: one not counted is overwritten). Returns (count, cursor, -1 - j at a NaN or inf
     score, else 0); CORE's marks may hold one, as their score replaces it."""
+    if kind == PENALTY:  # the first mark at or after start (a search: most lines are skipped)
+        cursor = np.searchsorted(marks, start)
     for j in range(start, stop):
         marked = False
         if kind == PENALTY:
-            cursor, marked = _marked(marks, cursor, j)
+            marked = cursor < marks.size and marks[cursor] == j
+            cursor += marked
         s = _score(kind, abs(acc[j]), aux, p, j, marked)
         if not np.isfinite(s):
             if kind != CORE or not _marked(marks, 0, j)[1]:
@@ -356,16 +359,20 @@ def at_least(acc, lam):
     bits = acc.view(np.uint32)
     low = _bits(lam)
     out = np.empty(1024, np.int64)
-    count = 0
-    for g in range(0, n, GROUP):
-        stop = min(n, g + GROUP)
-        if stop - g == GROUP and not _reaches(bits, g, stop, low):
+    count, skip = 0, False
+    full = n - n % LINE
+    for h in range(0, n, LINE):
+        if h % GROUP == 0 and h + GROUP <= full and not _reaches(bits, h, h + GROUP, low):
+            skip = True  # the whole group is below lam: its lines are skipped below
+        elif h % GROUP == 0:
+            skip = False
+        if h < full and (skip or not _line_reaches(bits, h, low)):
             continue
-        if count + GROUP > out.size:
+        if count + LINE > out.size:
             grown = np.empty(2 * out.size, np.int64)
             grown[:count] = out[:count]
             out = grown
-        for j in range(g, stop):
+        for j in range(h, min(n, h + LINE)):
             b = bits[j] & SIGN_OFF
             out[count] = j
             count += (b >= low) & (b <= INF_BITS)
