@@ -33,8 +33,10 @@ aggregated entries at or above the floor, with no merge: on small host slices th
 the old values, which tell (how many of the aggregate were at or above the floor before). The own slice is
 the top k - |core| of |accumulator| outside the core: the k largest of |accumulator| with the
 core's entries at float32's maximum (so they rank first and the rest of the budget goes to the
-largest others, zeros included, never to a core entry twice): on a small host slice one
-partition; on a large one scored and selected a block at a time (``Selector.topk_scored``).
+largest others, zeros included, never to a core entry twice): on the host compiled
+(``select_kernels.top_k``, kind CORE: the pass's candidates merged with the core); its numpy
+reference one partition on a small slice, on a large one scored and selected a block at a time
+(``Selector.topk_scored``).
 On the device (``select_device``) the same rule: the core by an engine over the priority that
 leaves out zero keys, marked in a byte mask, then one engine over the combined key.
 """

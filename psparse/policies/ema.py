@@ -11,9 +11,11 @@ Cost (issue 18, item 3): the priority decays lazily (``kernels.Decaying``: one s
 so ``observe`` touches only the aggregate's entries), and max(priority) is kept up to date there
 (only the aggregated entries grow). The selection ranks by the score divided by the positive
 constant lam / max(priority), |acc_i| * (stored_i + max(stored) / lam), the same order (up to
-rounding) in three operations per entry instead of four; on large slices it is made and
-selected a block at a time (``Selector.topk_scored``), so a round reads the accumulator and the
-priority once and writes no model-sized array.
+rounding) in three operations per entry instead of four. On the host it is computed inside
+the compiled selection's one pass (``select_kernels.top_k``, kind EMA: the priority is read only
+where |acc| times max(stored) + floor could reach the threshold) and ``observe``'s add and
+maxima are one compiled scatter; the numpy way (``_scorer``, a block at a time through
+``Selector.topk_scored``, and ``_add_reference``) is their reference.
 """
 
 import numpy as np

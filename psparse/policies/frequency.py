@@ -16,6 +16,8 @@ entries near the pool's edge, which fix that edge exactly; listing the c*k = 4k 
 (2.7x a top-k's time) then costs 2.0x. On a small host slice the pool is listed by one
 ``argpartition`` (a mask's ``flatnonzero`` mispredicts a branch per pool entry: 4k of them) and
 ranked by one more over 64-bit keys written in place, ties settled by index as the plain way.
+Those numpy ways are the reference of the compiled one the host runs
+(``select_kernels.frequency_top_k``: the pool by the top-k pass, its keys by a radix select).
 """
 
 import math

@@ -6,9 +6,10 @@
 so a new index must be 1/pi times larger than a shared one to displace it. The previous
 aggregate is identical on every worker, so all workers favour the same indices.
 
-Cost (issue 18, item 3): on large slices the score is made and selected a block at a time
-(``Selector.topk_scored``), each block's shared entries restored while it is in cache: no
-model-sized score array and no scatter across the model per round.
+Cost (issue 18, item 3): on the host the score is computed inside the compiled selection's one
+pass (``select_kernels.top_k``, kind PENALTY: the shared entries found by a search per line
+looked at); the numpy way, made and selected a block at a time (``Selector.topk_scored``), each
+block's shared entries restored while it is in cache, is its reference.
 """
 
 import numpy as np
