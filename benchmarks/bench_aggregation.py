@@ -7,19 +7,20 @@ drift in machine load hits all; the figure is the median wall time over blocks.
 
 * memcpy: ``numpy.copyto`` of the N·k int32 indices and float32 values (the baseline: the
   ratio is the aggregation's throughput as a fraction of memcpy's);
-* ours: ``Aggregator.mean``, the compiled blocked scatter (psparse/agg_kernels.py), checked
+* ours: ``Aggregator.mean``, the compiled blocked kernel (psparse/agg_kernels.py), checked
   bit-identical to the numpy reference first;
 * numpy: the reference (psparse/reference.py, the code before the kernels);
 * k-way merge: the alternative the issue names, compiled here: the N sorted lists merged
   head by head, each output's sum formed in rank order;
-* scatter floor: the blocked scatter's first half alone -- every entry added into the cache-sized
-  scratch in rank order, no bitmap, no union, nothing read out: no exact rank-order sum can
-  combine the N pushes' entries for less than this by the scatter route;
+* scatter floor: every entry added into a cache-sized dense scratch in rank order, block by
+  block, no bitmap, no union, nothing read out: no exact rank-order sum can combine the N
+  pushes' entries for less than this by a scatter (ours adds each entry straight into its
+  output slot instead, found through the bitmap);
 * read once: every pushed index and value read once (an integer sum of their bits), nothing
   else.
 
-``--variants`` also times the kernel at each block size and read-out mode (the choices
-``agg_kernels.block_bits_for`` and ``emission_for`` make). Writes ``aggregation_vs_memcpy`` to
+``--variants`` also times the kernel at each block size (the choice
+``agg_kernels.block_bits_for`` makes). Writes ``aggregation_vs_memcpy`` to
 benchmarks/results/bench.json.
 """
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import half_shared_pushes as pushes  # noqa: E402
 from common import record, table  # noqa: E402
 
-from psparse import agg_kernels, aggregation, reference  # noqa: E402
+from psparse import agg_kernels, reference  # noqa: E402
 from psparse.aggregation import Aggregator  # noqa: E402
 from psparse.jit import address_table  # noqa: E402
 from psparse.numba_jit import as_pointer  # noqa: E402
@@ -173,7 +174,6 @@ def main(argv=None) -> int:
         reps = max(1, int(2e6 // total))
         t = interleaved(fns, args.blocks, reps)
         ratio = {name: t["memcpy"] / t[name] for name in t}
-        grouped, unrolled = aggregation.emission_for(numel, total)
         rows.append([label, f"{k:,}", f"{union.size:,}", f"{src.nbytes / 1e6:.2f}",
                      f"{t['memcpy'] * 1e3:.3f}", f"{t['ours'] * 1e3:.3f}",
                      f"{t['numpy'] * 1e3:.2f}", f"{t['k-way merge'] * 1e3:.3f}",
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         figures[label] = {
             "numel": numel, "density": density, "pushes": WORKERS, "k": k,
             "union": int(union.size), "bytes": int(src.nbytes), "bit_identical": identical,
-            "block_bits": bits, "grouped": grouped, "unrolled": unrolled,
+            "block_bits": bits,
             "seconds": {name: round(v, 7) for name, v in t.items()},
             "ratio": round(ratio["ours"], 4), "numpy_ratio": round(ratio["numpy"], 4),
             "kway_merge_ratio": round(ratio["k-way merge"], 4),
@@ -203,9 +203,8 @@ def main(argv=None) -> int:
     print(f"target: ours >= {TARGET:.0%} of memcpy at 11.2M/1% and 25M/0.1%; bit-identical "
           "to the numpy reference (checked)")
     if variant_rows:
-        print("\nKernel variants (block size, read-out mode), same cases")
-        print(table(variant_rows, ["case", "block bits", "grouped", "unrolled", "ms",
-                                   "of memcpy"]))
+        print("\nKernel variants (block size), same cases")
+        print(table(variant_rows, ["case", "block bits", "ms", "of memcpy"]))
     record({"aggregation_vs_memcpy": {
         "cases": figures, "target": TARGET,
         "met": all(figures[c]["met"] for c in ("11.2M", "25M")),
@@ -216,19 +215,15 @@ def main(argv=None) -> int:
 def variants(label, numel, idx, val, t_copy, blocks, reps) -> list:
     rows = []
     agg = Aggregator(numel)
-    for bits in (13, 15, 16, 17, 18):
-        for grouped in (False, True):
-            for unrolled in (2, 4):
-                agg_kernels.block_bits_for, aggregation.emission_for = \
-                    (lambda *a, b=bits: b), (lambda *a, g=grouped, u=unrolled: (g, u))
-                t = interleaved({"k": lambda: agg.mean(idx, val)}, blocks, reps)["k"]
-                rows.append([label, bits, grouped, unrolled, f"{t * 1e3:.3f}",
-                             f"{t_copy / t:.1%}"])
-    agg_kernels.block_bits_for, aggregation.emission_for = BLOCK_BITS_FOR, EMISSION_FOR
+    for bits in (13, 15, 16, 17, 18, 20):
+        agg_kernels.block_bits_for = lambda *a, b=bits: b
+        t = interleaved({"k": lambda: agg.mean(idx, val)}, blocks, reps)["k"]
+        rows.append([label, bits, f"{t * 1e3:.3f}", f"{t_copy / t:.1%}"])
+    agg_kernels.block_bits_for = BLOCK_BITS_FOR
     return rows
 
 
-BLOCK_BITS_FOR, EMISSION_FOR = agg_kernels.block_bits_for, aggregation.emission_for
+BLOCK_BITS_FOR = agg_kernels.block_bits_for
 
 if __name__ == "__main__":
     sys.exit(main())

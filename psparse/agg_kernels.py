@@ -7,12 +7,14 @@ holds them to it. They import nothing above psparse.jit.
 * ``sparse_sum``: N sorted pushes (index, value), given as tables of addresses (the received
   frames are read where they lie), summed in rank order at the sorted union of their indices.
   The index space is walked in blocks small enough for the caches (``block_bits``); in each
-  block every push's run of entries is added into a dense scratch of the block's size and
-  marked in a bitmap, then the marked entries are read out in index order and the scratch is
-  zeroed again. So every entry is summed as ``((0 + v_0) + v_1) + ...`` over the ranks that
-  hold it, as numpy's ``add.at`` into a zeroed accumulator does, and nothing model-sized is
-  touched. The alternative, a k-way merge of the N lists, was measured and is slower
-  (benchmarks/bench_aggregation.py, benchmarks/README.md).
+  block every push's run of entries is marked in a bitmap, a prefix sum of the words' bit
+  counts gives each entry its position in the block's union, and the entries are added
+  straight into the output there, push after push. So every entry is summed as
+  ``((0 + v_0) + v_1) + ...`` over the ranks that hold it, as numpy's ``add.at`` into a zeroed
+  accumulator does, and nothing model-sized is touched. Measured against it
+  (benchmarks/bench_aggregation.py, benchmarks/README.md): a k-way merge of the N lists (a
+  branch per list per output), and a dense scratch per block read out through the bitmap in
+  index order (the read-out took half the time: a branch per word and per set bit).
 * ``divide``: the sums divided by N, in place (a separate loop: it vectorises).
 * ``dense_sum``: the same when a push is dense (every index): a rank-order sum into the
   model-sized accumulator, read out and zeroed.
@@ -29,28 +31,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .numba_jit import as_pointer, kernel, trailing_zeros
+from .numba_jit import as_pointer, kernel, population_count
 
-MIN_BLOCK_BITS, BLOCK_BITS, MAX_BLOCK_BITS = 13, 16, 18  # 32 KiB .. 1 MiB of float32 scratch
-PAD = 64  # scratch entries past the block, read by the unconditional emission of an empty slot
+MIN_BLOCK_BITS, BLOCK_BITS, MAX_BLOCK_BITS = 13, 16, 20  # 128 .. 16k bitmap words a block
 
 
 def block_bits_for(numel: int) -> int:
-    """Block size (log2): 2**16 entries (a 256 KiB scratch and its 8 KiB bitmap, in L2), or the
-    whole model when it is smaller. Measured best at 11.2M/1% and 25M/0.1% among 2**13..2**18
-    (benchmarks/bench_aggregation.py --variants): smaller blocks pay a search and a loop exit
-    per push and block, larger ones a scratch that leaves L2."""
+    """Block size (log2): 2**16 entries (an 8 KiB bitmap and its 4 KiB of word offsets, in L1
+    with the block's share of the output), or the whole model when it is smaller.
+    benchmarks/bench_aggregation.py --variants times the others."""
     return int(min(BLOCK_BITS, max(MIN_BLOCK_BITS, int(np.ceil(np.log2(max(2, numel)))))))
-
-
-def emission_for(numel: int, entries: int) -> tuple[bool, int]:
-    """How ``sparse_sum`` reads out the bitmap for a round of ``entries`` pushed entries:
-    (grouped, unrolled). Below about one union entry per 64-bit word most words are empty and
-    testing each would mispredict a branch a quarter of the time (~10 ns each on the development
-    machine), so summary words find the nonempty ones (grouped); each word's first ``unrolled``
-    set bits are read out without a branch, enough for most words at the density at hand."""
-    per_word = 64.0 * min(1.0, entries / max(1, numel))  # at most: shared entries count once
-    return per_word < 1.0, 2 if per_word < 2.0 else 4
 
 
 @kernel
@@ -70,21 +60,24 @@ def _run_end(index, start, stop, bound):
 
 @kernel
 def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute, out_index,
-               out_value, block_bits, scratch, bits, grouped, unrolled):
+               out_value, block_bits, bits, offsets):
     """Sum N sorted, duplicate-free pushes in rank order at their sorted union.
 
     Push r's indices (``index_proto``'s dtype) and float32 values are ``lengths[r]`` entries at
     ``index_addresses[r]`` / ``value_addresses[r]``. ``absolute``: sum |value| (the vote's
     score). Writes the union to ``out_index`` and the sums to ``out_value`` (room for
-    sum(lengths) + PAD entries) and returns its size. ``scratch`` (2**block_bits + PAD zeros,
-    float32) and ``bits`` (2**block_bits / 64 zeros, uint64) are left zeroed. ``grouped``: the
-    union is sparse (few bitmap words hold a bit): find its words through summary words;
-    ``unrolled``: set bits per word read out without a branch. Input that breaks the contract
-    (unsorted, duplicates) gives a wrong answer but never writes out of bounds.
+    sum(lengths) entries) and returns its size. ``bits`` (2**block_bits / 64 zeros, uint64) is
+    left zeroed; ``offsets`` (as many uint32) is scratch. Block by block: every push's run of
+    entries is marked in the bitmap, each word's first union position is the count of bits
+    before it (a prefix sum), and then each entry is added straight into its output slot (its
+    word's offset plus the bits below it in the word), the pushes in rank order, so every sum
+    is ``((0 + v_0) + v_1) + ...`` with nothing read out afterwards. Input that breaks the
+    contract (unsorted, duplicates) gives a wrong answer but never writes out of bounds.
     """
     pushes = lengths.size
     block = np.int64(1) << block_bits
     position = np.zeros(pushes, np.int64)
+    stops = np.zeros(pushes, np.int64)
     none_left = np.iinfo(np.int64).max
     count = np.int64(0)
     while True:
@@ -97,102 +90,92 @@ def sparse_sum(index_addresses, value_addresses, lengths, index_proto, absolute,
         if first == none_left:
             break
         lo = (first >> block_bits) << block_bits
-        last = np.int64(0)
-        for r in range(pushes):  # rank order: each entry's sum is formed in it
-            n = lengths[r]
-            start = position[r]
-            if start >= n:
-                continue
-            index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
-            value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
-            stop = _run_end(index, start, n, lo + block)
-            if absolute:
-                _add_run_abs(index, value, np.uint64(start), np.uint64(stop), lo,
-                             np.uint64(block), scratch, bits)
-            else:
-                _add_run(index, value, np.uint64(start), np.uint64(stop), lo,
-                         np.uint64(block), scratch, bits)
-            if stop > start:
-                last = max(last, np.int64(index[stop - 1]) - lo)
-            position[r] = stop
+        last = _mark_block(index_addresses, lengths, index_proto, position, stops, lo, block,
+                           bits)
         w0, w1 = np.uint64((first - lo) >> 6), np.uint64((last >> 6) + 1)
-        if grouped:
-            count = _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count,
-                                      np.uint64(unrolled))
-        else:
-            count = _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count,
-                              np.uint64(unrolled))
+        union = _word_offsets(bits, w0, w1, offsets)
+        out_value[count:count + union] = 0.0
+        for r in range(pushes):  # rank order: each entry's sum is formed in it
+            if stops[r] > position[r]:
+                n = lengths[r]
+                index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
+                value = numba.carray(as_pointer(value_addresses[r]), (n,), np.float32)
+                _add_run(index, value, np.uint64(position[r]), np.uint64(stops[r]), lo,
+                         np.uint64(block), bits, offsets, np.uint64(count),
+                         np.uint64(count + max(union, 1) - 1), out_index, out_value, absolute)
+            position[r] = stops[r]
+        bits[w0:w1] = 0
+        count += union
     return count
 
 
 # The loops below index with unsigned integers: numba then emits no wraparound code for
 # negative indices, and the few live values fit in registers.
 @kernel
-def _add_run(index, value, start, stop, lo, block, scratch, bits):
-    """scratch[index - lo] += value over [start, stop), marking each entry in ``bits``."""
+def _mark_block(index_addresses, lengths, index_proto, position, stops, lo, block, bits):
+    """Mark every push's run in the block at ``lo`` (from position[r] to stops[r], set here);
+    returns the largest offset marked."""
+    last = np.int64(0)
+    for r in range(lengths.size):
+        n = lengths[r]
+        start = position[r]
+        stops[r] = start
+        if start >= n:
+            continue
+        index = numba.carray(as_pointer(index_addresses[r]), (n,), index_proto.dtype)
+        stop = _run_end(index, start, n, lo + block)
+        _mark_run(index, np.uint64(start), np.uint64(stop), lo, np.uint64(block), bits)
+        if stop > start:
+            last = max(last, np.int64(index[stop - 1]) - lo)
+        stops[r] = stop
+    return last
+
+
+@kernel
+def _mark_run(index, start, stop, lo, block, bits):
+    """Set bit index - lo in ``bits`` for every entry of [start, stop)."""
     for t in range(start, stop):
         j = np.uint64(np.int64(index[t]) - lo)
         if j < block:  # always, for sorted input: unsorted input may not corrupt memory
-            scratch[j] += value[t]
             bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
 
 
 @kernel
-def _add_run_abs(index, value, start, stop, lo, block, scratch, bits):
-    """``_add_run`` of |value| (the vote's score)."""
-    for t in range(start, stop):
-        j = np.uint64(np.int64(index[t]) - lo)
-        if j < block:
-            scratch[j] += abs(value[t])
-            bits[j >> np.uint64(6)] |= np.uint64(1) << (j & np.uint64(63))
-
-
-@kernel
-def _read_out(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
-    """Dense bitmaps: (nearly) every word holds bits, so testing each is predictable."""
+def _word_offsets(bits, w0, w1, offsets):
+    """offsets[w] = set bits in words [w0, w); returns the set bits in [w0, w1)."""
+    total = np.int64(0)
     for w in range(w0, w1):
-        if bits[w] != np.uint64(0):
-            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
-    return count
-
-
-@kernel
-def _read_out_grouped(bits, w0, w1, lo, scratch, out_index, out_value, count, unrolled):
-    """Sparse bitmaps: a summary word per 64 words says which hold bits (testing each word
-    would mispredict a branch for a quarter of them)."""
-    for g in range(w0, w1, np.uint64(64)):
-        summary = np.uint64(0)
-        for w in range(g, min(g + np.uint64(64), w1)):
-            summary |= np.uint64(bits[w] != np.uint64(0)) << (w - g)
-        while summary:
-            w = g + trailing_zeros(summary)
-            summary &= summary - np.uint64(1)
-            count = _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled)
-    return count
+        offsets[w] = total
+        total += np.int64(population_count(bits[w]))
+    return total
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _emit(bits, w, lo, scratch, out_index, out_value, count, unrolled):
-    """Read out (index order) and clear the set bits of bitmap word w and their sums."""
-    word = bits[w]
-    bits[w] = 0
-    base = w << np.uint64(6)
-    for _ in range(unrolled):  # an empty slot writes past count, harmlessly
-        present = word != np.uint64(0)
-        j = base + trailing_zeros(word)  # base + 64 (the pad) when empty
-        out_index[count] = lo + np.int64(j)
-        out_value[count] = scratch[j]
-        scratch[j] = np.float32(0.0) if present else scratch[j]
-        count += present
-        word &= word - np.uint64(1)
-    while word:
-        j = base + trailing_zeros(word)
-        out_index[count] = lo + np.int64(j)
-        out_value[count] = scratch[j]
-        scratch[j] = 0.0
-        count += 1
-        word &= word - np.uint64(1)
-    return count
+def _slot(entry, lo, block, bits, offsets, base, limit):
+    """(output slot, index) of a pushed index: base + its rank in the block's union (its
+    word's offset and the bits below it), clamped to ``limit`` (reached by unsorted input
+    only: a wrong answer, never a stray write)."""
+    j = np.uint64(np.int64(entry) - lo) & (block - np.uint64(1))
+    w = j >> np.uint64(6)
+    below = bits[w] & ((np.uint64(1) << (j & np.uint64(63))) - np.uint64(1))
+    return min(base + np.uint64(offsets[w]) + population_count(below), limit), lo + np.int64(j)
+
+
+@kernel
+def _add_run(index, value, start, stop, lo, block, bits, offsets, base, limit, out_index,
+             out_value, absolute):
+    """out_value[slot] += value (|value| with ``absolute``: the vote's score) and
+    out_index[slot] = index over [start, stop); one loop per case, so neither tests it."""
+    if absolute:
+        for t in range(start, stop):
+            slot, at = _slot(index[t], lo, block, bits, offsets, base, limit)
+            out_index[slot] = at
+            out_value[slot] += abs(value[t])
+    else:
+        for t in range(start, stop):
+            slot, at = _slot(index[t], lo, block, bits, offsets, base, limit)
+            out_index[slot] = at
+            out_value[slot] += value[t]
 
 
 @kernel
@@ -321,15 +304,14 @@ def warm_up() -> None:
         addresses = np.array([idx.ctypes.data], np.int64)
         values = np.array([val.ctypes.data], np.int64)
         lengths = np.array([2], np.int64)
-        out_val = np.empty(2 + PAD, np.float32)
-        scratch = np.zeros((1 << MIN_BLOCK_BITS) + PAD, np.float32)
+        out_val = np.empty(2, np.float32)
         bits = np.zeros((1 << MIN_BLOCK_BITS) // 64, np.uint64)
+        offsets = np.empty(bits.size, np.uint32)
         for out_dtype in {np.int32, dtype}:  # the union in the model's natural dtype
-            out_idx = np.empty(2 + PAD, out_dtype)
-            for absolute in (False, True):
-                for grouped in (False, True):
-                    sparse_sum(addresses, values, lengths, idx, absolute, out_idx, out_val,
-                               MIN_BLOCK_BITS, scratch, bits, grouped, 2)
+            out_idx = np.empty(2, out_dtype)
+            absolute = False  # a bool argument: one signature for both values
+            sparse_sum(addresses, values, lengths, idx, absolute, out_idx, out_val,
+                       MIN_BLOCK_BITS, bits, offsets)
             dense_sum(np.zeros(4, np.float32), addresses, values, lengths,
                       np.zeros(1, np.bool_), idx, absolute, np.empty(4, np.float32),
                       np.float32(1))

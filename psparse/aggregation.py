@@ -7,7 +7,7 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 * ``Aggregator.mean``: the pushes summed in rank order, divided by their number, at the sorted
   union of their indices; a dense push covers every index. On the host a compiled kernel
   (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by
-  block in a cache-sized scratch; with ``--server-device cuda`` the GPU sums them in rank order
+  block through a cache-sized bitmap into the output; with ``--server-device cuda`` the GPU sums them in rank order
   and finds the union from touched bytes (``psparse.device_aggregation``), bit for bit the same.
 * ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
   (``candidates``: the same with their scores, what a key-range shard sends).
@@ -24,7 +24,7 @@ import numpy as np
 
 from . import reference
 from .device_aggregation import DeviceAggregator
-from .jit import REFERENCE, LazyModule, Reusable, address_table
+from .jit import REFERENCE, LazyModule, Reusable, address_table, compiled
 from .kernels import NonFiniteError
 from .protocol import dense_is_smaller, index_dtype_for
 from .xp import cupy_or_none
@@ -53,15 +53,10 @@ def array_module_for(device: str):
     return CudaBackend(xp)
 
 
-def emission_for(numel: int, entries: int) -> tuple[bool, int]:
-    """agg_kernels.emission_for: how the bitmap of a round of ``entries`` is read out."""
-    return agg_kernels.emission_for(numel, entries)
-
-
 class Aggregator:
     """The round arithmetic for one model of ``numel`` entries.
 
-    On the host the pushes are summed block by block into a scratch of at most 2**18 entries
+    On the host the pushes are summed block by block through a bitmap of at most 2**20 bits
     (``agg_kernels``), left zeroed after every round; the model-sized ``accumulator`` is used
     only by a dense push. Results always come back as host (numpy) arrays.
     """
@@ -75,7 +70,7 @@ class Aggregator:
         self._dense_out = None  # for dense broadcasts, allocated by the first
         self._all_indices = None
         self._outputs = Reusable()
-        self._scratch = self._bits = np.empty(0)  # sized by the first round's block
+        self._bits = self._offsets = np.empty(0)  # sized by the first round's block
 
     @property
     def accumulator(self):
@@ -109,7 +104,30 @@ class Aggregator:
                 self.accumulator, [self.all_indices if i is None else i for i in indices],
                 values)
             return union, mean
+        if not compiled(self._entries(indices, values)):
+            return self._small_mean(indices, values)
         return self._host_sum(indices, values, absolute=False)
+
+    def _entries(self, indices: list, values: list) -> int:
+        """What the numpy reference's sum would touch: the pushed entries, and the model-sized
+        accumulator's zeroing of those entries (so at most a small model's)."""
+        return max(sum(len(v) for v in values), self.numel)
+
+    def _small_mean(self, indices: list, values: list):
+        """``mean`` of a small round by the numpy reference (jit.SMALL), returned as the
+        kernel's: the union in the model's index dtype, int64 with a dense push or none."""
+        if not values:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        dense = any(i is None for i in indices)
+        for i, v in zip(indices, values):
+            if i is not None and len(i) != len(v):
+                raise ValueError(f"a push has {len(v)} values for {len(i)} indices")
+        union, mean = reference.sparse_mean(
+            self.accumulator, [self.all_indices if i is None else i for i in indices],
+            [np.asarray(v, dtype=np.float32) for v in values])
+        if dense:
+            return self.all_indices, mean
+        return union.astype(self.index_dtype, copy=False), mean
 
     def _on_device(self, indices: list, values: list):
         """The device's (union, mean), the union in the host path's index dtype."""
@@ -144,16 +162,15 @@ class Aggregator:
                                   dense, proto, absolute, out, divisor)
             return self.all_indices, out
         total = int(lengths.sum())
-        out_index = self._outputs.take(total + agg_kernels.PAD, self.index_dtype)
-        out_value = self._outputs.take(total + agg_kernels.PAD, np.float32)
-        grouped, unrolled = emission_for(self.numel, total)
+        out_index = self._outputs.take(total, self.index_dtype)
+        out_value = self._outputs.take(total, np.float32)
         block_bits = agg_kernels.block_bits_for(self.numel)
-        if self._scratch.size < (1 << block_bits) + agg_kernels.PAD:  # zeroed, left zeroed
-            self._scratch = np.zeros((1 << block_bits) + agg_kernels.PAD, np.float32)
+        if self._bits.size < max(1, (1 << block_bits) // 64):  # zeroed, left zeroed
             self._bits = np.zeros(max(1, (1 << block_bits) // 64), np.uint64)
+            self._offsets = np.empty(self._bits.size, np.uint32)
         count = agg_kernels.sparse_sum(
             index_addresses, value_addresses, lengths, proto, absolute, out_index, out_value,
-            block_bits, self._scratch, self._bits, grouped, unrolled)
+            block_bits, self._bits, self._offsets)
         agg_kernels.divide(out_value, count, divisor)
         return out_index[:count], out_value[:count]
 

@@ -204,10 +204,12 @@ class PSClient:
         return msg.indices
 
     def push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
-             checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
+             checksum: str | None, dense_buffer: np.ndarray | None = None,
+             overflow: bool = False) -> protocol.Message:
         """Send this round's (index, value) pairs, dense when that is smaller (SparCML's
-        switch, into ``dense_buffer``); returns the aggregate."""
-        self.send_push(it, indices, values, loss, checksum, dense_buffer)
+        switch, into ``dense_buffer``); returns the aggregate. ``overflow``: this worker's
+        gradient is not finite (nothing sent; every worker skips the step, psparse.amp)."""
+        self.send_push(it, indices, values, loss, checksum, dense_buffer, overflow)
         return self.await_aggregate(it)
 
     def send_propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> None:
@@ -222,10 +224,11 @@ class PSClient:
         return msg
 
     def send_push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
-                  checksum: str | None, dense_buffer: np.ndarray | None = None) -> None:
+                  checksum: str | None, dense_buffer: np.ndarray | None = None,
+                  overflow: bool = False) -> None:
         self.sent_bytes += self.send(push_frames(
             it, self.rank, indices, values, self.numel, self.cache, loss, checksum,
-            dense_buffer=dense_buffer))
+            dense_buffer=dense_buffer, overflow=overflow))
 
     def await_aggregate(self, it: int) -> protocol.Message:
         agg = self.expect("aggregate", f"the aggregate of iteration {it}", it)
@@ -288,7 +291,7 @@ class PSClient:
 
 def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, size: int, cache,
                 loss: float | None, checksum: str | None, part: int | None = None,
-                dense_buffer: np.ndarray | None = None) -> list:
+                dense_buffer: np.ndarray | None = None, overflow: bool = False) -> list:
     """One push's frames: (index, value) pairs over a vector of ``size`` entries (the model, or
     one part of it, ``indices`` local to it), or all ``size`` values when that is smaller
     (SparCML's switch; written into ``dense_buffer`` when given)."""
@@ -299,6 +302,8 @@ def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, siz
         header["checksum"] = checksum
     if loss is not None:
         header["loss"] = loss
+    if overflow:
+        header["overflow"] = True
     index_dtype = protocol.index_dtype_for(size)
     if protocol.dense_is_smaller(indices.size, size, index_dtype):
         dense = dense_buffer if dense_buffer is not None else np.empty(size, dtype=np.float32)

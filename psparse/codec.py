@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from .jit import REFERENCE, LazyModule, Reusable
+from .jit import REFERENCE, LazyModule, Reusable, compiled
 
 codec_kernels = LazyModule("psparse.codec_kernels")
 
@@ -34,6 +34,9 @@ _DECODED = Reusable(keep=48)
 
 class CodecError(ValueError):
     """An encoded index frame is malformed; the text says how."""
+
+
+from . import reference  # noqa: E402 (it imports CodecError: the small calls' numpy path)
 
 
 def set_key(indices: np.ndarray) -> bytes:
@@ -53,7 +56,10 @@ def _as_index_array(indices) -> np.ndarray:
 
 def delta_size(indices: np.ndarray) -> int:
     """Bytes of the delta form of a sorted set (one pass, nothing allocated)."""
-    return int(codec_kernels.delta_size(_as_index_array(indices)))
+    indices = _as_index_array(indices)
+    if not compiled(indices.size):  # jit.SMALL: the same bytes without loading numba
+        return reference.delta_size(indices)
+    return int(codec_kernels.delta_size(indices))
 
 
 def encode_delta(indices: np.ndarray) -> np.ndarray:
@@ -65,6 +71,9 @@ def _encode_delta_within(indices: np.ndarray, capacity: int) -> np.ndarray | Non
     """The delta frame (a view of a buffer of ``capacity`` + slack bytes), or None when it
     needs more than ``capacity`` bytes: encoding stops there, having cost no more than the
     bytes it wrote."""
+    if not compiled(indices.size):
+        frame = reference.encode_delta(indices)
+        return None if frame.size > capacity else frame
     out = np.empty(capacity + codec_kernels.ENCODE_SLACK, dtype=np.uint8)
     size = codec_kernels.encode_delta(indices, out, capacity)
     return None if size < 0 else out[:size]
@@ -83,6 +92,10 @@ def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
     if data[-1] & 0x80:
         raise CodecError("delta frame ends inside a varint")
     dtype = np.dtype(dtype)
+    if not compiled(data.size):
+        small = _decode_delta_small(data, count, dtype)
+        if small is not None:
+            return small
     out = _DECODED.take(data.size + 1, dtype)  # at most one varint per byte
     varints, flags, last = codec_kernels.decode_delta(data, count, out,
                                                       35 if dtype == np.int32 else 63)
@@ -103,9 +116,30 @@ def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
     return out[:count]
 
 
+def _decode_delta_small(data: np.ndarray, count: int, dtype) -> np.ndarray | None:
+    """decode_delta by the numpy reference, in the header's dtype as the kernel's; None (the
+    kernel decides) for a frame with a varint of more than 7 bytes: only there can a small
+    frame's indices reach 2^62, near where the reference's float64 bound on the sum of the
+    gaps differs from the kernel's exact one (psparse/reference.py)."""
+    ends = np.flatnonzero(data < 0x80)
+    if ends.size and int(np.diff(ends, prepend=-1).max()) > 7:
+        return None
+    indices = reference.decode_delta(data, count)
+    if dtype == np.int32 and (not indices.size or indices[-1] < 2**31):
+        return indices.astype(np.int32)
+    return indices
+
+
 def encode_bitmap(indices: np.ndarray, numel: int) -> np.ndarray:
+    indices = _as_index_array(indices)
+    if not compiled(max(indices.size, numel // 8)):
+        outside = int(np.count_nonzero((indices < 0) | (indices >= numel)))
+        if outside:
+            raise IndexError(f"{outside} indices outside [0, {numel}) for a bitmap of the "
+                             f"model")
+        return reference.encode_bitmap(indices, numel)
     words = np.zeros((numel + 63) // 64, dtype=np.uint64)
-    outside = codec_kernels.encode_bitmap(_as_index_array(indices), words, numel)
+    outside = codec_kernels.encode_bitmap(indices, words, numel)
     if outside:
         raise IndexError(f"{outside} indices outside [0, {numel}) for a bitmap of the model")
     return words.view(np.uint8)[:(numel + 7) // 8]
@@ -118,6 +152,8 @@ def decode_bitmap(data: np.ndarray, count: int, numel: int) -> np.ndarray:
                          f"for {numel} entries")
     if numel % 8 and int(data[-1]) >> (numel % 8):  # only the last byte has bits past numel
         raise CodecError("bitmap has bits set beyond the model size")
+    if not compiled(data.size):
+        return reference.decode_bitmap(data, count, numel)
     slots = min(count, numel)  # a count beyond numel cannot match
     out = _DECODED.take(slots, np.int64)
     found = codec_kernels.decode_bitmap(data, slots, out)

@@ -77,6 +77,7 @@ class RoundContext:
     iteration: Callable[[], int]
     say: Callable[[str], None] = print
     recorder: object = None
+    scaling: object = None  # this step's GradScaler handling (psparse.amp), or None
     clock: RoundClock = field(default_factory=RoundClock)
     _dense: np.ndarray | None = None
     _arange: np.ndarray | None = None
@@ -186,28 +187,45 @@ class HostRound:
 
     def exchange(self, it: int, loss) -> None:
         ctx = self.ctx
-        loss = host_loss(loss, it)
+        scaling = ctx.scaling  # a GradScaler's step (psparse.amp), or None
+        loss, overflow = scaling.loss(loss, it) if scaling else (host_loss(loss, it), False)
         t1 = ctx.clock.begin()
         k = ctx.set_budget(it)
         ctx.net.gather_grad()
+        if scaling is not None:  # unscaled before anything reads it
+            overflow = scaling.unscale(ctx.net.grad, ctx.memory) or overflow
         grad = ctx.net.grad_array()
-        recorder = ctx.recorder
+        recorder = ctx.recorder if not overflow else None
         host_grad = to_host(grad) if recorder else None  # read before the next backward
         grad_topk = topk_exact(host_grad, k) if recorder else None
-        acc = ctx.memory.add(grad)  # error feedback: carry what was not sent
-        # the push empties the sent entries: keep what the policy chose from
-        host_acc = to_host(acc).copy() if recorder else None
-        try:
-            indices, values = self.shape.choose(ctx, it, acc)
-        except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
-            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
-        if recorder:
-            recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
+        if overflow:  # nothing of a non-finite gradient reaches the accumulator
+            indices, values = scaling.nothing(ctx, it)
+        else:
+            acc = ctx.memory.add(grad)  # error feedback: carry what was not sent
+            # the push empties the sent entries: keep what the policy chose from
+            host_acc = to_host(acc).copy() if recorder else None
+            try:
+                indices, values = self.shape.choose(ctx, it, acc)
+            except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
+                raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+            if recorder:
+                recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
         t2 = time.perf_counter()
         checksum = ctx.net.checksum() if ctx.checksum_due(it) else None
-        agg = ctx.client.push(it, indices, values, loss, checksum, ctx.dense_buffer())
+        agg = ctx.client.push(it, indices, values, loss, checksum, ctx.dense_buffer(),
+                              overflow=overflow)
         t3 = time.perf_counter()
-        self.apply(agg, it)
+        if agg.get("overflow"):  # some worker overflowed: every worker skips this step
+            if scaling is None:
+                raise WorkerError(f"the server flagged iteration {it} as an overflow, but "
+                                  "this worker has no GradScaler (exchange(scaler=...))")
+            scaling.skip(ctx.net, ctx.memory)
+            ctx.note_live(agg)
+            ctx.applied(it)
+        else:
+            self.apply(agg, it)
+            if scaling is not None:
+                scaling.rescale(ctx.net)
         ctx.clock.add("select_s", t2 - t1)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.end(t3)

@@ -20,9 +20,18 @@ install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and whe
 cannot be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.jit`` compiles every kernel
 (or loads it) and prints the times, e.g. to fill the cache while building an image.
 
-Compilation is paid once per process tree: ``psparse-launch`` calls ``warm_up()`` before it
-forks the server and the workers, which inherit the compiled code; a process started alone
-loads each kernel from the cache on its first call.
+Compilation is paid once per machine: ``psparse-launch`` calls ``prepare()`` before it forks
+the server and the workers. That compiles every kernel when the cache lacks them (``warm_up``,
+then a stamp in the cache says so) and otherwise only starts numba (its import and first-call
+initialisation, ~0.45 s, inherited by the children), each child loading from the cache just
+the kernels it runs (~5 ms each; all of them, every argument type, cost ~0.5 s more).
+
+Small calls in a process without numba: a process started alone (a server, a worker, as the
+tests start them) whose every payload is small (below ``SMALL`` entries a call) runs the numpy
+references for the index coding, the frame checks and the server's sum, which give the same
+bytes and dtypes there (``tests/test_small_calls.py``), and never imports numba (0.6-1
+CPU-seconds a process: import, initialisation and cache loads). The first call at or above
+``SMALL``, or any call once numba is loaded (a launched run, a test session), runs the kernel.
 
 ``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
 server's arithmetic (aggregation.py), the index coding (codec.py), the frame checks
@@ -43,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 REFERENCE = os.environ.get("PSPARSE_CPU_KERNELS", "").strip().lower() == "numpy"
+SMALL = 8192  # entries a call: below this the reference costs less than loading numba
 _PACKAGE_CACHE = Path(__file__).resolve().parent / "__pycache__"
 
 
@@ -68,6 +78,12 @@ def cache_dir_fallback() -> Path | None:
     return None  # nothing writable: numba compiles in every process, caching nothing
 
 
+def compiled(entries: int) -> bool:
+    """Whether a call over ``entries`` entries runs the kernel (the module docstring's rule):
+    always once numba is loaded in this process, else from ``SMALL`` entries on."""
+    return not REFERENCE and (entries >= SMALL or "numba" in sys.modules)
+
+
 class LazyModule:
     """A kernel module imported on first use: a process that runs no kernel (a --help, an
     analysis command, a launch refused for its options, a server that only sees registers)
@@ -82,14 +98,13 @@ class LazyModule:
         return getattr(self._module, attribute)
 
 
-def compiled(*arrays) -> bool:
+def host_compiled(*arrays) -> bool:
     """Whether the host's compiled selection and policy kernels (select_kernels) take these
     arrays: numpy, C-contiguous, float32 (an accumulator, a policy's state), unless
-    ``PSPARSE_CPU_KERNELS=numpy`` asks for the references (read at each call, so that a test
-    can switch it)."""
-    return not REFERENCE and all(
-        isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
-        for a in arrays)
+    ``PSPARSE_CPU_KERNELS=numpy`` asks for the references; by ``compiled``'s rule, small
+    arrays in a process without numba run the references (the same answers)."""
+    return all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+               for a in arrays) and compiled(max((a.size for a in arrays), default=0))
 
 
 def cache_dir() -> str:
@@ -136,14 +151,50 @@ class Reusable:
 
 def warm_up() -> dict[str, float]:
     """Compile (or load from the cache) every kernel for the argument types the package uses;
-    seconds per module. The launcher calls it before it forks."""
+    seconds per module. Stamps the cache as complete for ``prepare``."""
     from . import agg_kernels, codec_kernels, select_kernels
     times = {}
     for module in (agg_kernels, codec_kernels, select_kernels):
         t = time.perf_counter()
         module.warm_up()
         times[module.__name__.rsplit(".", 1)[1]] = time.perf_counter() - t
+    try:
+        _stamp_path().write_text(_stamp())
+    except OSError:
+        pass  # an unwritable cache: numba caches nothing either
     return times
+
+
+def _stamp_path() -> Path:
+    return Path(cache_dir()) / "psparse-kernels.stamp"
+
+
+def _stamp() -> str:
+    """What a complete cache was compiled by and from: numba's version, the CPU (numba keys
+    its entries by both) and the kernel sources' sizes and times (its key for a source)."""
+    import numba
+    from llvmlite import binding
+    here = Path(__file__).resolve().parent
+    files = [here / name for name in ("agg_kernels.py", "codec_kernels.py", "select_kernels.py",
+                                         "numba_jit.py")]
+    return "\n".join([numba.__version__, binding.get_host_cpu_name()]
+                     + [f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files])
+
+
+def prepare() -> None:
+    """Before forking: compile every kernel unless the cache's stamp says it holds them all,
+    else start numba only; each child then loads what it runs (the module docstring)."""
+    if REFERENCE:
+        return
+    from . import agg_kernels
+    try:
+        cached = _stamp_path().read_text() == _stamp()
+    except OSError:
+        cached = False
+    if cached:
+        agg_kernels.divide(np.ones(1, np.float32), 1, np.float32(1))  # numba's initialisation
+    else:
+        warm_up()
 
 
 def main(argv=None) -> int:
@@ -151,6 +202,10 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     times = warm_up()
     total = time.perf_counter() - t
+    try:
+        _stamp_path().write_text(_stamp())
+    except OSError:
+        pass
     import numba
     print(f"numba {numba.__version__}, cache {cache_dir()}")
     for name, seconds in times.items():

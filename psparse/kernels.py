@@ -292,7 +292,7 @@ class Decaying:
         """stored *= scale, scale = 1 (the same values); what falls below float32's smallest
         normal becomes 0. A pass over the vector."""
         stored = self.stored
-        if jit.compiled(stored):  # one compiled pass
+        if jit.host_compiled(stored):  # one compiled pass
             select_kernels.renormalise(stored, np.float32(self.scale))
         else:
             stored *= np.float32(self.scale)
@@ -302,7 +302,7 @@ class Decaying:
     def add(self, indices, values, weight: float, magnitude: bool = True, out=None) -> None:
         """value[indices] += weight * (|values| or values); ``values`` None: += weight.
         ``out`` (optional, indices.size floats) receives the updated stored values."""
-        if jit.compiled(self.stored):
+        if jit.host_compiled(self.stored):
             self.add_compiled(indices, values, weight, magnitude, out)
         else:
             scatter_add(self.stored, indices, values, weight / self.scale, magnitude, out)

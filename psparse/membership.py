@@ -29,7 +29,12 @@ __all__ = ["Membership", "RunAborted"]
 
 
 class RunAborted(RuntimeError):
-    """The run cannot go on (timeout, disagreement, diverged replicas); the text says why."""
+    """The run cannot go on (timeout, disagreement, diverged replicas); the text says why.
+    ``ranks``: the workers that caused it, when known (summary.json's ``failed_ranks``)."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class Membership:
@@ -203,9 +208,9 @@ class Membership:
         names = ", ".join(str(r) for r in ranks)
         if not self.elastic or len(self.active) - len(ranks) < 1:
             if error:
-                raise RunAborted(f"rank {names} failed {where}: {error}")
+                raise RunAborted(f"rank {names} failed {where}: {error}", ranks)
             raise RunAborted(f"rank {names} stopped answering {where} (nothing for "
-                             f"{self.timeout:g} s while waiting for {what})")
+                             f"{self.timeout:g} s while waiting for {what})", ranks)
         evaluator = min(self.active)
         self.active -= set(ranks)
         self.lost += [{"rank": r, "iter": it} for r in ranks]

@@ -1,4 +1,4 @@
-"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the two
+"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the three
 intrinsics the kernels use, and where numba's cache lives (psparse/jit.py's docstring has the
 rules; README, "Compiled CPU kernels"). Imported by the kernel modules only."""
 
@@ -80,4 +80,12 @@ def trailing_zeros(typingctx, word):
     """Count of trailing zero bits of an unsigned 64-bit word (64 for 0): one tzcnt."""
     def codegen(context, builder, signature, args):
         return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def population_count(typingctx, word):
+    """Count of set bits of an unsigned 64-bit word: one popcnt."""
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
     return types.uint64(types.uint64), codegen

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from . import codec
+from . import codec, reference
 from .codec import CodecError, KeyCache, codec_kernels
-from .jit import REFERENCE
+from .jit import REFERENCE, compiled
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -78,11 +78,14 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     # dense: the index frame is empty and the values are the whole vector (count = numel);
     # sent when that is smaller than the sparse form (SparCML's switch).
     # part: in a run with parts (the run's "parts"), which key range this push holds.
+    # overflow: this worker's gradient is not finite (a GradScaler step to skip): count 0.
     "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,),
-             "part": _INT},
+             "part": _INT, "overflow": (bool,)},
     # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
     # part: in a run with parts, which key range this aggregate holds.
-    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT},
+    # overflow: some push of the round had overflow: every worker skips the step (count 0).
+    "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT,
+                  "overflow": (bool,)},
     "propose": {"index_format": (str,)},
     "indices": {"index_format": (str,)},
     "candidates": {"index_format": (str,)},
@@ -336,6 +339,8 @@ def sparse_frame_problem(indices: np.ndarray, values: np.ndarray | None, numel: 
                          check_order: bool) -> str | None:
     """What is wrong with a received sparse frame, in the order the protocol names it (order,
     a negative first index, the last index against numel, non-finite values), or None."""
+    if not compiled(indices.size):  # jit.SMALL: the same answer without loading numba
+        return reference.sparse_frame_problem(indices, values, numel, check_order)
     flags = codec_kernels.check_sparse(indices, _NO_VALUES if values is None else values,
                                        -1 if numel is None else numel, check_order)
     if flags & codec_kernels.BAD_ORDER:
@@ -351,6 +356,8 @@ def sparse_frame_problem(indices: np.ndarray, values: np.ndarray | None, numel: 
 
 def all_finite(values: np.ndarray) -> bool:
     """Whether no value is NaN or +-Inf: one compiled pass that allocates nothing."""
+    if not compiled(values.size):
+        return reference.all_finite(values)
     return bool(codec_kernels.all_finite(values))
 
 

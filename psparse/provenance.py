@@ -1,8 +1,10 @@
 """Which code made a run: git commit, dirty flag and psparse version, recorded in config.json.
 
-``psparse-launch`` writes them under ``provenance`` in RUN_DIR/config.json; the experiment
-sweeps reuse a finished run only when its ``code_id`` equals the current one (``--reuse-any``
-overrides). A dirty tree's id includes a digest of ``git diff HEAD`` over psparse/, so two runs
+``psparse-launch`` writes them under ``provenance`` in RUN_DIR/config.json. ``make exp-*``
+(experiments/run.py) and ``make exp-cluster`` reuse a finished run only when its ``code_id``
+equals the current one (``--reuse-any`` overrides); the scaling sweeps and
+benchmarks/bench_scale.py reuse any finished run of the same configuration and name the code
+of their tables from these fields (experiments/harness.py). A dirty tree's id includes a digest of ``git diff HEAD`` over psparse/, so two runs
 with the same uncommitted changes still match and runs with different ones do not.
 """
 

@@ -2,9 +2,10 @@
 kernels (psparse/agg_kernels.py, psparse/codec_kernels.py), kept verbatim in behaviour.
 
 They are the kernels' test oracle (tests/test_cpu_kernels.py holds every kernel to its
-reference, bit for bit) and nowhere on the hot path: the package runs them only when
+reference, bit for bit) and nowhere on a large round's path: the package runs them when
 ``PSPARSE_CPU_KERNELS=numpy`` asks for them (psparse/jit.py), to check a whole run against the
-reference. Each function says which kernel it is the reference of. Two deliberate differences,
+reference, and for small calls in a process that has not loaded numba (jit.SMALL: the codec,
+the frame checks and the server's mean; tests/test_small_calls.py). Each function says which kernel it is the reference of. Two deliberate differences,
 both at the edge of the number range: ``decode_delta`` here bounds the indices by a float64
 sum of the gaps (which rounds sums just below 2**63 up to it), the kernel by the exact integer
 sum; and ``sparsify.topk_exact`` (the vote's and the size limit's top-k here) refuses values

@@ -31,7 +31,7 @@ LOGS_DIR = "logs"
 # Fields of a psparse server's metrics record (the DDP baseline writes iter, workers,
 # allreduce_bytes, loss, round_s, time_s instead).
 METRICS_FIELDS = ("iter", "workers", "k", "budget", "union", "broadcast_entries",
-                  "residual_entries", "dense", "proposed", "upload_bytes", "broadcast_bytes",
+                  "residual_entries", "dense", "overflow", "proposed", "upload_bytes", "broadcast_bytes",
                   "loss", "round_s", "time_s")
 # What a worker's ps.log(...) / evaluation may put into eval.jsonl (finite numbers only), plus
 # the iteration it follows and the time since training started.

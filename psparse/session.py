@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import amp, checkpoint
 from .backend import device_backend
 from .client import ServerGone, WorkerError
 from .config import ConfigError, RunConfig
@@ -202,14 +202,18 @@ class Session:
         return run
 
     # --------------------------------------------------------------------------------- round
-    def exchange(self, loss=None) -> None:
+    def exchange(self, loss=None, *, scaler=None) -> None:
         """One synchronous round: this worker's gradient in, everyone's aggregate out.
 
         Reads the parameters' ``.grad`` (after ``loss.backward()``), adds it to the
         error-feedback accumulator, sends the policy's selection, and writes the aggregate
         (the mean over workers) into every parameter's ``.grad``, ready for
         ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
+        ``scaler``: the ``torch.amp.GradScaler`` whose scaled gradients these are; then
+        ``scaler.step(optimizer)`` and ``scaler.update()`` follow (psparse.amp).
         """
+        self.ctx.scaling = amp.scaling_for(scaler, self.optimizer, in_parts=self.parts
+                                           is not None, on_device=self.dev is not None)
         it = self.iteration
         if self.parts is not None:
             return self.parts.exchange(it, loss)  # its first bucket runs _before_round

@@ -97,12 +97,14 @@ class ShardedClient:
         return keys[top_k(scores, keep, nonnegative=True)]
 
     def push(self, it: int, indices: np.ndarray, values: np.ndarray, loss: float | None,
-             checksum: str | None, dense_buffer: np.ndarray | None = None) -> protocol.Message:
+             checksum: str | None, dense_buffer: np.ndarray | None = None,
+             overflow: bool = False) -> protocol.Message:
         indices = np.ascontiguousarray(indices, dtype=np.int64)
         for n, (c, part, local) in enumerate(self._parts(indices)):
             lo = int(self.edges[n])
             c.send_push(it, local, values[part], loss, checksum,
-                        None if dense_buffer is None else dense_buffer[lo:lo + c.numel])
+                        None if dense_buffer is None else dense_buffer[lo:lo + c.numel],
+                        overflow)  # every shard sees the overflow, so every shard skips
         got = [c.await_aggregate(it) for c in self.shards]
         return merge_aggregates(got, self.edges)
 

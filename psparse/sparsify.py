@@ -23,13 +23,13 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit, kernels
-from .jit import compiled
+from .jit import host_compiled
 from .kernels import NonFiniteError
 
 select_kernels = jit.LazyModule("psparse.select_kernels")
 
-__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "compiled", "density_to_k", "positions",
-           "split_k", "topk_exact"]
+__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "host_compiled",
+           "positions", "split_k", "topk_exact"]
 
 # Below this size partition is as fast as anything, so there is no point estimating.
 EXACT_BELOW = 1 << 20
@@ -69,7 +69,7 @@ class Selector:
         self.fallbacks = 0  # times the sampled threshold misjudged (exact threshold used)
 
     def topk(self, x, k: int):
-        if 0 < k < x.size and compiled(x):
+        if 0 < k < x.size and host_compiled(x):
             return self.scored(x, k)
         if self.exact or k <= 0 or k >= x.size:
             return topk_exact(x, k)

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import python_module, read_jsonl
 
-TIMEOUT = 3
+TIMEOUT = 6  # seconds: short, yet longer than 3 workers importing torch on 2 busy cores
 
 
 def start(tmp_path, workers, *server_args, worker_args=("--iterations", "1500")):

@@ -14,6 +14,7 @@ which hashes the bytes) equal at every restore and at the end.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numpy as np
 import pytest
@@ -170,6 +171,9 @@ def selection_path(request, monkeypatch):
     threshold) run on 1000-entry blocks, so the tests' 7037 entries span several blocks as
     11M entries do."""
     monkeypatch.setattr(jit, "REFERENCE", request.param != "compiled")
+    if request.param == "compiled":
+        # numba loaded: jit.compiled's small-call rule then runs the kernels at 7037 entries
+        importlib.import_module("psparse.select_kernels")
     if request.param == "sampled":
         monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
         monkeypatch.setattr(sparsify, "BLOCK", 1000)

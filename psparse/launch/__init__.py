@@ -7,6 +7,7 @@
 * ``supervisor.py``: starting the specs, waiting for the servers to listen, the first failure
   and a clean stop;
 * ``progress.py``: the progress line and the summary table;
+* ``restart.py``: ``--max-restarts``, the whole run again from its newest checkpoint;
 * ``cli.py``: the flags, the checks before anything starts, the run directory, the run.
 
 ``build_parser``, ``main`` and ``run`` are imported on first use (``psparse.launch.main``).

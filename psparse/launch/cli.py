@@ -30,6 +30,9 @@ from ..server.records import merge_run_dir
 from .plan import Plan, Topology
 from .processes import free_port
 from .progress import Progress
+from .restart import BACKOFF_S, Restarts
+
+DEFAULT_CHECKPOINT_EVERY = 100  # iterations, where --max-restarts finds no --checkpoint-every
 from .supervisor import Supervisor
 
 
@@ -83,11 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR (its config.json) from the newest checkpoint that the "
                         "server and all workers saved (see --checkpoint-every)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="when any process fails or is lost, stop the rest and start the whole "
+                        "run again from the newest checkpoint every process saved, up to R "
+                        "times (not again when it fails with the same cause at the same "
+                        "iteration); implies --checkpoint-every "
+                        f"{DEFAULT_CHECKPOINT_EVERY} unless given (default 0: no restart)")
+    p.add_argument("--restart-backoff", type=float, default=BACKOFF_S, metavar="SECONDS",
+                   help=f"with --max-restarts: the wait before a restart (default {BACKOFF_S:g})")
     add_config_arguments(p)
     p.add_argument("script", nargs="?", default=None, metavar="TRAIN.PY",
                    help="your own training script (it calls psparse.connect), started once per "
                         "worker with RANK, WORLD_SIZE, LOCAL_RANK, PSPARSE_SERVER, PSPARSE_OUT, "
-                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention); without "
+                        "PSPARSE_TOKEN and PSPARSE_CONFIG set (torchrun's convention; on this "
+                        "host MASTER_ADDR/MASTER_PORT too, for a process group); without "
                         "it the built-in loop trains --model on --dataset")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments passed on to TRAIN.PY")
@@ -140,20 +152,29 @@ def prepare_run_dir(plan: Plan) -> None:
 
 def warm_up() -> None:
     """Before forking local children: import the worker (and torch, and torch.optim's lazy
-    torch._dynamo) once, and compile or load the CPU kernels (psparse/jit.py) once, so that no
-    child pays for them: ~6 CPU-seconds each, ~25 s of start-up for 8 workers on 2 cores."""
+    torch._dynamo) once, and start numba, compiling the CPU kernels if the cache lacks them
+    (psparse/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
+    of start-up for 8 workers on 2 cores."""
     importlib.import_module("psparse.worker")
     importlib.import_module("torch._dynamo")
-    jit.warm_up()
+    jit.prepare()
 
 
-def run(plan: Plan, quiet: bool = False, grace_s: float = 5.0) -> int:
+def run(plan: Plan, quiet: bool = False, grace_s: float = 5.0, max_restarts: int = 0,
+        backoff_s: float = BACKOFF_S) -> int:
     """Start the plan and watch it: 0 when every process ended well, else the first failure's
-    code (the others stopped); 130 on Ctrl-C or SIGTERM."""
-    cfg = plan.cfg
-    prepare_run_dir(plan)
+    code (the others stopped); 130 on Ctrl-C or SIGTERM. With ``max_restarts`` a failed run
+    starts again from its newest complete checkpoint, up to that many times (restart.py)."""
     if plan.topology.mode == "local":  # in cluster modes nothing is forked that needs torch
         warm_up()
+    restarts = Restarts(plan, max_restarts, backoff_s, say=lambda m: print(m, flush=True))
+    return restarts.run(lambda plan: start_once(plan, quiet, grace_s))
+
+
+def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor]:
+    """One attempt: the run directory prepared, the servers and workers started and watched."""
+    cfg = plan.cfg
+    prepare_run_dir(plan)
     what = f"script {shlex.join(plan.script)}" if plan.script else f"{cfg.model}/{cfg.dataset}"
     print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
           f"{plan.out}", flush=True)
@@ -170,15 +191,16 @@ def run(plan: Plan, quiet: bool = False, grace_s: float = 5.0) -> int:
         ports = supervisor.wait_for_ports(plan.port_files(), cfg.timeout)
         for spec in plan.workers(plan.address(ports)):
             supervisor.start(spec)
-        return supervisor.monitor(progress, on_end=merge_shards)
+        return supervisor.monitor(progress, on_end=merge_shards), supervisor
     except KeyboardInterrupt:
         print("\ninterrupted: stopping all processes", flush=True)
         supervisor.stop_all()
-        return 130
+        return 130, supervisor
     except RuntimeError as exc:
         print(f"psparse-launch: error: {exc}", flush=True)
+        supervisor.error = str(exc)
         supervisor.stop_all()
-        return 1
+        return 1, supervisor
 
 
 # --------------------------------------------------------------------------------- the flags
@@ -244,6 +266,20 @@ def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
                     server_hosts=server_hosts)
 
 
+def _check_restarts(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
+    """--max-restarts needs checkpoints to restart from: it sets --checkpoint-every when the
+    run has none (a resumed run keeps its own)."""
+    if args.max_restarts < 0:
+        p.error("--max-restarts must be >= 0")
+    if args.restart_backoff < 0:
+        p.error("--restart-backoff must be >= 0 seconds")
+    if args.max_restarts and args.baseline:
+        p.error("--max-restarts restarts psparse runs from their checkpoints; the --baseline "
+                "runs (torch DDP) keep none")
+    if args.max_restarts and cfg.checkpoint_every == 0:
+        cfg.checkpoint_every = DEFAULT_CHECKPOINT_EVERY
+
+
 def _check_baseline(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
     if args.baseline and (args.slurm or args.resume):
         p.error("--baseline runs on this host or with --hostfile, without --resume")
@@ -263,6 +299,7 @@ def main(argv=None) -> int:
     cfg = _resolve(p, args)
     topology = _topology(p, args, cfg)
     _check_baseline(p, args, cfg)
+    _check_restarts(p, args, cfg)
     # The run's admission secret: only processes that hold it can register (docs/protocol.md).
     # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
     token = args.run_token or os.environ.get("PSPARSE_TOKEN") or secrets.token_hex(32)
@@ -273,13 +310,15 @@ def main(argv=None) -> int:
                 script=shlex.split(cfg.script) if cfg.script else None, baseline=args.baseline,
                 powersgd_rank=args.powersgd_rank, master_addr=args.master_addr,
                 resume=args.resume is not None,
-                rendezvous_port=free_port() if args.baseline and not args.hostfile else 0)
+                rendezvous_port=free_port() if (args.baseline or args.script)
+                and not (args.hostfile or args.slurm) else 0)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    return run(plan, quiet=args.quiet)
+    return run(plan, quiet=args.quiet, max_restarts=args.max_restarts,
+               backoff_s=args.restart_backoff)
 
 
 if __name__ == "__main__":

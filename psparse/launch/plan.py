@@ -69,7 +69,7 @@ class Plan:
     powersgd_rank: int = 4
     master_addr: str | None = None
     resume: bool = False
-    rendezvous_port: int = 0  # a local baseline's: where its DDP ranks meet (a free port)
+    rendezvous_port: int = 0  # a local baseline's or script's: where DDP ranks meet (free port)
 
     @property
     def shards(self) -> int:
@@ -136,7 +136,10 @@ class Plan:
         if t.mode == "local":
             if self.script:
                 config = {"PSPARSE_CONFIG": str(self.config_path.resolve()),
-                          "PSPARSE_CONFIG_JSON": ""}
+                          "PSPARSE_CONFIG_JSON": "",
+                          # torchrun's rendezvous, for a script that also builds a torch
+                          # process group (DDP with psparse's comm hook)
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous_port)}
                 return [Spec(f"rank-{r}", "script", self.script,
                              self.script_env(r, r, server, config)) for r in range(cfg.workers)]
             return [Spec(f"rank-{r}", "fork", [

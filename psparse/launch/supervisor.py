@@ -25,6 +25,10 @@ class Supervisor:
         self.out, self.quiet, self.grace_s = out, quiet, grace_s
         self.say = say or (lambda msg: print(msg, flush=True))
         self.procs: dict = {}  # name -> ForkedProcess or Popen
+        self.failure: tuple[str, int] | None = None  # (name, exit code) of the first failure
+        self.error: str | None = None  # the launcher's own error (e.g. a server never listened)
+        self.noticed_at: float | None = None  # time.time() when the failure was seen
+        self.stopped_at: float | None = None  # time.time() when the others had been stopped
 
     def start(self, spec: Spec):
         log = self.out / "logs" / f"{spec.name}.log"
@@ -73,6 +77,7 @@ class Supervisor:
                 failed = self._worker_failures_within(1.0) or failed
             if failed and first_failure is None:
                 first_failure = sorted(failed.items())[0]
+                self.noticed_at = time.time()
                 if not any(is_server(n) for n in failed):
                     # a worker failed: give the servers a moment to record its cause in
                     # summary.json and end the run themselves before they are stopped
@@ -84,10 +89,11 @@ class Supervisor:
                             except subprocess.TimeoutExpired:
                                 pass
             if failed:
-                name, code = first_failure
+                name, code = self.failure = first_failure
                 self.say(f"\npsparse-launch: {name} exited with code {code}; stopping the "
                          f"others\n{self.tail(name)}")
                 self.stop_all()
+                self.stopped_at = time.time()
                 on_end()
                 return code if code > 0 else 1
             if len(finished) == len(self.procs):

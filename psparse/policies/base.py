@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import radix
 from ..device_policy import DeviceEngines, Fusion
-from ..jit import compiled
+from ..jit import host_compiled
 from ..sparsify import Selector, split_k
 from ..xp import to_host
 
@@ -285,7 +285,7 @@ class ScoredPolicy(SelectionPolicy):
     ``score``. ``_score`` is the n floats of scratch the reference writes into."""
 
     def select_slice(self, acc, k, offset):
-        if compiled(acc):
+        if host_compiled(acc):
             selector = self._selectors[self._slice_index(offset)]
             return selector.scored(acc, k, *self.score_kind(acc, offset))
         return self.topk_scored(self._scorer(acc, offset), k, offset,

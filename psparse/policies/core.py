@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import kernels, radix
 from ..device_policy import DeviceDecaying
-from ..jit import compiled
+from ..jit import host_compiled
 from ..sparsify import positions, select_kernels, topk_exact
 from .base import Param, SelectionPolicy
 
@@ -105,7 +105,7 @@ class SharedCore(SelectionPolicy):
         if core.size == k:
             return core
         selector = self._selectors[self._slice_index(offset)]
-        if compiled(acc):  # |acc| with the core at float32's maximum, compiled
+        if host_compiled(acc):  # |acc| with the core at float32's maximum, compiled
             return selector.scored(acc, k, select_kernels.CORE, None,
                                    np.ascontiguousarray(core, dtype=np.int64))
         mag = self._mag[offset:offset + acc.size]
@@ -173,7 +173,7 @@ class SharedCore(SelectionPolicy):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
         xp = self.xp
         small = xp is np and all(selector.exact for selector in self._selectors)
-        if compiled(self.priority.stored):  # compiled: the old values come with it
+        if host_compiled(self.priority.stored):  # compiled: the old values come with it
             updated = np.empty(indices.size, np.float32)
             old = np.empty(indices.size, np.float32) if small else None
             self.priority.add_compiled(indices, values, 1.0 - self.beta,

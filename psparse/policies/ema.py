@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import kernels, radix
 from ..device_policy import DeviceDecaying, layout_bounds
-from ..jit import compiled
+from ..jit import host_compiled
 from ..sparsify import select_kernels
 from .base import Param, ScoredPolicy
 
@@ -93,7 +93,7 @@ class EMA(ScoredPolicy):
         if self.priority.decay(self.beta):  # rescaled: the maxima too
             self._top = self._maxima()
         priority = self.priority
-        if compiled(priority.stored):  # the add and the maxima in one compiled pass
+        if host_compiled(priority.stored):  # the add and the maxima in one compiled pass
             priority.add_compiled(indices, values, 1.0 - self.beta, tops=self._top,
                                   edges=self._edges)
         else:  # the reference

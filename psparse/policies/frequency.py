@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import kernels, radix, sparsify
 from ..device_policy import DeviceDecaying
-from ..jit import compiled
+from ..jit import host_compiled
 from ..sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
@@ -77,7 +77,7 @@ class Frequency(SelectionPolicy):
             return self.topk(acc, pool, offset)
         xp = self.xp
         stored = self.priority.stored[offset:offset + acc.size]
-        if pool < acc.size and compiled(acc, stored):  # one compiled call
+        if pool < acc.size and host_compiled(acc, stored):  # one compiled call
             return self._compiled(acc, stored, k, pool)
         if xp is np and pool > STREAM_ABOVE * acc.size and \
                 not self._selectors[self._slice_index(offset)].exact:

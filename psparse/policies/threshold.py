@@ -14,7 +14,7 @@ once, so the rule is per layer there and here alike).
 import numpy as np
 
 from .. import kernels, radix, sparsify
-from ..jit import compiled
+from ..jit import host_compiled
 from ..sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
@@ -46,7 +46,7 @@ class Threshold(SelectionPolicy):
                                                            p0=self.lam), shares, self.fusion,
                                        exclude_zero=True)
         # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
-        if compiled(accumulator):
+        if host_compiled(accumulator):
             chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
         else:
             chosen = kernels.at_least(accumulator, self.lam, self._scratch)

@@ -225,6 +225,9 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
     if failed:
         i, s = failed[0]
         out["status"], out["error"] = "failed", f"shard {i}: {s['error']}"
+        out.pop("failed_ranks", None)
+        if "failed_ranks" in s:
+            out["failed_ranks"] = s["failed_ranks"]
     out["numel"] = sum(s["numel"] for s in summaries)
     for key in ("wall_s", "train_s"):
         values = [s[key] for s in summaries if s.get(key) is not None]

@@ -50,7 +50,7 @@ class Rounds:
         count = 1 if self.parts is None else len(self.parts) - 1
         got: list[dict[int, protocol.Message]] = [{} for _ in range(count)]
         totals = {"upload": upload, "broadcast": broadcast, "union": 0, "sent": 0,
-                  "residual": 0, "dense": False}
+                  "residual": 0, "dense": False, "overflow": False}
 
         def on_push(msg, nbytes):
             part = msg.get("part") or 0
@@ -79,6 +79,7 @@ class Rounds:
             "iter": it, "workers": len(ranks), "k": ks, "budget": step[0],
             "union": totals["union"], "broadcast_entries": totals["sent"],
             "residual_entries": totals["residual"], "dense": totals["dense"],
+            "overflow": totals["overflow"],
             "proposed": proposed, "upload_bytes": totals["upload"],
             "broadcast_bytes": totals["broadcast"],
             "loss": float(np.mean(losses)) if losses else None,
@@ -106,15 +107,25 @@ class Rounds:
         """A complete part's mean (through the size limit in a whole-model round), broadcast."""
         agg = self.aggregators[part]
         ranks = sorted(pushes)
-        union, mean = agg.mean([None if pushes[r].get("dense") else pushes[r].indices
-                                for r in ranks], [pushes[r].values for r in ranks])
-        sent_idx, sent_val = union, mean
         fields = dict(iter=it, workers=len(ranks))
         if self.parts is not None:
             fields["part"] = part
         elif len(self.members.active) < self.members.world_size:
             # after a loss in an elastic run every aggregate names the ranks still in the run
             fields["live"] = sorted(self.members.active)
+        if any(m.get("overflow") for m in pushes.values()):
+            # a worker's gradient overflowed (GradScaler): every worker skips this step, so
+            # nothing is averaged and the size limit's residual stays as it was
+            totals["overflow"] = True
+            nothing = np.empty(0, agg.index_dtype)
+            nothing.flags.writeable = False  # as every broadcast index set (the key caches)
+            totals["broadcast"] += self.endpoint.broadcast(
+                "aggregate", nothing, np.empty(0, np.float32), model_size=agg.numel,
+                overflow=True, **fields)
+            return
+        union, mean = agg.mean([None if pushes[r].get("dense") else pushes[r].indices
+                                for r in ranks], [pushes[r].values for r in ranks])
+        sent_idx, sent_val = union, mean
         if self.limit is not None:
             sent_idx, sent_val = self.limit.apply(
                 union, mean, self.limit.entries(step[0], len(ranks), self.shard))
@@ -172,7 +183,13 @@ class Rounds:
         return self._within(peer, msg, it, step, self.aggregators[0])
 
     def _check_push(self, peer, msg, it, step, got) -> bool:
-        """A push: one per rank (and part), within the cap (a rank's parts together too)."""
+        """A push: one per rank (and part), within the cap (a rank's parts together too); an
+        overflow push carries nothing."""
+        if msg.get("overflow") and (msg["count"] or msg.get("dense")):
+            self.endpoint.reject(peer, ProtocolError(
+                f"rank {msg['rank']}'s overflow push of iteration {it} carries entries "
+                f"(count {msg['count']}): an overflow push has count 0"))
+            return False
         if self.parts is None:
             return self._check_one(peer, msg, it, step, got[0])
         rank, part = msg["rank"], msg["part"]

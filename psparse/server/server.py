@@ -117,7 +117,7 @@ class Server:
             self.finish()
             return 0
         except RunAborted as exc:
-            self.abort(str(exc))
+            self.abort(str(exc), exc.ranks)
             return 1
         finally:
             self.records.close()
@@ -241,13 +241,17 @@ class Server:
         self.log(f"done: {self.iterations} iterations in "
                  f"{time.perf_counter() - self.records.t0:.1f} s")
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, ranks: list[int] | None = None) -> None:
         self.log(f"error: {reason}")
-        self._write_summary("failed", reason)
+        self._write_summary("failed", reason, ranks)
         self.endpoint.shutdown(False, reason)
 
-    def _write_summary(self, status: str, error: str | None = None) -> None:
-        self.records.write_summary(self.records.summary(
+    def _write_summary(self, status: str, error: str | None = None,
+                       failed_ranks: list[int] | None = None) -> None:
+        summary = self.records.summary(
             status, error, world_size=self.world_size, numel=self.numel, k=self.k,
             members=self.members, limit=self.limit,
-            shard=(list(self.shard), list(self.key_range)) if self.sharded else None))
+            shard=(list(self.shard), list(self.key_range)) if self.sharded else None)
+        if failed_ranks is not None:
+            summary["failed_ranks"] = failed_ranks
+        self.records.write_summary(summary)

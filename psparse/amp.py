@@ -1,0 +1,116 @@
+"""Mixed precision through the exchange: a ``torch.amp.GradScaler``'s scaled gradients
+(docs/api.md, "Mixed precision"; the wire side is docs/protocol.md, Overflow).
+
+``torch.autocast`` (bf16 or fp16) needs nothing here: parameters stay float32, so their
+gradients are float32 and the exchange is the ordinary one. A ``GradScaler`` multiplies the
+loss, hence every gradient, by its scale S, and skips the optimizer step when a gradient is not
+finite (then halves S). With psparse the skip must be the same on every rank, or the replicas
+part: ``ps.exchange(loss, scaler=scaler)`` therefore
+
+1. unscales the gradient (× 1/S, the scaler's own factor) before error feedback, so the
+   accumulator, the selection and the wire only ever see unscaled values;
+2. on a worker whose unscaled gradient (or loss) is not finite, adds nothing to the
+   accumulator and pushes nothing, with the push's ``overflow`` flag; the server ORs the flags
+   of a round into its aggregate, so every worker learns of it in the same round;
+3. on an aggregate without the flag: applies it as always, then multiplies ``.grad`` by S, so
+   that ``scaler.step(optimizer)`` (which unscales, × 1/S: exact for the scaler's powers of
+   two) applies exactly the aggregate and ``scaler.update()`` grows S alike on every rank;
+4. on an aggregate with the flag (every worker sees the same): restores each worker's
+   error-feedback memory to what it held before the step, lets the policy observe nothing,
+   and fills ``.grad`` with inf, so every rank's ``scaler.step`` skips and its ``update``
+   backs S off the same way. The step's gradients are dropped on every rank, as a GradScaler
+   drops a skipped step's gradients without psparse (and under DDP, where the inf travels in
+   the allreduce).
+
+Each step with a scaler keeps one copy of the memory's state (the accumulator, and the DGC
+velocity or ScaleCom's filtered memory) to restore it from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .client import WorkerError
+from .config import ConfigError
+from .xp import INDEX_DTYPE
+
+__all__ = ["GradScaling", "scaling_for"]
+
+
+def scaling_for(scaler, optimizer, *, in_parts: bool, on_device: bool):
+    """The exchange's handling of ``scaler`` for one step (None: no scaler, or a disabled one:
+    the exchange is the ordinary one)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if in_parts:
+        raise ConfigError("exchange(scaler=...) with --bucket-mb / --overlap is not supported "
+                          "(the overflow would have to travel per bucket); run without them")
+    if on_device:
+        raise ConfigError("exchange(scaler=...) runs on the host path for now: --device cpu, "
+                          "or PSPARSE_GPU_PATH=host on a GPU")
+    if _already_unscaled(scaler, optimizer):
+        raise WorkerError("scaler.unscale_(optimizer) was called before exchange(): the "
+                          "exchange unscales the gradients itself (and scaler.step would then "
+                          "apply the aggregate still scaled); drop the unscale_ call, and use "
+                          "the clip_norm option instead of clipping in the loop")
+    return GradScaling(float(scaler.get_scale()))
+
+
+def _already_unscaled(scaler, optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran this step (the scaler's per-optimizer stage;
+    torch keeps it in a private table, read defensively)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if optimizer is None or not isinstance(states, dict) or id(optimizer) not in states:
+        return False
+    stage = states[id(optimizer)].get("stage")
+    return getattr(stage, "name", "") == "UNSCALED"
+
+
+class GradScaling:
+    """One step's scale S: unscale and check the gradient, remember the memory, and leave
+    ``.grad`` as ``scaler.step`` expects it (the aggregate × S, or inf on a skipped step)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        # the factor GradScaler.unscale_ multiplies by: 1/S in double, rounded to float32
+        self.inv_scale = float(np.float32(1.0 / scale))
+        self.saved: dict | None = None
+
+    def loss(self, loss, it: int):
+        """(the loss as a float or None, whether it overflowed): with a scaler a non-finite
+        loss is an overflow to skip, not a divergence."""
+        if loss is None:
+            return None, False
+        value = float(loss.item() if hasattr(loss, "item") else loss)
+        return (value, False) if math.isfinite(value) else (None, True)
+
+    def unscale(self, grad: torch.Tensor, memory) -> bool:
+        """Unscale the flat gradient in place and keep the memory's state; True when the
+        gradient is not finite (this worker overflowed)."""
+        grad.mul_(self.inv_scale)
+        self.saved = {name: a.copy() for name, a in memory.state_dict().items()}
+        return not bool(torch.isfinite(grad).all())
+
+    def nothing(self, ctx, it: int):
+        """An overflowing worker's selection: nothing (its proposal too, in a two-phase
+        round, where the others' proposals still need its empty one)."""
+        indices = np.empty(0, dtype=INDEX_DTYPE)
+        values = np.empty(0, dtype=np.float32)
+        if ctx.policy.two_phase:
+            ctx.client.propose(it, indices, values)
+        return indices, values
+
+    def skip(self, net, memory) -> None:
+        """A round some worker overflowed: memory as before the step, ``.grad`` all inf."""
+        for name, saved in self.saved.items():
+            getattr(memory, name)[...] = saved
+        for p, view in zip(net.parameters, net.grad_views):
+            p.grad = view
+        net.grad.fill_(float("inf"))
+
+    def rescale(self, net) -> None:
+        """The aggregate is in ``.grad``: × S, which ``scaler.step``'s unscale undoes."""
+        net.grad.mul_(self.scale)

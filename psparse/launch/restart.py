@@ -1,0 +1,184 @@
+"""``--max-restarts R``: a failed run restarts itself from its newest complete checkpoint.
+
+When any process of a run fails or is lost, the supervisor stops the others (supervisor.py).
+With ``--max-restarts R`` the launcher then waits a back-off and starts the whole run again,
+resuming from the newest iteration for which every process saved a checkpoint
+(psparse/checkpoint.py), up to R times, as torchrun's ``--max-restarts`` restarts its worker
+group. When no checkpoint is complete yet, the run starts again from the beginning. A run that
+fails again with the same cause at the same iteration is not restarted again: that fault is in
+the run (its data, its code), not in a machine, and would only repeat.
+
+Each attempt's logs stay in ``logs/attempt-I/``. summary.json gets ``attempts``: one record per
+attempt with its cause (the first process that failed, its exit code, the iterations completed
+and the message) and the checkpoint it resumed from (docs/run-directory.md). A failed run whose
+server left no summary.json (a killed server, a launcher error) gets one from the launcher, so
+every failure's cause is in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import checkpoint, keyranges
+from ..rundir import METRICS_FILE, SUMMARY_FILE, read_jsonl, write_json
+
+BACKOFF_S = 2.0  # default wait before a restart: ports and sockets of the stopped run close
+
+
+@dataclass
+class Attempt:
+    number: int  # 0: the first start
+    resumed_from: int | None  # the checkpoint's iteration; None: from the beginning
+    started_at: float  # time.time()
+    exit_code: int | None = None  # the run's (0: finished)
+    process: str | None = None  # the first process that failed: "rank-1", "server", ...
+    process_exit_code: int | None = None  # its exit code (negative: the signal that ended it)
+    iterations_done: int | None = None  # rounds recorded when it failed
+    error: str | None = None  # the server's words (summary.json), else the process's last line
+    noticed_at: float | None = None  # when the launcher saw the failure
+    stopped_at: float | None = None  # when the other processes had been stopped
+
+    def cause(self) -> tuple:
+        """What must repeat for "the same fault again": who, where, and what it said."""
+        return self.process, self.iterations_done, self.error
+
+    def describe(self) -> str:
+        where = "" if self.iterations_done is None else f" after {self.iterations_done} iterations"
+        return f"{self.process or 'the run'} failed{where}: {self.error}"
+
+
+def resume_point(out: Path, world_size: int, shards: int) -> int | None:
+    return checkpoint.latest_common(out, world_size, shards)
+
+
+def iterations_done(out: Path) -> int | None:
+    path = out / METRICS_FILE
+    return len(read_jsonl(path)) if path.is_file() else None
+
+
+def last_line(log: Path) -> str | None:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
+
+
+def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
+    """Fill in ``attempt``'s cause: the supervisor's first failure, the server's error message
+    when it recorded one, the rounds completed."""
+    attempt.exit_code = code
+    name, proc_code = supervisor.failure or (None, code)
+    attempt.process, attempt.process_exit_code = name, (proc_code if name else None)
+    attempt.noticed_at, attempt.stopped_at = supervisor.noticed_at, supervisor.stopped_at
+    attempt.iterations_done = iterations_done(out)
+    summary = read_summary(out)
+    if summary and summary.get("status") != "ok" and summary.get("error"):
+        attempt.error = summary["error"]
+        ranks = summary.get("failed_ranks")
+        if ranks and name not in [f"rank-{r}" for r in ranks]:
+            # the server knows which worker failed; the others it stopped may be reaped first
+            attempt.process = f"rank-{ranks[0]}"
+            proc = supervisor.procs.get(attempt.process)
+            attempt.process_exit_code = None if proc is None else proc.poll()
+    elif name is not None:
+        line = last_line(out / "logs" / f"{name}.log")
+        attempt.error = f"exited with code {proc_code}" + (f"; its last line: {line}" if line
+                                                           else "")
+    else:
+        attempt.error = supervisor.error or f"the launcher ended with code {code}"
+
+
+def read_summary(out: Path) -> dict | None:
+    try:
+        return json.loads((out / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_logs(out: Path, number: int) -> None:
+    """Move this attempt's logs to logs/attempt-I/ before the next attempt writes its own."""
+    logs = out / "logs"
+    if not logs.is_dir():
+        return
+    folder = logs / f"attempt-{number}"
+    folder.mkdir(exist_ok=True)
+    for log in logs.glob("*.log"):
+        log.replace(folder / log.name)
+
+
+def drop_checkpoints(out: Path, shards: int) -> None:
+    """Before starting again from the beginning: the incomplete checkpoints of the failed
+    attempt, so that none of them can pair with the new attempt's files."""
+    shard_dirs = [keyranges.shard_dir(out, i) for i in range(shards if shards > 1 else 0)]
+    for d in [out, *shard_dirs]:
+        shutil.rmtree(checkpoint.directory(d), ignore_errors=True)
+
+
+def write_history(out: Path, attempts: list[Attempt], code: int, restarts_allowed: int) -> None:
+    """summary.json's ``attempts`` (and ``restarts``) for a run that could restart or failed;
+    for a failed run without a summary, the launcher's own with the last cause."""
+    if code == 0 and not restarts_allowed:
+        return
+    summary = read_summary(out)
+    if summary is None:
+        if code == 0:
+            return
+        summary = {"status": "failed", "error": attempts[-1].describe(),
+                   "written_by": "psparse-launch"}
+    summary["restarts"] = len(attempts) - 1
+    summary["attempts"] = [asdict(a) for a in attempts]
+    write_json(out / SUMMARY_FILE, summary)
+
+
+class Restarts:
+    """The restart loop around one attempt: ``run(start)`` with ``start(plan) -> (code,
+    supervisor)`` starting the plan once and watching it."""
+
+    def __init__(self, plan, max_restarts: int, backoff_s: float = BACKOFF_S, say=print):
+        self.plan, self.max_restarts, self.backoff_s = plan, max_restarts, backoff_s
+        self.say = say
+        self.attempts: list[Attempt] = []
+
+    def run(self, start) -> int:
+        plan = self.plan
+        resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards) \
+            if plan.resume else None
+        while True:
+            attempt = Attempt(len(self.attempts), resumed_from, time.time())
+            self.attempts.append(attempt)
+            code, supervisor = start(plan)
+            if code == 0:
+                attempt.exit_code = 0
+                break
+            record_failure(attempt, plan.out, code, supervisor)
+            if code == 130 or not self._again(attempt):
+                break
+            keep_logs(plan.out, attempt.number)
+            resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards)
+            if resumed_from is None:
+                drop_checkpoints(plan.out, plan.shards)
+            plan.resume = resumed_from is not None
+            where = ("from the beginning (no checkpoint is complete yet)" if resumed_from is None
+                     else f"from the checkpoint at iteration {resumed_from}")
+            self.say(f"psparse-launch: restart {attempt.number + 1} of {self.max_restarts} in "
+                     f"{self.backoff_s:g} s, {where}, after: {attempt.describe()}")
+            time.sleep(self.backoff_s)
+        write_history(plan.out, self.attempts, code, self.max_restarts)
+        return code
+
+    def _again(self, attempt: Attempt) -> bool:
+        if attempt.number >= self.max_restarts:
+            if self.max_restarts:
+                self.say(f"psparse-launch: no restart left ({self.max_restarts} used); the run "
+                         f"failed: {attempt.describe()}")
+            return False
+        if len(self.attempts) > 1 and self.attempts[-2].cause() == attempt.cause():
+            self.say("psparse-launch: the run failed again with the same cause at the same "
+                     f"iteration; not restarting it: {attempt.describe()}")
+            return False
+        return True

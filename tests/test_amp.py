@@ -1,0 +1,66 @@
+"""Mixed precision on real processes (psparse.amp): bf16 autocast, and fp16 autocast with a
+GradScaler whose step overflows on one rank, through psparse-launch (examples/mixed_precision.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from conftest import python_module, read_jsonl
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mixed_precision.py"
+
+
+def launch(out: Path, *args: str, policy=()) -> dict:
+    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", *policy,
+                                     "--out", str(out), str(EXAMPLE), *args),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_bf16_autocast_trains(tmp_path):
+    summary = launch(tmp_path / "run", "--precision", "bf16", "--iterations", "40")
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert summary["status"] == "ok" and len(rows) == 40
+    assert not any(r["overflow"] for r in rows)
+    assert rows[-1]["loss"] < 0.6 * rows[0]["loss"] and summary["test_acc"] > 0.5
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Rank 1's gradient is inf at iteration 3: the round is flagged, nobody applies
+    anything, every accumulator is as before the step, every scale halves, the run goes on
+    (the server's final checksum comparison passes: status ok)."""
+    summary = launch(tmp_path / "run", "--overflow-at", "1:3", "--dump", str(tmp_path))
+    assert summary["status"] == "ok", summary["error"]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["overflow"] for r in rows] == [it == 3 for it in range(12)]
+    assert rows[3]["k"] == [52, 0] and rows[3]["union"] == 0
+    assert rows[4]["union"] > 0  # the next round is an ordinary one
+    for rank in (0, 1):
+        d = np.load(tmp_path / f"amp-rank-{rank}.npz")
+        assert np.array_equal(d["acc_before"], d["acc_after"])
+        assert np.abs(d["acc_before"]).sum() > 0  # a real accumulator, restored
+        assert np.array_equal(d["params_before"], d["params_after"])  # the step was skipped
+        assert (d["scale_before"], d["scale_after"]) == (65536.0, 32768.0)
+    finals = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text())["checksum"]
+              for r in (0, 1)]
+    assert finals[0] == finals[1]
+    # The exchange sees unscaled gradients: the same run with the scale 1 makes the same
+    # updates up to fp16 rounding in the scaled backward (fed scaled gradients, the run above
+    # would step 2^16 times further and its loss leave this one's at iteration 1)
+    launch(tmp_path / "scale-1", "--init-scale", "1", "--iterations", "4")
+    unscaled = [r["loss"] for r in read_jsonl(tmp_path / "scale-1" / "metrics.jsonl")]
+    assert np.allclose([r["loss"] for r in rows[:4]], unscaled, rtol=2e-3)
+
+
+def test_a_two_phase_round_skips_too(tmp_path):
+    """vote: the overflowing rank proposes nothing, the others' proposals are answered, and
+    the push round is skipped."""
+    summary = launch(tmp_path / "run", "--overflow-at", "0:2",
+                     policy=("--policy", "vote", "--policy-arg", "keep=1.5"))
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert summary["status"] == "ok", summary["error"]
+    assert [r["overflow"] for r in rows] == [it == 2 for it in range(12)]

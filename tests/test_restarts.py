@@ -1,0 +1,138 @@
+"""--max-restarts on real processes: a killed worker, server or server shard, and a script's
+data error, each restarted from the newest checkpoint and finishing identical to a run that was
+never interrupted; a fault that repeats stops the restarts with the whole history."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import python_module, read_jsonl
+
+HERE = Path(__file__).resolve().parent
+RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
+       "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet"]
+SCRIPT_RUN = ["--workers", "2", "--checkpoint-every", "20", "--quiet", "--restart-backoff",
+              "0.5", str(HERE / "faulty_train.py"), "--iterations", "60"]
+
+
+def launch(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
+
+
+def assert_identical(run: Path, clean: Path, workers: int, metrics: bool = True) -> None:
+    """The same records (one per iteration / evaluation, none doubled) and final weights."""
+    for name in ("metrics.jsonl", "eval.jsonl") if metrics else ("eval.jsonl",):
+        assert without_timing(read_jsonl(run / name)) == \
+            without_timing(read_jsonl(clean / name)), name
+    for r in range(workers):
+        assert json.loads((run / f"rank-{r}.json").read_text())["checksum"] == \
+            json.loads((clean / f"rank-{r}.json").read_text())["checksum"], f"rank {r}"
+
+
+def process_writing(log: Path) -> int | None:
+    """The pid of the launcher's child whose output goes to ``log`` (forked, stdout there)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "fd" / "1") == str(log):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("clean") / "run"
+    r = launch(out, *RUN)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+@pytest.mark.parametrize("victim, extra", [("rank-1", []), ("server", []),
+                                           ("server-1", ["--servers", "2"])],
+                         ids=["worker", "server", "server-shard"])
+def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path, clean_run,
+                                                                       victim, extra):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *RUN, *extra,
+                                          "--max-restarts", "2", "--restart-backoff", "0.5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = out / ("checkpoint" if not extra else "shard-0/checkpoint") / "server-200.pt"
+    deadline = time.monotonic() + 120
+    while not first.is_file() or (pid := process_writing(out / "logs" / f"{victim}.log")) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    assert "psparse-launch: restart 1 of 2" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1
+    failed, resumed = summary["attempts"]
+    assert failed["process"] == victim and failed["process_exit_code"] == -signal.SIGKILL
+    assert resumed["resumed_from"] in (200, 300) and resumed["exit_code"] == 0
+    assert (out / "logs" / "attempt-0" / f"{victim}.log").is_file()
+    # a sharded run's metrics carry the shards' own byte counts: compare evaluations and weights
+    assert_identical(out, clean_run, 3, metrics=not extra)
+    assert len(read_jsonl(out / "metrics.jsonl")) == 400
+
+
+def test_a_data_error_restarts_a_script_and_it_ends_as_the_clean_one(tmp_path):
+    clean = launch(tmp_path / "clean", *SCRIPT_RUN)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    out = tmp_path / "run"
+    r = launch(out, "--max-restarts", "2", *SCRIPT_RUN, "--fail-at", "45")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1
+    failed = summary["attempts"][0]
+    assert failed["process"] == "rank-1" and "data error at iteration 45" in failed["error"]
+    assert summary["attempts"][1]["resumed_from"] == 40
+    assert_identical(out, tmp_path / "clean", 2)
+
+
+def test_the_same_fault_again_stops_the_restarts(tmp_path):
+    out = tmp_path / "run"
+    r = launch(out, "--max-restarts", "3", *SCRIPT_RUN, "--fail-at", "25", "--fail-times", "9")
+    assert r.returncode != 0
+    assert "failed again with the same cause at the same iteration" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1
+    assert [a["resumed_from"] for a in summary["attempts"]] == [None, 20]
+    assert all("data error at iteration 25" in a["error"] for a in summary["attempts"])
+
+
+def test_a_fault_that_keeps_changing_uses_up_the_restarts(tmp_path):
+    out = tmp_path / "run"
+    r = launch(out, "--max-restarts", "1", *SCRIPT_RUN[:1], "2", "--quiet",
+               "--restart-backoff", "0", str(HERE / "faulty_train.py"), "--iterations", "30",
+               "--fail-at", "5", "--fail-times", "9", "--vary")
+    assert r.returncode != 0
+    assert "no restart left (1 used)" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1
+    # before the first checkpoint: both attempts start from the beginning
+    assert [a["resumed_from"] for a in summary["attempts"]] == [None, None]
+    assert [a["error"].split("data error at iteration 5 ")[1][:12] for a in
+            summary["attempts"]] == ["(failure 1)", "(failure 2)"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["checkpoint_every"] == 100  # implied by --max-restarts
+
+
+def test_max_restarts_is_checked_before_anything_starts(tmp_path):
+    r = launch(tmp_path / "run", "--max-restarts", "1", "--baseline", "ddp", *RUN, timeout=60)
+    assert r.returncode == 2 and "--baseline runs (torch DDP) keep none" in r.stderr
+    r = launch(tmp_path / "run", "--max-restarts", "-1", *RUN, timeout=60)
+    assert r.returncode == 2 and "--max-restarts must be >= 0" in r.stderr
