@@ -22,7 +22,7 @@ from policy_reference import REFERENCES
 
 from psparse import jit, kernels, sparsify
 from psparse.kernels import sorted_union
-from psparse.policies import REGISTRY, Layout, base, build_policy, ema
+from psparse.policies import REGISTRY, Layout, base, build_policy, ema, frequency
 from psparse.sparsify import Selector
 
 MODEL = [7037]
@@ -322,8 +322,12 @@ def test_frequency_streams_a_large_pool(monkeypatch, path):
     edge within a few percent, a key the k-th best reaches) answers as the reference does,
     with ties at the edge (the gradient's 1/8 grid), first with counts mostly zero (the key is a
     magnitude), then with most entries counted (the key is a count). "numpy": the streamed
-    numpy pass (the compiled kernel's oracle); "compiled": select_kernels.frequency_top_k."""
+    numpy pass (the compiled kernel's oracle); "compiled": select_kernels.frequency_top_k, which
+    the policy runs only where it does not stream (STREAM_ABOVE raised here so it takes this
+    pool)."""
     monkeypatch.setattr(jit, "REFERENCE", path == "numpy")
+    if path == "compiled":
+        monkeypatch.setattr(frequency, "STREAM_ABOVE", 1.0)
     monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
     monkeypatch.setattr(sparsify, "BLOCK", 30_000)
     n, k = 300_000, 3000
@@ -345,6 +349,8 @@ def test_frequency_streams_a_large_pool(monkeypatch, path):
             p.observe(indices, np.ones(indices.size, np.float32), it)
     if path == "numpy":  # the pass answered, not the fallback
         assert sum(a is not None for a in answered) >= 10
+    else:  # the compiled call answered: the numpy stream never ran
+        assert not answered
     assert_same_state(fast, ref)
 
 

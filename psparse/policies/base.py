@@ -282,10 +282,15 @@ class ScoredPolicy(SelectionPolicy):
     score (``Selector.scored``'s arguments: kind, aux, marks, p, q) the host selects by, and
     ``_scorer(acc, offset)`` the same score in numpy (a function writing score[sl] into out):
     the reference, used with ``PSPARSE_CPU_KERNELS=numpy``, on a non-float32 accumulator and by
-    ``score``. ``_score`` is the n floats of scratch the reference writes into."""
+    ``score``. ``_score`` is the n floats of scratch the reference writes into.
+    ``compiled_selection`` is the policy's switch: False, its host selection runs the numpy way
+    (as before the compiled kernels) also where they would take the arrays, because the compiled
+    score was measured slower there (benchmarks/README.md, "Host selection compiled")."""
+
+    compiled_selection = True
 
     def select_slice(self, acc, k, offset):
-        if host_compiled(acc):
+        if self.compiled_selection and host_compiled(acc):
             selector = self._selectors[self._slice_index(offset)]
             return selector.scored(acc, k, *self.score_kind(acc, offset))
         return self.topk_scored(self._scorer(acc, offset), k, offset,

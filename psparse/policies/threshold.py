@@ -9,6 +9,10 @@ more entries pass the threshold, the C·k of largest magnitude are sent and the 
 accumulator. With ``--granularity layer`` the cap is split across the layers as k is (each
 layer's share), and each layer keeps its own share's largest (the GPU selects every layer at
 once, so the rule is per layer there and here alike).
+
+On the host |accumulator| >= lam is found block by block in numpy (``kernels.at_least``); the
+compiled ``select_kernels.at_least`` gives the same indices but was measured slower
+(``compiled_selection``).
 """
 
 import numpy as np
@@ -29,6 +33,11 @@ class Threshold(SelectionPolicy):
                      lambda v: v >= 0, ">= 0"),
     }
 
+    # select_kernels.at_least, measured back to back against kernels.at_least at 11M: 23-31 ms
+    # against 16-24 (lam reached by 1-3% of the entries: most lines are looked at; neither a
+    # line-only scan nor a branch-free pass over all beat numpy at both densities)
+    compiled_selection = False
+
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
         self._scratch = np.empty(min(sparsify.BLOCK, layout.numel), np.float32)
@@ -46,7 +55,7 @@ class Threshold(SelectionPolicy):
                                                            p0=self.lam), shares, self.fusion,
                                        exclude_zero=True)
         # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
-        if host_compiled(accumulator):
+        if self.compiled_selection and host_compiled(accumulator):
             chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
         else:
             chosen = kernels.at_least(accumulator, self.lam, self._scratch)
