@@ -301,11 +301,11 @@ class Decaying:
 
     def add(self, indices, values, weight: float, magnitude: bool = True, out=None) -> None:
         """value[indices] += weight * (|values| or values); ``values`` None: += weight.
-        ``out`` (optional, indices.size floats) receives the updated stored values."""
-        if jit.host_compiled(self.stored):
-            self.add_compiled(indices, values, weight, magnitude, out)
-        else:
-            scatter_add(self.stored, indices, values, weight / self.scale, magnitude, out)
+        ``out`` (optional, indices.size floats) receives the updated stored values. numpy
+        (``scatter_add``): ``add_compiled``, measured back to back in ema's and frequency's
+        observe at 11M, was faster at 1% (6.4 against 6.8 ms) but slower at 0.1% (1.46 against
+        1.10, 1.04 against 0.85); core, faster at both, calls ``add_compiled`` itself."""
+        scatter_add(self.stored, indices, values, weight / self.scale, magnitude, out)
 
     def add_compiled(self, indices, values, weight: float, magnitude: bool = True, out=None,
                      old=None, tops=None, edges=None) -> None:

@@ -14,8 +14,9 @@ constant lam / max(priority), |acc_i| * (stored_i + max(stored) / lam), the same
 rounding) in three operations per entry instead of four. On the host the selection runs the
 numpy way (``_scorer``, a block at a time through ``Selector.topk_scored``): the compiled score
 (``select_kernels.top_k``, kind EMA, reading the priority only where |acc| times max(stored) +
-floor could reach the threshold) was measured slower (``compiled_selection``); ``observe``'s
-add and maxima are one compiled scatter, ``_add_reference`` its reference.
+floor could reach the threshold) was measured slower (``compiled_selection``). ``observe``'s
+add and maxima run the numpy way too (``_add_reference``): the compiled scatter that does both
+was measured slower at 0.1% density (``compiled_update``).
 """
 
 import numpy as np
@@ -33,8 +34,10 @@ class EMA(ScoredPolicy):
     name = "ema"
     # select_kernels.top_k's EMA score, measured back to back against the numpy way at 11M:
     # 37-39 ms against 24-29 (its bound by max(stored) lets too few lines be skipped); the
-    # state update stays compiled (6.4 ms against 6.8 at 1%)
+    # add_compiled, the add and the maxima in one pass, measured the same way: 6.4 ms against
+    # 6.8 at 1%, but 1.46 against 1.10 at 0.1%; so the numpy way (_add_reference) runs
     compiled_selection = False
+    compiled_update = False
     params = {
         "beta": Param(float, 0.9, "EMA decay per round", lambda v: 0 <= v < 1, "in [0, 1)"),
         "lam": Param(float, 16.0, "weight of the shared priority", lambda v: v >= 0, ">= 0"),
@@ -97,7 +100,7 @@ class EMA(ScoredPolicy):
         if self.priority.decay(self.beta):  # rescaled: the maxima too
             self._top = self._maxima()
         priority = self.priority
-        if host_compiled(priority.stored):  # the add and the maxima in one compiled pass
+        if self.compiled_update and host_compiled(priority.stored):  # one compiled pass
             priority.add_compiled(indices, values, 1.0 - self.beta, tops=self._top,
                                   edges=self._edges)
         else:  # the reference
