@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import median_time, record, table  # noqa: E402
 
+from psparse import jit  # noqa: E402
 from psparse.kernels import sorted_union  # noqa: E402
 from psparse.policies import REGISTRY, Layout, build_policy  # noqa: E402
 from psparse.sparsify import Selector, density_to_k, topk_exact  # noqa: E402
@@ -85,7 +86,7 @@ def topk_table() -> tuple[str, dict]:
             passes[f"{n}@{density:g}"] = round(t_ours / t_copy, 3)
             rows.append([f"{n:,}", f"{density:.1%}", f"{k:,}", f"{t_ours * 1e3:.2f}",
                          f"{t_ours / t_copy:.2f}", f"{t_part / t_ours:.1f}x",
-                         f"{t_torch / t_ours:.1f}x", "compiled"])
+                         f"{t_torch / t_ours:.1f}x", "numpy" if jit.REFERENCE else "compiled"])
     return "\n".join([
         "Top-k selection (median ms; ratios measured in this run)",
         table(rows, ["n", "density", "k", "ours ms", "copy passes", "vs argpartition",
