@@ -23,7 +23,10 @@ alike; the figure is the median over blocks of the mean time per round, and ``ob
 of it is shown apart. What every policy shares (accumulating, gathering the pushed values, the
 server's part) is not timed.
 
-``--part topk`` / ``--part policies`` runs one part; ``--quick`` shortens part 2.
+``--part topk`` / ``--part policies`` runs one part; ``--quick`` shortens part 2. Both write
+their figures into benchmarks/results/bench.json (``common.record``): ``host_topk_copy_passes``
+(per size and density; the target at 11.2M, 0.1%: <= 1.5) and ``policy_vs_topk`` (per policy,
+size and density, x top-k; with the memory floors measured beside them).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import median_time, table  # noqa: E402
+from common import median_time, record, table  # noqa: E402
 
+from psparse import jit  # noqa: E402
 from psparse.kernels import sorted_union  # noqa: E402
 from psparse.policies import REGISTRY, Layout, build_policy  # noqa: E402
 from psparse.sparsify import Selector, density_to_k, topk_exact  # noqa: E402
@@ -60,9 +64,9 @@ TARGET = 1.5  # every policy's selection time within 1.5x of top-k's
 CLOCK = time.thread_time
 
 
-def topk_table() -> str:
+def topk_table() -> tuple[str, dict]:
     rng = np.random.default_rng(0)
-    rows = []
+    rows, passes = [], {}
     for n in SIZES:
         # gradient-like: mostly small, a heavy tail of large entries
         x = (rng.standard_normal(n) * rng.standard_normal(n) ** 3).astype(np.float32)
@@ -79,14 +83,16 @@ def topk_table() -> str:
             t_ours = median_time(lambda: sel.topk(x, k), reps)
             t_part = median_time(lambda: np.argpartition(np.abs(x), n - k), reps)
             t_torch = median_time(lambda: torch.topk(xt.abs(), k), max(3, reps // 2))
+            passes[f"{n}@{density:g}"] = round(t_ours / t_copy, 3)
             rows.append([f"{n:,}", f"{density:.1%}", f"{k:,}", f"{t_ours * 1e3:.2f}",
                          f"{t_ours / t_copy:.2f}", f"{t_part / t_ours:.1f}x",
-                         f"{t_torch / t_ours:.1f}x", "exact" if sel.exact else "threshold"])
+                         f"{t_torch / t_ours:.1f}x", "numpy" if jit.REFERENCE else "compiled"])
     return "\n".join([
         "Top-k selection (median ms; ratios measured in this run)",
         table(rows, ["n", "density", "k", "ours ms", "copy passes", "vs argpartition",
                      "vs torch.topk", "path"]),
-        "copy passes = our time / one numpy.copyto of n float32 (target at 11.2M: <= 3)"])
+        "copy passes = our time / one numpy.copyto of n float32 (target at 11.2M, 0.1%: <= 1.5)"]), \
+        passes
 
 
 # --------------------------------------------------------------------- part 2: per policy
@@ -220,9 +226,10 @@ def memory_floor(n: int, density: float,
     return read_acc, read_acc + timed(state.max), update
 
 
-def policy_table(quick: bool = False) -> str:
+def policy_table(quick: bool = False) -> tuple[str, dict]:
     names = list(REGISTRY)
     cases = POLICY_CASES[:1] + POLICY_CASES[2:3] if quick else POLICY_CASES
+    ratios = {}
     lines = ["Per-policy selection, one worker of 8: propose + select + observe per round "
              "(median ms; x topk: against top-k in this run; observe: the state update's part)"]
     for n in dict.fromkeys(n for n, _ in cases):
@@ -233,8 +240,9 @@ def policy_table(quick: bool = False) -> str:
         rows, ms = [], (lambda s: f"{s * 1e3:.1f}") if big else (lambda s: f"{s * 1e3:.3f}")
         for name in names:
             row = [name]
-            for times in medians.values():
+            for d, times in medians.items():
                 (t, observe), base = times[name], times["topk"][0]
+                ratios[f"{name}@{n}@{d:g}"] = round(t / base, 3)
                 row += [ms(t), f"{t / base:.2f}" + (" !" if t > TARGET * base else ""),
                         ms(observe)]
             rows.append(row)
@@ -245,11 +253,13 @@ def policy_table(quick: bool = False) -> str:
     lines.append(f"target: every policy within {TARGET}x of top-k ('!' marks a miss)")
     for n, density in ([] if quick else [c for c in cases if c[0] > 1_000_000]):
         read, reads, update = memory_floor(n, density)
+        ratios[f"floor_ema_reads@{n}@{density:g}"] = round(reads / read, 3)
+        ratios[f"floor_ema_reads_and_update@{n}@{density:g}"] = round((reads + update) / read, 3)
         lines.append(f"memory floor at {n:,}, {density:.1%} (memory_floor): top-k reads the "
                      f"accumulator once, {read * 1e3:.1f} ms; ema also reads its priority, "
                      f"{reads * 1e3:.1f} ms ({reads / read:.1f}x), and updates it at its union, "
                      f"{(reads + update) * 1e3:.1f} ms ({(reads + update) / read:.1f}x)")
-    return "\n".join(lines)
+    return "\n".join(lines), ratios
 
 
 def main(argv=None) -> int:
@@ -258,11 +268,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="part 2: fewer rounds and cases")
     args = ap.parse_args(argv)
     if args.part in ("all", "topk"):
-        print(topk_table(), flush=True)
+        text, passes = topk_table()
+        print(text, flush=True)
+        record({"host_topk_copy_passes": {**passes, "target": 1.5}})
     if args.part in ("all", "policies"):
         if args.part == "all":
             print()
-        print(policy_table(args.quick), flush=True)
+        text, ratios = policy_table(args.quick)
+        print(text, flush=True)
+        record({"policy_vs_topk": {**ratios, "target": TARGET, "quick": args.quick}})
     return 0
 
 

@@ -8,7 +8,8 @@ callers.
 The design: one numpy reference per hot step (``psparse/reference.py``: the code the kernels
 replaced, kept as their test oracle) and one compiled kernel per device -- numba on the CPU
 (``psparse/agg_kernels.py`` for the server's arithmetic, ``psparse/codec_kernels.py`` for the
-index coding and the protocol's checks), CUDA C on the GPU (``psparse/kernels.py``). Every CPU
+index coding and the protocol's checks, ``psparse/select_kernels.py`` for the host's selection
+and the policies' state), CUDA C on the GPU (``psparse/kernels.py``). Every CPU
 kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
 machine and argument types and then loaded from numba's on-disk cache.
 
@@ -33,8 +34,8 @@ CPU-seconds a process: import, initialisation and cache loads). The first call a
 ``SMALL``, or any call once numba is loaded (a launched run, a test session), runs the kernel.
 
 ``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
-server's arithmetic (aggregation.py), the index coding (codec.py) and the frame checks
-(protocol.py) -- slow; for checking a result against the reference, as
+server's arithmetic (aggregation.py), the index coding (codec.py), the frame checks
+(protocol.py) and the host's selection and policy state (sparsify.py, kernels.py, policies/) -- slow; for checking a result against the reference, as
 tests/test_identical_runs.py does. (The shards' split and merge in client.py, plain integer
 copies, always run compiled; tests/test_cpu_kernels.py holds them to their reference.)
 """
@@ -97,6 +98,15 @@ class LazyModule:
         return getattr(self._module, attribute)
 
 
+def host_compiled(*arrays) -> bool:
+    """Whether the host's compiled selection and policy kernels (select_kernels) take these
+    arrays: numpy, C-contiguous, float32 (an accumulator, a policy's state), unless
+    ``PSPARSE_CPU_KERNELS=numpy`` asks for the references; by ``compiled``'s rule, small
+    arrays in a process without numba run the references (the same answers)."""
+    return all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+               for a in arrays) and compiled(max((a.size for a in arrays), default=0))
+
+
 def cache_dir() -> str:
     """Where numba writes this package's compiled kernels."""
     from . import numba_jit
@@ -142,9 +152,9 @@ class Reusable:
 def warm_up() -> dict[str, float]:
     """Compile (or load from the cache) every kernel for the argument types the package uses;
     seconds per module. Stamps the cache as complete for ``prepare``."""
-    from . import agg_kernels, codec_kernels
+    from . import agg_kernels, codec_kernels, select_kernels
     times = {}
-    for module in (agg_kernels, codec_kernels):
+    for module in (agg_kernels, codec_kernels, select_kernels):
         t = time.perf_counter()
         module.warm_up()
         times[module.__name__.rsplit(".", 1)[1]] = time.perf_counter() - t
@@ -165,7 +175,8 @@ def _stamp() -> str:
     import numba
     from llvmlite import binding
     here = Path(__file__).resolve().parent
-    files = [here / name for name in ("agg_kernels.py", "codec_kernels.py", "numba_jit.py")]
+    files = [here / name for name in ("agg_kernels.py", "codec_kernels.py", "select_kernels.py",
+                                         "numba_jit.py")]
     return "\n".join([numba.__version__, binding.get_host_cpu_name()]
                      + [f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files])
 

@@ -54,6 +54,13 @@ def kernel(fn):
     return numba.njit(cache=CACHING, nogil=True, error_model="numpy")(fn)
 
 
+def inlined(fn):
+    """A helper of compiled kernels, inlined into each caller at numba's level (so that the
+    caller's loop is optimised as one: a call per element or group left out of line costs
+    several times the work it does)."""
+    return numba.njit(cache=CACHING, nogil=True, error_model="numpy", inline="always")(fn)
+
+
 def cache_dir() -> str:
     """Where numba writes this package's compiled kernels."""
     return config.CACHE_DIR or (str(_PACKAGE_CACHE) if CACHING else "(not cached)")

@@ -10,6 +10,10 @@ Two algorithms, one answer (the k indices of largest |x|, ties to the lower inde
   ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th
   magnitude is used, so the result is always exact.
 
+On the host both run compiled (``psparse/select_kernels.py``, numba: the sample, one pass that
+looks at |acc| 128 and then 16 entries at a time, the trim, in one call), the numpy code above
+their test oracle, run only with ``PSPARSE_CPU_KERNELS=numpy`` (``psparse/jit.py``) or for an
+array the kernels do not take (not contiguous float32: a user policy's score).
 On the GPU (``--device cuda``) selection is the radix engine (``psparse.radix``): the same set.
 ``torch.topk`` on large 1-D CPU tensors is several times slower than either (see ``make bench``).
 """
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import jit, kernels
+from .jit import host_compiled
 from .kernels import NonFiniteError
 
-__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "positions", "split_k",
-           "topk_exact"]
+select_kernels = jit.LazyModule("psparse.select_kernels")
+
+__all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "host_compiled",
+           "positions", "split_k", "topk_exact"]
 
 # Below this size partition is as fast as anything, so there is no point estimating.
 EXACT_BELOW = 1 << 20
@@ -62,12 +69,34 @@ class Selector:
         self.fallbacks = 0  # times the sampled threshold misjudged (exact threshold used)
 
     def topk(self, x, k: int):
+        if 0 < k < x.size and host_compiled(x):
+            return self.scored(x, k)
         if self.exact or k <= 0 or k >= x.size:
             return topk_exact(x, k)
         self._passes = 0
         indices, _ = kernels.select(x, k, self._compact)
         self.fallbacks += self._passes > 1
         return indices
+
+    def scored(self, acc, k: int, kind: int = 0, aux=None, marks=None, p: float = 1.0,
+               q: float = 1.0):
+        """Sorted indices of the k largest scores of ``acc`` (a slice of n), compiled
+        (``select_kernels.top_k``: ``kind`` ABS, |acc|; EMA, |acc| * (aux + p), aux <= q - p;
+        PENALTY, |acc| times p off the sorted ``marks``; CORE, |acc| with ``marks`` first);
+        ties to the lower index, as ``topk_exact`` of the score would answer."""
+        if k <= 0:
+            return np.empty(0, dtype=np.int64)
+        if k >= acc.size:
+            return np.arange(acc.size, dtype=np.int64)
+        out = np.empty(k, np.int64)
+        status = select_kernels.top_k(
+            kind, acc, select_kernels.NO_AUX if aux is None else aux,
+            select_kernels.NO_MARKS if marks is None else marks, np.float32(p), np.float32(q),
+            k, out)
+        if status < 0:
+            raise NonFiniteError(f"the accumulator holds NaN or inf (first at index {-1 - status})")
+        self.fallbacks += status
+        return out
 
     def _compact(self, x, threshold, capacity):
         self._passes += 1

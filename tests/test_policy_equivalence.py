@@ -14,14 +14,15 @@ which hashes the bytes) equal at every restore and at the end.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numpy as np
 import pytest
 from policy_reference import REFERENCES
 
-from psparse import kernels, sparsify
+from psparse import jit, kernels, sparsify
 from psparse.kernels import sorted_union
-from psparse.policies import REGISTRY, Layout, base, build_policy, ema
+from psparse.policies import REGISTRY, Layout, base, build_policy, ema, frequency
 from psparse.sparsify import Selector
 
 MODEL = [7037]
@@ -162,11 +163,17 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
     return fast, ref
 
 
-@pytest.fixture(params=["exact", "sampled"])
+@pytest.fixture(params=["exact", "sampled", "compiled"])
 def selection_path(request, monkeypatch):
-    """'sampled': slices from 1024 entries up take the sampled-threshold path (as above 1M),
-    and the block-by-block passes (selection, threshold) run on 1000-entry blocks, so the
-    tests' 7037 entries span several blocks as 11M entries do."""
+    """'compiled': the host's compiled kernels (psparse/select_kernels.py); the others their
+    numpy references (PSPARSE_CPU_KERNELS=numpy). 'sampled': slices from 1024 entries up take
+    the sampled-threshold path (as above 1M), and the block-by-block passes (selection,
+    threshold) run on 1000-entry blocks, so the tests' 7037 entries span several blocks as
+    11M entries do."""
+    monkeypatch.setattr(jit, "REFERENCE", request.param != "compiled")
+    if request.param == "compiled":
+        # numba loaded: jit.compiled's small-call rule then runs the kernels at 7037 entries
+        importlib.import_module("psparse.select_kernels")
     if request.param == "sampled":
         monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
         monkeypatch.setattr(sparsify, "BLOCK", 1000)
@@ -309,11 +316,18 @@ def test_renormalisation_flushes_below_the_smallest_normal():
     assert state.stored[1:].tolist() == [0.0, 0.0, 0.0]  # +-2.7e-40, subnormal: flushed
 
 
-def test_frequency_streams_a_large_pool(monkeypatch):
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+def test_frequency_streams_a_large_pool(monkeypatch, path):
     """frequency on a large slice with a large pool: one pass with sampled bounds (the pool's
     edge within a few percent, a key the k-th best reaches) answers as the reference does,
     with ties at the edge (the gradient's 1/8 grid), first with counts mostly zero (the key is a
-    magnitude), then with most entries counted (the key is a count)."""
+    magnitude), then with most entries counted (the key is a count). "numpy": the streamed
+    numpy pass (the compiled kernel's oracle); "compiled": select_kernels.frequency_top_k, which
+    the policy runs only where it does not stream (STREAM_ABOVE raised here so it takes this
+    pool)."""
+    monkeypatch.setattr(jit, "REFERENCE", path == "numpy")
+    if path == "compiled":
+        monkeypatch.setattr(frequency, "STREAM_ABOVE", 1.0)
     monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
     monkeypatch.setattr(sparsify, "BLOCK", 30_000)
     n, k = 300_000, 3000
@@ -333,7 +347,10 @@ def test_frequency_streams_a_large_pool(monkeypatch):
         indices = sorted_union([chosen, others])
         for p in (fast, ref):
             p.observe(indices, np.ones(indices.size, np.float32), it)
-    assert sum(a is not None for a in answered) >= 10  # the pass answered, not the fallback
+    if path == "numpy":  # the pass answered, not the fallback
+        assert sum(a is not None for a in answered) >= 10
+    else:  # the compiled call answered: the numpy stream never ran
+        assert not answered
     assert_same_state(fast, ref)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import radix
 from ..device_policy import DeviceEngines, Fusion
+from ..jit import host_compiled
 from ..sparsify import Selector, split_k
 from ..xp import to_host
 
@@ -273,6 +274,39 @@ class SelectionPolicy:
     def describe(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)}" for n in self.params)
         return f"{self.name}({args})" if args else self.name
+
+
+class ScoredPolicy(SelectionPolicy):
+    """A policy that ranks each slice by a score computed entry by entry (ema, penalty), never
+    written whole on a large host slice. Its ``score_kind(acc, offset)`` names the compiled
+    score (``Selector.scored``'s arguments: kind, aux, marks, p, q) the host selects by, and
+    ``_scorer(acc, offset)`` the same score in numpy (a function writing score[sl] into out):
+    the reference, used with ``PSPARSE_CPU_KERNELS=numpy``, on a non-float32 accumulator and by
+    ``score``. ``_score`` is the n floats of scratch the reference writes into.
+    ``compiled_selection`` is the policy's switch: False, its host selection runs the numpy way
+    (as before the compiled kernels) also where they would take the arrays, because the compiled
+    score was measured slower there (benchmarks/README.md, "Host selection compiled")."""
+
+    compiled_selection = True
+
+    def select_slice(self, acc, k, offset):
+        if self.compiled_selection and host_compiled(acc):
+            selector = self._selectors[self._slice_index(offset)]
+            return selector.scored(acc, k, *self.score_kind(acc, offset))
+        return self.topk_scored(self._scorer(acc, offset), k, offset,
+                                self._score[offset:offset + acc.size])
+
+    def score(self, acc, offset):
+        """The score the selection ranks by, written into the scratch (for inspection)."""
+        out = self._score[offset:offset + acc.size]
+        self._scorer(acc, offset)(slice(0, acc.size), out)
+        return out
+
+    def score_kind(self, acc, offset) -> tuple:
+        raise NotImplementedError
+
+    def _scorer(self, acc, offset):
+        raise NotImplementedError
 
 
 def check_output(policy: SelectionPolicy, indices, iteration: int, limit: int,

@@ -33,8 +33,10 @@ aggregated entries at or above the floor, with no merge: on small host slices th
 the old values, which tell (how many of the aggregate were at or above the floor before). The own slice is
 the top k - |core| of |accumulator| outside the core: the k largest of |accumulator| with the
 core's entries at float32's maximum (so they rank first and the rest of the budget goes to the
-largest others, zeros included, never to a core entry twice): on a small host slice one
-partition; on a large one scored and selected a block at a time (``Selector.topk_scored``).
+largest others, zeros included, never to a core entry twice): on the host compiled
+(``select_kernels.top_k``, kind CORE: the pass's candidates merged with the core); its numpy
+reference one partition on a small slice, on a large one scored and selected a block at a time
+(``Selector.topk_scored``).
 On the device (``select_device``) the same rule: the core by an engine over the priority that
 leaves out zero keys, marked in a byte mask, then one engine over the combined key.
 """
@@ -43,7 +45,8 @@ import numpy as np
 
 from .. import kernels, radix
 from ..device_policy import DeviceDecaying
-from ..sparsify import positions, topk_exact
+from ..jit import host_compiled
+from ..sparsify import positions, select_kernels, topk_exact
 from .base import Param, SelectionPolicy
 
 CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|
@@ -101,8 +104,12 @@ class SharedCore(SelectionPolicy):
         core = self._core(offset, acc.size, k - int(round(self.own_share * k)))
         if core.size == k:
             return core
+        selector = self._selectors[self._slice_index(offset)]
+        if host_compiled(acc):  # |acc| with the core at float32's maximum, compiled
+            return selector.scored(acc, k, select_kernels.CORE, None,
+                                   np.ascontiguousarray(core, dtype=np.int64))
         mag = self._mag[offset:offset + acc.size]
-        if xp is np and self._selectors[self._slice_index(offset)].exact:
+        if xp is np and selector.exact:
             # a small host slice: one partition of |acc| with the core at the top
             np.abs(acc, out=mag)
             mag[core] = CORE_SCORE
@@ -166,7 +173,12 @@ class SharedCore(SelectionPolicy):
             self._forget()  # the stored values were rescaled: the bounds no longer hold
         xp = self.xp
         small = xp is np and all(selector.exact for selector in self._selectors)
-        if small and indices.size:  # the scatter by hand, keeping the old values
+        if host_compiled(self.priority.stored):  # compiled: the old values come with it
+            updated = np.empty(indices.size, np.float32)
+            old = np.empty(indices.size, np.float32) if small else None
+            self.priority.add_compiled(indices, values, 1.0 - self.beta,
+                                       magnitude=not self.signed, out=updated, old=old)
+        elif small and indices.size:  # the scatter by hand, keeping the old values
             priority = self.priority
             add = np.float32((1.0 - self.beta) / priority.scale) * \
                 (values if self.signed else np.abs(values))  # as Decaying.add: bit-identical

@@ -6,21 +6,25 @@
 so a new index must be 1/pi times larger than a shared one to displace it. The previous
 aggregate is identical on every worker, so all workers favour the same indices.
 
-Cost (issue 18, item 3): on large slices the score is made and selected a block at a time
-(``Selector.topk_scored``), each block's shared entries restored while it is in cache: no
-model-sized score array and no scatter across the model per round.
+Cost (issue 18, item 3): on the host the score is made and selected a block at a time
+(``Selector.topk_scored``), each block's shared entries restored while it is in cache. The
+compiled score (``select_kernels.top_k``, kind PENALTY: the shared entries found by a search
+per line looked at) gives the same answer but was measured slower (``compiled_selection``).
 """
 
 import numpy as np
 
 from .. import radix
-from ..sparsify import positions
+from ..sparsify import positions, select_kernels
 from ..xp import to_host
-from .base import Param, SelectionPolicy
+from .base import Param, ScoredPolicy
 
 
-class Penalty(SelectionPolicy):
+class Penalty(ScoredPolicy):
     name = "penalty"
+    # select_kernels.top_k's PENALTY score, measured back to back against the numpy way at 11M:
+    # 55-83 ms against 19-29 (its bound, the threshold itself, lets pi * |acc| lines through)
+    compiled_selection = False
     params = {
         "pi": Param(float, 0.25, "factor for indices absent from the previous aggregate",
                     lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -39,21 +43,19 @@ class Penalty(SelectionPolicy):
     def device_key(self, accumulator):
         return radix.Key(radix.KEY_PENALTY, accumulator, mask=self.shared, p0=self.pi)
 
-    def select_slice(self, acc, k, offset):
-        return self.topk_scored(self._scorer(acc, offset), k, offset,
-                                self._score[offset:offset + acc.size])
+    def score_kind(self, acc, offset):
+        """|acc| times pi, except at the slice's entries of the previous aggregate."""
+        return select_kernels.PENALTY, None, self._shared(offset, acc.size), self.pi
 
-    def score(self, acc, offset):
-        out = self._score[offset:offset + acc.size]
-        self._scorer(acc, offset)(slice(0, acc.size), out)
-        return out
+    def _shared(self, offset, size):
+        """The previous aggregate's entries in the slice [offset, offset + size), relative."""
+        lo, hi = (int(i) for i in np.searchsorted(self._previous_host, [offset, offset + size]))
+        return self.previous[lo:hi] - offset
 
     def _scorer(self, acc, offset):
         """A function writing score[sl] into out, for the slice of ``acc`` at ``offset``."""
         xp = self.xp
-        lo, hi = (int(i) for i in np.searchsorted(self._previous_host,
-                                                  [offset, offset + acc.size]))
-        shared = self.previous[lo:hi] - offset  # the slice's shared entries
+        shared = self._shared(offset, acc.size)
 
         def score(sl, out):
             xp.abs(acc[sl], out=out)

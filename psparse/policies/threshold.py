@@ -9,11 +9,17 @@ more entries pass the threshold, the C·k of largest magnitude are sent and the 
 accumulator. With ``--granularity layer`` the cap is split across the layers as k is (each
 layer's share), and each layer keeps its own share's largest (the GPU selects every layer at
 once, so the rule is per layer there and here alike).
+
+On the host |accumulator| >= lam is found block by block in numpy (``kernels.at_least``); the
+compiled ``select_kernels.at_least`` gives the same indices but was measured slower
+(``compiled_selection``).
 """
 
 import numpy as np
 
 from .. import kernels, radix, sparsify
+from ..jit import host_compiled
+from ..sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
 
@@ -26,6 +32,11 @@ class Threshold(SelectionPolicy):
         "cap": Param(float, 0.0, "send at most cap x k entries, the largest (0: no cap)",
                      lambda v: v >= 0, ">= 0"),
     }
+
+    # select_kernels.at_least, measured back to back against kernels.at_least at 11M: 23-31 ms
+    # against 16-24 (lam reached by 1-3% of the entries: most lines are looked at; neither a
+    # line-only scan nor a branch-free pass over all beat numpy at both densities)
+    compiled_selection = False
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
@@ -44,7 +55,10 @@ class Threshold(SelectionPolicy):
                                                            p0=self.lam), shares, self.fusion,
                                        exclude_zero=True)
         # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
-        chosen = kernels.at_least(accumulator, self.lam, self._scratch)
+        if self.compiled_selection and host_compiled(accumulator):
+            chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
+        else:
+            chosen = kernels.at_least(accumulator, self.lam, self._scratch)
         slices = self.layout.slices
         bounds = kernels.slice_bounds(chosen, slices)
         if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):

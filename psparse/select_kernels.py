@@ -1,0 +1,433 @@
+"""Compiled CPU kernels of the host's selection and the policies' state (numba; see
+psparse/jit.py and psparse/numba_jit.py).
+
+Each kernel gives what its numpy reference gives (the same indices, the same state bits):
+``kernels.select`` / ``sparsify.topk_exact`` and the policies' block-by-block scores for the
+selections, ``kernels.scatter_add`` and ``Decaying.renormalise`` for the state;
+tests/test_select_kernels.py holds them to it. Loaded on first use (``LazyModule`` in
+psparse/sparsify.py and psparse/kernels.py): a process that never selects on the host never
+imports numba.
+
+* ``top_k``: the sorted indices of the k largest scores, ties to the lower index, where the
+  score is one of ``ABS`` (|acc|), ``EMA`` (|acc| * (stored + floor), ema's ranking),
+  ``PENALTY`` (|acc|, times pi off the sorted ``marks``: penalty's) or ``CORE`` (|acc|, with the
+  sorted ``marks`` at float32's maximum: core's own slice). One strided ~1% sample of the score
+  gives a threshold about MARGIN * k scores reach; one pass over the accumulator collects the
+  candidates, 128 entries at a time, then 16: the largest |acc| bits of the group (a
+  vectorised integer maximum: non-negative float32 bits order as the values do, NaN and inf
+  above every number) is compared with the |acc| that a score at the threshold needs, and
+  only the rare groups that pass are scored one by one (and checked for NaN and inf); so ema reads its priority
+  only where |acc| is large enough. The candidates are trimmed to exactly k. When the sample
+  misjudged (too few candidates, or more than the buffer holds) the exact k-th score is found
+  by a partition of all of them, as ``kernels.select`` does.
+* ``frequency_top_k``: frequency's rule, the k best by (count, magnitude) of the pool (the
+  ``pool`` largest |acc|), its candidates collected by the same pass with their stored counts.
+* ``at_least``: threshold's selection, |acc| >= lam (NaN never selected, nothing refused).
+* ``scatter_add``: target[indices] += weight * (|values|, values or 1), the old and updated
+  values written out, and per slice the largest updated value (ema's maximum).
+* ``renormalise``: a decayed state's stored *= scale, values below float32's smallest normal
+  flushed to zero, in one pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .numba_jit import inlined, kernel
+
+ABS, EMA, PENALTY, CORE = 0, 1, 2, 3
+SAMPLE_STRIDE = 97  # as kernels.SAMPLE_STRIDE: the same sample, so the same estimate
+MARGIN = 1.25  # as kernels.MARGIN
+GROUP = 128  # entries whose |acc| bits are maximised at once, then LINE at a time in a group
+LINE = 16  # that reaches the bound (one 64-byte cache line), then one by one
+SIGN_OFF = np.uint32(0x7FFFFFFF)
+INF_BITS = np.uint32(0x7F800000)
+TINY = np.float32(np.finfo(np.float32).tiny)
+CORE_SCORE = np.float32(np.finfo(np.float32).max)
+NO_MARKS = np.empty(0, np.int64)
+NO_AUX = np.empty(0, np.float32)
+
+
+@inlined
+def _bits(value):
+    """The bits of a float32 scalar, as uint32."""
+    cell = np.empty(1, np.float32)
+    cell[0] = value
+    return cell.view(np.uint32)[0]
+
+
+@inlined
+def _float(bits):
+    """The float32 whose bits are ``bits``."""
+    cell = np.empty(1, np.uint32)
+    cell[0] = bits
+    return cell.view(np.float32)[0]
+
+
+@kernel
+def kth_largest(values, count, k):
+    """The k-th largest of values[:count], unsigned integers (1 <= k <= count): a radix select
+    on 11-bit digits, the highest first (numba's ``np.partition`` is ~30x slower than numpy's
+    here). Non-negative float32 bits order as the values do, so it ranks scores too."""
+    hist = np.zeros(2048, np.int64)
+    prefix, known = np.uint64(0), np.uint64(0)  # the digits found so far, and their mask
+    shift = values.itemsize * 8
+    while shift > 0:
+        step = min(11, shift)
+        shift -= step
+        digit = np.uint64((1 << step) - 1)
+        hist[:] = 0
+        for j in range(count):
+            v = np.uint64(values[j])
+            if (v & known) == prefix:
+                hist[(v >> np.uint64(shift)) & digit] += 1
+        d = (1 << step) - 1
+        while k > hist[d]:
+            k -= hist[d]
+            d -= 1
+        prefix |= np.uint64(d) << np.uint64(shift)
+        known |= digit << np.uint64(shift)
+    return prefix
+
+
+@inlined
+def _marked(marks, cursor, j):
+    """(cursor moved to the first mark >= j, whether j is marked): for increasing j."""
+    while cursor < marks.size and marks[cursor] < j:
+        cursor += 1
+    return cursor, cursor < marks.size and marks[cursor] == j
+
+
+@inlined
+def _score(kind, a, aux, p, j, marked):
+    """The score of entry j whose |acc| is ``a`` (CORE's marks are merged in afterwards)."""
+    if kind == EMA:
+        return a * (aux[j] + p)
+    if kind == PENALTY and not marked:
+        return a * p
+    return a
+
+
+@kernel
+def _sample_threshold(kind, acc, aux, marks, p, k):
+    """The score about MARGIN * k entries reach, from every SAMPLE_STRIDE-th score (as
+    ``kernels.sample_threshold``); -1 - j when the score at a sampled j is NaN or inf."""
+    n = acc.size
+    sample, status = _scores(kind, acc, aux, marks, p, SAMPLE_STRIDE)
+    if status < 0:
+        return np.float32(0), status
+    m = sample.size
+    expected = k * m / n
+    want = max(expected * MARGIN, expected + 3 * np.sqrt(expected))
+    want = min(m, max(1, int(np.ceil(want)) + 1))
+    return _float(np.uint32(kth_largest(sample.view(np.uint32), m, want))), 0
+
+
+@inlined
+def _lowest_acc(kind, t, q):
+    """Bits of an |acc| below which no score reaches t (so a group below it is skipped)."""
+    if kind == EMA:  # |acc| * F, F <= q = max(stored) + floor: the bound t / q, rounded down
+        if t < 1e-30 or q <= 0:
+            return np.uint32(0)
+        low = _bits(np.float32(np.float64(t) / np.float64(q) * (1.0 - 2.0 ** -20)))
+    else:  # |acc| itself, or pi * |acc| <= |acc| (pi <= 1)
+        low = _bits(t)
+    return min(low, INF_BITS)  # NaN and inf always looked at
+
+
+@inlined
+def _reaches(bits, start, stop, bound):
+    """Whether any |value| of bits[start:stop] reaches ``bound`` (as bits): an integer maximum,
+    vectorised. Unsigned indices (no negative-index wraparound to select) and a uint32 maximum
+    (numba widens integer arithmetic to 64 bits) make it 2x faster, at a plain read's speed."""
+    top = np.uint32(0)
+    for j in range(np.uint64(start), np.uint64(stop)):
+        top = max(top, np.uint32(bits[j] & SIGN_OFF))
+    return top >= bound
+
+
+@inlined
+def _line_reaches(bits, start, bound):
+    """``_reaches`` of one LINE from ``start``, unrolled (a loop of runtime length that short
+    never reaches its vector body: 3x slower)."""
+    top = np.uint32(0)
+    for j in range(LINE):
+        top = max(top, np.uint32(bits[np.uint64(start + j)] & SIGN_OFF))
+    return top >= bound
+
+
+@inlined
+def _collect(kind, acc, aux, marks, p, t, start, stop, cursor, count, capacity, idx, val):
+    """The scores of acc[start:stop], one by one, those >= t into idx / val (a store without a
+    branch: one not counted is overwritten). Returns (count, cursor, -1 - j at a NaN or inf
+    score, else 0); CORE's marks may hold one, as their score replaces it."""
+    if kind == PENALTY:  # the first mark at or after start (a search: most lines are skipped)
+        cursor = np.searchsorted(marks, start)
+    for j in range(start, stop):
+        marked = False
+        if kind == PENALTY:
+            marked = cursor < marks.size and marks[cursor] == j
+            cursor += marked
+        s = _score(kind, abs(acc[j]), aux, p, j, marked)
+        if not np.isfinite(s):
+            if kind != CORE or not _marked(marks, 0, j)[1]:
+                return count, cursor, -1 - j
+            continue
+        at = min(count, capacity)
+        idx[at] = j
+        val[at] = s
+        count += s >= t
+    return count, cursor, 0
+
+
+@kernel
+def _pass(kind, acc, aux, marks, p, t, bound, capacity, idx, val):
+    """Candidates: every j with score >= t (CORE: |acc| >= t, marks merged later) into idx /
+    val (room for capacity + 1), looking only at the lines whose |acc| reaches ``bound``;
+    returns (how many there were, -1 - j at a NaN or inf score, else 0). One copy of the loop
+    per kind, the kind a constant in each (its tests folded away: 1.5x faster)."""
+    if kind == ABS:
+        return _pass_of(ABS, acc, aux, marks, p, t, bound, capacity, idx, val)
+    if kind == EMA:
+        return _pass_of(EMA, acc, aux, marks, p, t, bound, capacity, idx, val)
+    if kind == PENALTY:
+        return _pass_of(PENALTY, acc, aux, marks, p, t, bound, capacity, idx, val)
+    return _pass_of(CORE, acc, aux, marks, p, t, bound, capacity, idx, val)
+
+
+@inlined
+def _pass_of(kind, acc, aux, marks, p, t, bound, capacity, idx, val):
+    """``_pass`` for one kind."""
+    n = acc.size
+    bits = acc.view(np.uint32)
+    count, cursor, status = 0, 0, 0
+    full = n - n % GROUP
+    for g in range(0, full, GROUP):
+        if not _reaches(bits, g, g + GROUP, bound):
+            continue
+        for h in range(g, g + GROUP, LINE):
+            if _line_reaches(bits, h, bound):
+                count, cursor, status = _collect(kind, acc, aux, marks, p, t, h, h + LINE,
+                                                 cursor, count, capacity, idx, val)
+                if status < 0:
+                    return count, status
+    count, cursor, status = _collect(kind, acc, aux, marks, p, t, full, n, cursor, count,
+                                     capacity, idx, val)
+    return count, status
+
+
+@kernel
+def _merge_marks(idx, val, count, marks):
+    """CORE: the candidates and the marks (at float32's maximum) merged, in index order."""
+    out_idx = np.empty(count + marks.size, np.int64)
+    out_val = np.empty(count + marks.size, np.float32)
+    a, b, c = 0, 0, 0
+    while a < count or b < marks.size:
+        if b < marks.size and (a >= count or marks[b] <= idx[a]):
+            if a < count and idx[a] == marks[b]:
+                a += 1
+            out_idx[c], out_val[c] = marks[b], CORE_SCORE
+            b += 1
+        else:
+            out_idx[c], out_val[c] = idx[a], val[a]
+            a += 1
+        c += 1
+    return out_idx, out_val, c
+
+
+@kernel
+def _scores(kind, acc, aux, marks, p, stride):
+    """The scores of every stride-th entry (the sample; all of them for the exact fallback);
+    -1 - j at the first NaN or inf."""
+    m = (acc.size + stride - 1) // stride
+    scores = np.empty(m, np.float32)
+    cursor = 0
+    for i in range(m):
+        j = i * stride
+        marked = False
+        if kind == PENALTY or kind == CORE:
+            cursor, marked = _marked(marks, cursor, j)
+        s = CORE_SCORE if kind == CORE and marked else \
+            _score(kind, abs(acc[j]), aux, p, j, marked)
+        if not np.isfinite(s):
+            return scores, -1 - j
+        scores[i] = s
+    return scores, 0
+
+
+@kernel
+def candidates(kind, acc, aux, marks, p, q, k):
+    """(indices, scores, count, status) of a set of at least k entries holding the k largest
+    scores (every entry whose score reaches some t), in index order; status 0, 1 when the
+    sampled threshold misjudged and the exact one was used, -1 - j at a NaN or inf score."""
+    t, status = _sample_threshold(kind, acc, aux, marks, p, k)
+    if status < 0:
+        return NO_MARKS, NO_AUX, 0, status
+    capacity = 2 * k + 1024
+    for attempt in range(3):
+        idx = np.empty(capacity + 1, np.int64)
+        val = np.empty(capacity + 1, np.float32)
+        count, status = _pass(kind, acc, aux, marks, p, t, _lowest_acc(kind, t, q), capacity,
+                              idx, val)
+        if status < 0:
+            return NO_MARKS, NO_AUX, 0, status
+        if kind == CORE and count <= capacity:
+            idx, val, count = _merge_marks(idx, val, count, marks)
+        if k <= count <= capacity:
+            return idx, val, count, min(attempt, 1)
+        if attempt == 0:  # the sample misjudged: the exact k-th score
+            scores, status = _scores(kind, acc, aux, marks, p, 1)
+            if status < 0:
+                return NO_MARKS, NO_AUX, 0, status
+            t = _float(np.uint32(kth_largest(scores.view(np.uint32), scores.size, k)))
+        else:  # many ties at the k-th score: room for all of them
+            capacity = count
+    return idx, val, count, 1
+
+
+@kernel
+def largest(keys, count, k, positions):
+    """The positions of the k largest of keys[:count] (unsigned integers, or float32 bits),
+    ties to the lower position, into ``positions`` in increasing order (1 <= k <= count)."""
+    kth = kth_largest(keys, count, k)
+    above = 0
+    for j in range(count):
+        above += keys[j] > kth
+    ties = k - above
+    c = 0
+    for j in range(count):
+        key = keys[j]
+        if key > kth or (key == kth and ties > 0):
+            ties -= key == kth
+            positions[c] = j
+            c += 1
+
+
+@kernel
+def trim(idx, val, count, k, out_idx, out_val):
+    """The k of ``count`` candidates (index order) with the largest scores, ties to the lower
+    index, into out_idx / out_val in index order (as ``kernels.trim``)."""
+    if count <= k:
+        out_idx[:count] = idx[:count]
+        out_val[:count] = val[:count]
+        return count
+    positions = np.empty(k, np.int64)
+    largest(val.view(np.uint32), count, k, positions)
+    for c in range(k):
+        out_idx[c], out_val[c] = idx[positions[c]], val[positions[c]]
+    return k
+
+
+@kernel
+def top_k(kind, acc, aux, marks, p, q, k, out):
+    """The sorted indices of the k largest scores into out (0 < k < acc.size); returns the
+    status of ``candidates`` (negative: a NaN or inf score, nothing written)."""
+    idx, val, count, status = candidates(kind, acc, aux, marks, p, q, k)
+    if status >= 0:
+        trim(idx, val, count, k, out, np.empty(k, np.float32))
+    return status
+
+
+@kernel
+def frequency_top_k(acc, stored, pool, k, out):
+    """frequency: of the pool (the ``pool`` largest |acc|, k < pool < acc.size), the k with the
+    largest (stored count, |acc|) -- one 64-bit key, the count's bits above the magnitude's --
+    ties to the lower index, sorted into out. Returns the status of ``candidates``."""
+    idx, val, count, status = candidates(ABS, acc, NO_AUX, NO_MARKS, np.float32(1), np.float32(1),
+                                        pool)
+    if status < 0:
+        return status
+    pool_idx = np.empty(pool, np.int64)
+    pool_mag = np.empty(pool, np.float32)
+    trim(idx, val, count, pool, pool_idx, pool_mag)
+    counts, mags = stored.view(np.uint32), pool_mag.view(np.uint32)
+    key = np.empty(pool, np.uint64)
+    for j in range(pool):
+        key[j] = (np.uint64(counts[pool_idx[j]]) << np.uint64(32)) | np.uint64(mags[j])
+    positions = np.empty(k, np.int64)
+    largest(key, pool, k, positions)
+    for c in range(k):
+        out[c] = pool_idx[positions[c]]
+    return status
+
+
+@kernel
+def at_least(acc, lam):
+    """Sorted indices of the entries with |acc| >= lam (float32 lam > 0; NaN never, inf
+    always), as ``kernels.at_least``."""
+    n = acc.size
+    bits = acc.view(np.uint32)
+    low = _bits(lam)
+    out = np.empty(1024, np.int64)
+    count, skip = 0, False
+    full = n - n % LINE
+    for h in range(0, n, LINE):
+        if h % GROUP == 0 and h + GROUP <= full and not _reaches(bits, h, h + GROUP, low):
+            skip = True  # the whole group is below lam: its lines are skipped below
+        elif h % GROUP == 0:
+            skip = False
+        if h < full and (skip or not _line_reaches(bits, h, low)):
+            continue
+        if count + LINE > out.size:
+            grown = np.empty(2 * out.size, np.int64)
+            grown[:count] = out[:count]
+            out = grown
+        for j in range(h, min(n, h + LINE)):
+            b = bits[j] & SIGN_OFF
+            out[count] = j
+            count += (b >= low) & (b <= INF_BITS)
+    return out[:count]
+
+
+@kernel
+def scatter_add(target, indices, values, weight, mode, old, updated, edges, tops):
+    """target[indices] += weight * (|values| for mode 0, values for 1, 1 for 2), each rounded
+    as numpy rounds it (the float32 product, then the sum); the values before and after into
+    old / updated; tops[s] = max(tops[s], updated) over the entries in [edges[s], edges[s+1])
+    (sorted indices; empty ``tops``: not tracked). As ``kernels.scatter_add``."""
+    s = 0
+    for j in range(indices.size):
+        at = indices[j]
+        if mode == 2:
+            add = weight
+        elif mode == 0:
+            add = weight * abs(values[j])
+        else:
+            add = weight * values[j]
+        before = target[at]
+        after = before + add
+        target[at] = after
+        old[j] = before
+        updated[j] = after
+        if tops.size:
+            while at >= edges[s + 1]:
+                s += 1
+            tops[s] = max(tops[s], after)
+
+
+@kernel
+def renormalise(stored, scale):
+    """stored *= scale (float32), then what is below float32's smallest normal set to 0."""
+    for j in range(stored.size):
+        v = stored[j] * scale
+        stored[j] = np.float32(0) if abs(v) < TINY else v
+
+
+def warm_up() -> None:
+    """Compile or load every kernel for the argument types the package passes."""
+    acc = np.array([1.0, -2.0, 0.5, 3.0, -0.25], np.float32)
+    aux = np.ones(5, np.float32)
+    marks = np.array([1], np.int64)
+    one = np.float32(1)
+    for kind in (ABS, EMA, PENALTY, CORE):
+        top_k(kind, acc, aux if kind == EMA else NO_AUX, marks if kind in (PENALTY, CORE)
+              else NO_MARKS, one, one, 2, np.empty(2, np.int64))
+    frequency_top_k(acc, aux, 3, 2, np.empty(2, np.int64))
+    at_least(acc, one)
+    for dtype in (np.int32, np.int64):  # a received aggregate's indices, or a policy's own
+        indices = np.array([0, 3], dtype)
+        for mode in (0, 1, 2):
+            for tops in (np.zeros(1, np.float32), NO_AUX):
+                scatter_add(aux.copy(), indices, acc[:2], one, mode, np.empty(2, np.float32),
+                            np.empty(2, np.float32), np.array([0, 5], np.int64), tops)
+    renormalise(aux.copy(), one)
