@@ -69,9 +69,12 @@ def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path,
     proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *RUN, *extra,
                                           "--max-restarts", "2", "--restart-backoff", "0.5"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = out / ("checkpoint" if not extra else "shard-0/checkpoint") / "server-200.pt"
+    servers = [out] if not extra else [out / "shard-0", out / "shard-1"]
+    saved = [d / "checkpoint" / "server-200.pt" for d in servers] + \
+        [out / "checkpoint" / f"rank-{r}-200.pt" for r in range(3)]  # all of iteration 200
     deadline = time.monotonic() + 120
-    while not first.is_file() or (pid := process_writing(out / "logs" / f"{victim}.log")) is None:
+    while not all(f.is_file() for f in saved) or \
+            (pid := process_writing(out / "logs" / f"{victim}.log")) is None:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
