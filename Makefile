@@ -94,6 +94,7 @@ bench: install
 	$(PY) benchmarks/bench_aggregation.py
 	$(PY) benchmarks/bench_protocol.py
 	$(PY) benchmarks/bench_server.py
+	$(PY) benchmarks/bench_restart.py
 
 # issue 17 item 5: server aggregation vs memcpy, bytes per server link and ms/iteration at
 # N = 2..16 workers x S = 1, 2, 4 shards (top-k, core; LeNet and a 1M synthetic model; loopback
