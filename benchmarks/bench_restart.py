@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from psparse.launch.processes import writer_of
+
 REPO = Path(__file__).resolve().parent.parent
 CASES = {  # name -> (launcher flags, checkpoint interval, rounds to wait for before the kill)
     "lenet": (["--workers", "2", "--model", "lenet", "--dataset", "mnist", "--iterations", "120",
@@ -44,18 +46,6 @@ def rows(path: Path) -> int:
         return 0
 
 
-def child_writing(log: Path) -> int | None:
-    """The pid of the forked child whose stdout is ``log``."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.readlink(entry / "fd" / "1") == str(log):
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
-
-
 def measure(name: str, flags: list[str], every: int, kill_after: int, out: Path) -> dict:
     argv = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet",
             "--checkpoint-every", str(every), "--max-restarts", "1", "--restart-backoff", "1",
@@ -67,7 +57,7 @@ def measure(name: str, flags: list[str], every: int, kill_after: int, out: Path)
         if proc.poll() is not None:
             sys.exit(f"{name}: the run ended before the kill:\n{proc.communicate()[0]}")
         time.sleep(0.01)
-    pid = child_writing(out / "logs" / "rank-1.log")
+    pid = writer_of(out / "logs" / "rank-1.log")
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     first_round_at, resumed_at, server_log = None, None, out / "logs" / "server.log"

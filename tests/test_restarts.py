@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import python_module, read_jsonl
 
+from psparse.launch.processes import writer_of
+
 HERE = Path(__file__).resolve().parent
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
        "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet"]
@@ -40,18 +42,6 @@ def assert_identical(run: Path, clean: Path, workers: int, metrics: bool = True)
             json.loads((clean / f"rank-{r}.json").read_text())["checksum"], f"rank {r}"
 
 
-def process_writing(log: Path) -> int | None:
-    """The pid of the launcher's child whose output goes to ``log`` (forked, stdout there)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.readlink(entry / "fd" / "1") == str(log):
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
-
-
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("clean") / "run"
@@ -74,7 +64,7 @@ def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path,
         [out / "checkpoint" / f"rank-{r}-200.pt" for r in range(3)]  # all of iteration 200
     deadline = time.monotonic() + 120
     while not all(f.is_file() for f in saved) or \
-            (pid := process_writing(out / "logs" / f"{victim}.log")) is None:
+            (pid := writer_of(out / "logs" / f"{victim}.log")) is None:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)

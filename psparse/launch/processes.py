@@ -150,3 +150,16 @@ def _sessions_left_open(cause):
     os._exit, which skips the atexit hook that does it otherwise)."""
     lifecycle = sys.modules.get("psparse.lifecycle")
     return lifecycle.end_of_script(cause) if lifecycle is not None else None
+
+
+def writer_of(log: Path) -> int | None:
+    """The pid of a live local process whose standard output is ``log`` (a forked child writes
+    to logs/<name>.log): how a test or benchmark finds rank R's process of a run to stop it."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "fd" / "1") == str(log):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
