@@ -123,6 +123,10 @@ class RunConfig:
     record_selections: bool = option(False,
         "workers save each iteration's top-k gradient indices and sent indices to "
         "RUN_DIR/selections-rank-R.npz, for psparse-locality", agreed=False)
+    probe_recall: int = option(0,
+        "every this many iterations, measure how much of the global top-k (of the sum of "
+        "all workers' accumulators) the round's aggregate holds, into RUN_DIR/recall.jsonl "
+        "(0: never; needs a run directory every worker shares; no extra traffic)")
     checkpoint_every: int = option(0,
         "every this many iterations the server and every worker save their state to "
         "RUN_DIR/checkpoint/ (0: never); --resume RUN_DIR continues",

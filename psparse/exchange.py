@@ -77,6 +77,7 @@ class RoundContext:
     iteration: Callable[[], int]
     say: Callable[[str], None] = print
     recorder: object = None
+    probe: object = None  # --probe-recall (psparse.recall.RecallProbe), or None
     scaling: object = None  # this step's GradScaler handling (psparse.amp), or None
     clock: RoundClock = field(default_factory=RoundClock)
     _dense: np.ndarray | None = None
@@ -204,6 +205,9 @@ class HostRound:
             acc = ctx.memory.add(grad)  # error feedback: carry what was not sent
             # the push empties the sent entries: keep what the policy chose from
             host_acc = to_host(acc).copy() if recorder else None
+            probe = ctx.probe if ctx.probe is not None and ctx.probe.due(it) else None
+            if probe is not None:  # before the push: the aggregate comes after every file
+                probe.save(it, to_host(acc))
             try:
                 indices, values = self.shape.choose(ctx, it, acc)
             except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
@@ -220,12 +224,16 @@ class HostRound:
                 raise WorkerError(f"the server flagged iteration {it} as an overflow, but "
                                   "this worker has no GradScaler (exchange(scaler=...))")
             scaling.skip(ctx.net, ctx.memory)
+            if ctx.probe is not None and ctx.probe.due(it):
+                ctx.probe.discard(it)
             ctx.note_live(agg)
             ctx.applied(it)
         else:
             self.apply(agg, it)
             if scaling is not None:
                 scaling.rescale(ctx.net)
+            if ctx.probe is not None and ctx.probe.due(it):
+                ctx.probe.reduce(it, ctx.all_indices() if agg.get("dense") else agg.indices, k)
         ctx.clock.add("select_s", t2 - t1)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.end(t3)

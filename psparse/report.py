@@ -4,7 +4,8 @@
 
 Prints one row per run (final and best test accuracy, union/k mean and p95, mean entries a worker
 pushed per iteration ("k sent"), MB uploaded and broadcast, how much less than dense exchange,
-iterations/s), for runs with key-range server shards (--servers S) each shard's MB up and
+iterations/s, and with --probe-recall the mean share of the global top-k the aggregate held),
+for runs with key-range server shards (--servers S) each shard's MB up and
 down, and writes PNG plots to DIR
 (default ./report): send cost per iteration, union/k per iteration, test accuracy against
 iterations and against wall time -- one line per run.
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .keyranges import shard_dir
+from .recall import RECALL_FILE, summarise
 from .rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
 from .server.records import merge_run_dir
 
@@ -45,8 +47,9 @@ def load_run(run_dir: Path) -> dict:
         label += f" ({config['script'].split()[0]}, {config.get('policy')})"
     elif config.get("policy"):
         label += f" ({config['policy']})"
+    recall = summarise(read_jsonl(run_dir / RECALL_FILE))  # --probe-recall runs only
     return {"dir": run_dir, "label": label, "summary": summary, "config": config,
-            "metrics": metrics, "evals": evals, "union_k": union_k}
+            "metrics": metrics, "evals": evals, "union_k": union_k, "recall": recall}
 
 
 def row(run: dict) -> dict:
@@ -65,6 +68,8 @@ def row(run: dict) -> dict:
         "broadcast_mb": s["broadcast_mb"],
         "vs_dense": s["dense_mb"] / sent if sent else None,
         "iterations_per_s": s["iterations_per_s"],
+        # --probe-recall: the share of the global top-k in the aggregate, mean over probes
+        "recall": run.get("recall", {}).get("recall_mean"),
         # key-range server shards: each one's share of the bytes (absent with one server)
         "shards": [{k: x[k] for k in ("shard", "key_range", "upload_mb", "broadcast_mb")}
                    for x in s.get("shards", [])],
@@ -77,7 +82,7 @@ def format_table(rows: list[dict]) -> str:
 
     head = (f"{'run':<32}{'acc %':>8}{'best %':>8}{'union/k':>9}{'p95':>7}{'k sent':>8}"
             f"{'MB up':>9}"
-            f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}")
+            f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}{'recall':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['run'][:31]:<32}{f(r['test_acc'] and 100 * r['test_acc'], '.2f'):>8}"
@@ -85,7 +90,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{f(r['union_k_mean'], '.2f'):>9}{f(r['union_k_p95'], '.2f'):>7}"
                      f"{f(r['pushed_k_mean'], '.0f'):>8}"
                      f"{r['upload_mb']:>9.1f}{r['broadcast_mb']:>10.1f}"
-                     f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}")
+                     f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}"
+                     f"{f(r['recall'], '.3f'):>8}")
     sharded = [r for r in rows if r["shards"]]
     if sharded:
         lines += ["", "per server shard (keys, MB up, MB down):"]

@@ -46,6 +46,7 @@ from .memory import SCALECOM_BETA, Memory, density_schedule
 from .optimizers import as_optimizer
 from .parts import Parts
 from .policies import Layout, PolicyError, build_policy
+from .recall import RecallProbe
 from .rundir import EVAL_VALUES, rank_file
 from .session_state import Checkpointed
 from .sharded_client import open_client
@@ -115,6 +116,12 @@ class Session(lifecycle.LoopControl, Checkpointed):
             if resume:
                 self._restore()
                 self.policy.set_k(self._k_at(self.start))
+            if cfg.probe_recall:  # after a resume: its start drops the rows written again
+                if self.out_dir is None:
+                    raise ConfigError("--probe-recall needs the run directory (out= or "
+                                      "PSPARSE_OUT): the workers meet there")
+                self.ctx.probe = RecallProbe(self.out_dir, rank, cfg.probe_recall, self.start,
+                                             live=lambda: self.live, say=self.say)
         except BaseException:
             self.client.close()  # not registered yet: nobody to tell, just leave
             raise
@@ -344,6 +351,10 @@ def check_options(cfg: RunConfig, batches_per_epoch: int | None, on_device: bool
         raise ConfigError("--record-selections reads the whole gradient and accumulator "
                           "back every round: it runs on the host path (--device cpu, or "
                           "without CuPy)")
+    if cfg.probe_recall and (on_device or cfg.overlap or cfg.bucket_mb is not None):
+        raise ConfigError("--probe-recall reads the whole accumulator at one point of the "
+                          "round: it runs on the host path in one round per iteration "
+                          "(--device cpu, without --bucket-mb / --overlap)")
 
 
 def check_model(model: torch.nn.Module) -> None:

@@ -18,8 +18,9 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
 
 
-@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"]],
-                         ids=["topk", "core+limit"])
+@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k",
+                                          "--probe-recall", "25"]],
+                         ids=["topk", "core+limit+probe"])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     whole = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "whole"),
                                          *RUN, *extra), capture_output=True, text=True,
@@ -44,7 +45,9 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed at iteration 200" in (cut / "logs" / "server.log").read_text()
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    names = ["metrics.jsonl", "eval.jsonl"] + (["recall.jsonl"] if "--probe-recall" in extra
+                                                else [])
+    for name in names:
         assert without_timing(read_jsonl(cut / name)) == \
             without_timing(read_jsonl(tmp_path / "whole" / name)), name
     for r in range(3):
