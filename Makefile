@@ -57,6 +57,11 @@ exp-scaling: install data
 exp-low-density: install data
 	$(PY) -m experiments.low_density
 
+# issue 32: exclusive-partition selection (micro, exdyna) against the aligning rules, with the
+# recall of the global top-k (experiments/partitions.py)
+exp-partitions: install data
+	$(PY) -m experiments.partitions
+
 exp-%: install data
 	$(PY) -m experiments.run $*
 

@@ -426,3 +426,14 @@ def test_reached_reads_a_run_that_is_still_writing(tmp_path):
                                                   "error": "terminated by signal SIGTERM"}))
     row = run.reached(ddp, "ddp", 0, run.exit_status(ddp))
     assert row["sent_over_allreduce"] == 1.0 and run.ended(row) == "stopped"
+
+
+def test_partitions_measure_the_threshold_controllers_as_exdyna_defines_padding():
+    from experiments.partitions import controller_measures
+
+    # 4 workers, budget 100: pushes 40+30+20+20 = 110 (+10%), then 25 each (0%)
+    rows = [{"k": [40, 30, 20, 20], "budget": 100}, {"k": [25, 25, 25, 25], "budget": 100}]
+    m = controller_measures(rows)
+    assert m["density_error"] == pytest.approx(0.05)
+    assert m["density_error_abs"] == pytest.approx(0.05)
+    assert m["padding"] == pytest.approx((40 * 4 / 110 - 1) / 2)  # max·N/Σk - 1, then 0
