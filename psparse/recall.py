@@ -112,10 +112,10 @@ class RecallProbe:
                 return None
             time.sleep(0.005)
         total = None
-        for f in files:
+        for f in files:  # in rank order: the same sum on every run
             part = np.load(f)
             total = part.astype(np.float64) if total is None else total + part
-            f.unlink()
+        self.discard(it)  # and a lost rank's file of this round, if it wrote one
         row = {"iter": it, "k": int(k), "union": int(union.size),
                **measures(total, np.asarray(union, dtype=np.int64), k), "workers": len(live)}
         with open(self.out_dir / RECALL_FILE, "a") as out:
