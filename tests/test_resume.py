@@ -18,8 +18,9 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
 
 
-@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"]],
-                         ids=["topk", "core+limit"])
+@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"],
+                                   ["--policy", "exdyna", "--density", "0.05"]],
+                         ids=["topk", "core+limit", "exdyna"])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     whole = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "whole"),
                                          *RUN, *extra), capture_output=True, text=True,
