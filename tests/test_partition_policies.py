@@ -63,7 +63,7 @@ def test_proposals_are_disjoint_and_partitions_cover_the_model_every_round(name,
     workers = group(name, world, **params)
     rng = np.random.default_rng(3)
     scale = np.ones(numel, np.float32)
-    scale[:500] = 4.0  # one region much busier than the rest: exdyna moves blocks toward it
+    scale[:500] = 4.0  # one region much busier than the rest: exdyna shrinks its partition
     live = list(range(world))
     for it in range(40):
         if it == 25:  # an elastic loss: the survivors cut the model among themselves
