@@ -90,7 +90,7 @@ class RunConfig:
         f"{DEFAULT_BUCKET_MB} with --overlap, else one round)")
     policy: str = option("topk",
         "selection policy: topk, randomk, threshold, frequency, ema, penalty, cltk, "
-        "core, vote, or package.module:ClassName")
+        "core, vote, micro, exdyna, or package.module:ClassName")
     policy_args: list[str] | None = option(None,
         "policy parameter key=value (repeatable; default: the policy's defaults)")
     memory: str = option("residual",

@@ -169,9 +169,17 @@ class SharedCore(Reference):
         return {"priority": self.priority}
 
 
-class Vote(Reference):
-    name = "vote"
+class PushesTheGroup(Reference):
+    """A two-phase rule whose push is the group's indices (vote, micro, exdyna)."""
+
     two_phase = True
+
+    def select(self, accumulator, iteration, group=None):
+        return np.asarray(group, dtype=np.int64)
+
+
+class Vote(PushesTheGroup):
+    name = "vote"
     params = BUILT_IN["vote"].params
     max_propose = BUILT_IN["vote"].max_propose
     group_k = BUILT_IN["vote"].group_k
@@ -179,9 +187,92 @@ class Vote(Reference):
     def propose(self, accumulator, iteration):
         return self.per_slice(accumulator, self.layout.split(self.max_propose), self.topk)
 
-    def select(self, accumulator, iteration, group=None):
-        return np.asarray(group, dtype=np.int64)
+
+class Micro(PushesTheGroup):
+    name = "micro"
+    params = BUILT_IN["micro"].params
+    max_propose = BUILT_IN["micro"].max_propose
+    group_k = BUILT_IN["micro"].group_k
+    threshold = 0.0
+
+    def edges(self):
+        n, count = self.layout.numel, len(self.live)
+        return np.cumsum([0] + [n // count + (j < n % count) for j in range(count)])
+
+    def propose(self, accumulator, iteration):
+        if self.threshold == 0.0:
+            self.threshold = self.init or 1.0 / (2.0 * float(np.sqrt(max(1, self.k))))
+        edges = self.edges()
+        mine = (iteration + self.live.index(self.rank)) % len(self.live)
+        part = accumulator[edges[mine]:edges[mine + 1]]
+        chosen = np.flatnonzero(np.abs(part) >= self.threshold)
+        if chosen.size > self.max_propose:
+            chosen = chosen[self.topk(part[chosen], self.max_propose)]
+        return (chosen + edges[mine]).astype(np.int64)
+
+    def observe(self, indices, values, iteration):
+        ratio = np.count_nonzero(values) / max(1, self.k)
+        if ratio > self.band:
+            self.threshold *= self.above
+        elif ratio > 1.0 / self.band:
+            self.threshold *= self.within
+        else:
+            self.threshold *= self.below
+
+    def state_dict(self):
+        return {"threshold": self.threshold}
+
+
+class ExDyna(Micro):
+    name = "exdyna"
+    params = BUILT_IN["exdyna"].params
+    parts = None
+
+    def cut(self):
+        n = self.layout.numel
+        size = n // self.blocks
+        if size >= self.align:
+            size = size // self.align * self.align
+        if self.parts is None:
+            q, r = divmod(self.blocks, self.world_size)
+            self.parts = [q + 1 if j < r else q for j in range(self.world_size)]
+        edges = [0]
+        for blocks in self.parts:
+            edges.append(edges[-1] + blocks * size)
+        edges[-1] = n  # the leftover is the last partition's
+        return np.array(edges), size
+
+    def edges(self):
+        return self.cut()[0]
+
+    def observe(self, indices, values, iteration):
+        edges, size = self.cut()
+        kept = indices[values != 0]
+        counts = [int(np.sum((kept >= lo) & (kept < hi))) for lo, hi in zip(edges, edges[1:])]
+        total, n = sum(counts), len(counts)
+        if total // n > 0:
+            mean, shift = int(total / n), int(size * total / self.layout.numel)
+            for i in range(n - 1):
+                a, b = counts[i] / mean, counts[i + 1] / mean
+                give = i if (a > self.balance and b < 1 / self.balance) else \
+                    i + 1 if (a < 1 / self.balance and b > self.balance) else None
+                if give is None or self.parts[give] - 1 < self.blocks / (self.floor * n):
+                    continue
+                take = 2 * i + 1 - give
+                self.parts[give] -= 1
+                self.parts[take] += 1
+                counts[give] -= shift
+                counts[take] += shift
+        super().observe(indices, values, iteration)
+
+    def state_dict(self):
+        self.cut()
+        return {"threshold": self.threshold, "parts": np.array(self.parts, np.int64)}
+
+    def load_state_dict(self, state):
+        self.threshold = float(state["threshold"])
+        self.parts = [int(b) for b in state["parts"]]
 
 
 REFERENCES = {cls.name: cls for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty,
-                                        CyclicLocalTopK, SharedCore, Vote)}
+                                        CyclicLocalTopK, SharedCore, Vote, Micro, ExDyna)}

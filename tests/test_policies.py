@@ -132,7 +132,8 @@ def test_core_private_keeps_the_union_under_twice_k_at_any_n(world):
     assert workers[0].own_share == pytest.approx(2 / world)
 
 
-@pytest.mark.parametrize("name", sorted(set(REGISTRY) - {"threshold", "cltk", "vote"}))
+@pytest.mark.parametrize("name", sorted(set(REGISTRY) - {"threshold", "cltk", "vote", "micro",
+                                                         "exdyna"}))
 def test_per_layer_granularity_splits_k_by_layer_size(name):
     sizes = [30, 100, 370]
     acc = np.random.default_rng(0).standard_normal(500).astype(np.float32)

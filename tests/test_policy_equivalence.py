@@ -35,7 +35,10 @@ CASES = [  # (policy, args)
     ("penalty", {}), ("penalty", {"pi": "1"}), ("cltk", {}), ("core", {}),
     ("core", {"signed": "true", "beta": "0.9"}), ("core", {"own": "0"}), ("core", {"own": "1"}),
     ("vote", {}), ("vote", {"keep": "1.5", "offer": "2"}),
+    ("micro", {}), ("micro", {"init": "2", "cap": "2"}), ("exdyna", {"init": "2"}),
+    ("exdyna", {"blocks": "100", "align": "1", "cap": "8"}),
 ]
+WHOLE_MODEL_ONLY = ("micro", "exdyna")  # they partition the flat vector: layers are refused
 
 
 def test_every_built_in_policy_has_a_reference():
@@ -199,6 +202,10 @@ def renormalisation(request, monkeypatch):
 def test_policy_selects_what_its_reference_selects(name, args, granularity, selection_path,
                                                    renormalisation):
     sizes = MODEL if granularity == "model" else LAYERS
+    if granularity == "layer" and name in WHOLE_MODEL_ONLY:
+        with pytest.raises(base.PolicyError, match="partitions the whole flat parameter vector"):
+            build(name, Layout(sizes, granularity), 70, args)
+        return
     policy, _ = run_side_by_side(name, args, sizes, granularity)
     if selection_path == "sampled":
         assert any(not s.exact for s in policy._selectors)

@@ -18,9 +18,10 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
 
 
-@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k",
-                                          "--probe-recall", "25"]],
-                         ids=["topk", "core+limit+probe"])
+@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"],
+                                   ["--policy", "exdyna", "--density", "0.05",
+                                    "--probe-recall", "25"]],
+                         ids=["topk", "core+limit", "exdyna+probe"])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     whole = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "whole"),
                                          *RUN, *extra), capture_output=True, text=True,

@@ -62,7 +62,7 @@ def check_shard_bytes(run: Path, shards: int) -> None:
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in order
 
 
-@pytest.mark.parametrize("policy", ["topk", "core", "vote", "cltk"])
+@pytest.mark.parametrize("policy", ["topk", "core", "vote", "cltk", "exdyna"])
 def test_results_are_identical_with_1_2_and_4_server_shards(tmp_path, policy):
     runs = {}
     for shards in (1, 2, 4):

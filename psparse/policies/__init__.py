@@ -13,7 +13,9 @@ from .base import Layout, Param, PolicyError, SelectionPolicy, check_output
 from .cltk import CyclicLocalTopK
 from .core import SharedCore
 from .ema import EMA
+from .exdyna import ExDyna
 from .frequency import Frequency
+from .micro import Micro
 from .penalty import Penalty
 from .randomk import RandomK
 from .threshold import Threshold
@@ -23,7 +25,7 @@ from .vote import Vote
 REGISTRY: dict[str, type[SelectionPolicy]] = {
     cls.name: cls
     for cls in (TopK, RandomK, Threshold, Frequency, EMA, Penalty, CyclicLocalTopK, SharedCore,
-                Vote)
+                Vote, Micro, ExDyna)
 }
 
 __all__ = ["REGISTRY", "Layout", "Param", "PolicyError", "SelectionPolicy", "build_policy",
