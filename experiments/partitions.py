@@ -24,11 +24,13 @@ Per run, beside accuracy, union/k and bytes (experiments.run.run_row):
     aggregate holds, mean over the probed rounds (psparse.recall), and ``energy``, the share of
     that sum's squared norm at the aggregate's indices, beside ``energy_topk``, the share the
     sum's own top-k carries (the most any k entries can);
-  * density error of a threshold controller: sum of the workers' pushes / the round's budget
-    k, minus 1, mean (signed) and mean |.| over rounds (micro and exdyna aim at k entries in
-    all; the fixed-k rules send N·k or keep·k by construction: "-");
-  * padding inefficiency, as ExDyna's code defines it for its all-gather: max_i k_i · N / sum_i
-    k_i - 1, mean over rounds (0 when every worker pushes the same count).
+  * density error of a threshold controller: sum of the workers' selections (their
+    proposals) / the round's budget k, minus 1, mean (signed) and mean |.| over rounds (micro
+    and exdyna aim at k entries in all; the fixed-k rules send N·k or keep·k by construction:
+    "-");
+  * padding inefficiency, as ExDyna's code defines it for its all-gather of the selections:
+    max_i k_i · N / sum_i k_i - 1 over the counts k_i each worker chose (micro and exdyna: its
+    proposals, metrics.jsonl's ``proposals``), mean over rounds; shown for the two.
 
 Runs land in runs/partitions-{mnist,cifar,n32}/ (a finished run is reused:
 experiments.run.run_one); tables in experiments/results/partitions.md and .json, the figure in
@@ -57,8 +59,10 @@ POLICIES = {
     "vote-keep2": ["--policy", "vote", "--policy-arg", "keep=2"],
     "ema": SWEEP_POLICIES["ema"],
     "scalecom": [*SWEEP_POLICIES["cltk"], *SCALECOM_MEMORY],
-    "micro": ["--policy", "micro"],
-    "exdyna": ["--policy", "exdyna"],
+    "micro": ["--policy", "micro"],  # the authors' constants (psparse/policies/micro.py)
+    # align=1: the code rounds block sizes down to 32 entries (memory alignment on a GPU), which
+    # on LeNet's 61,706 entries would leave 47% of the model in the last partition
+    "exdyna": ["--policy", "exdyna", "--policy-arg", "align=1"],
 }
 THRESHOLD_CONTROLLED = ("micro", "exdyna")  # aim at k entries in all, not N·k
 DENSITIES = ("0.01", "0.001")
@@ -76,10 +80,14 @@ PARTS = {
 
 
 def controller_measures(metrics: list[dict]) -> dict[str, float]:
-    """Density error (signed and absolute) and padding inefficiency, means over rounds."""
-    pushed = np.array([sum(m["k"]) for m in metrics], dtype=float)
+    """Density error (signed and absolute) and padding inefficiency, means over rounds, from
+    what each worker chose by itself: its proposals in a two-phase round (micro and exdyna
+    propose their partition's entries over the threshold, then push at the union), else its
+    push."""
+    chosen = [m["proposals"] if m.get("proposals") is not None else m["k"] for m in metrics]
+    pushed = np.array([sum(c) for c in chosen], dtype=float)
     budget = np.array([m["budget"] for m in metrics], dtype=float)
-    most = np.array([max(m["k"]) * len(m["k"]) for m in metrics], dtype=float)
+    most = np.array([max(c) * len(c) for c in chosen], dtype=float)
     error = pushed / budget - 1
     return {"density_error": float(error.mean()), "density_error_abs": float(np.abs(error).mean()),
             "padding": float(np.mean(most / np.maximum(pushed, 1) - 1))}
@@ -128,7 +136,7 @@ def table(rows: list[dict], part: str) -> str:
                 f"{m('energy_mean'):.3f} / {m('energy_topk_mean'):.3f}",
                 f"{100 * m('density_error'):+.1f}% ({100 * m('density_error_abs'):.1f}%)"
                 if controlled else "-",
-                f"{m('padding'):.2f}"])
+                f"{m('padding'):.2f}" if controlled else "-"])
     return md_table(["run", "seeds", "final acc % (± sample SD)", "union/k",
                      "up + bcast, % of allreduce", "recall of global top-k (± SD)",
                      "energy at union / at global top-k", "density error (mean |.|)",

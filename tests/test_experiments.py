@@ -437,3 +437,16 @@ def test_partitions_measure_the_threshold_controllers_as_exdyna_defines_padding(
     assert m["density_error"] == pytest.approx(0.05)
     assert m["density_error_abs"] == pytest.approx(0.05)
     assert m["padding"] == pytest.approx((40 * 4 / 110 - 1) / 2)  # max·N/Σk - 1, then 0
+
+
+def test_partitions_runs_parse_and_validate():
+    from experiments import partitions
+
+    for part in partitions.PARTS.values():
+        for policy in part["policies"]:
+            args = [*part["base"], "--density", part["densities"][0], *partitions.PROBE,
+                    *partitions.POLICIES[policy]]
+            cfg = resolve_config(build_parser().parse_args(["--out", "x", *args]))
+            build_policy(cfg.policy, cfg.policy_args, Layout([61706]), 617,
+                         world_size=cfg.workers)  # LeNet's size: exdyna's 1024 blocks fit
+            assert cfg.probe_recall == 25

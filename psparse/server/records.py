@@ -188,6 +188,8 @@ def merge_records(records: list[dict]) -> dict:
     out["k"] = [sum(ks) for ks in zip(*(r["k"] for r in records))]
     proposed = [r["proposed"] for r in records]
     out["proposed"] = None if any(p is None for p in proposed) else sum(proposed)
+    if first.get("proposals") is not None:  # each rank's proposals, over every shard
+        out["proposals"] = [sum(c) for c in zip(*(r["proposals"] for r in records))]
     out["dense"] = any(r["dense"] for r in records)
     out["round_s"] = max(r["round_s"] for r in records)
     out["time_s"] = max(r["time_s"] for r in records)

@@ -43,9 +43,10 @@ class Rounds:
         t_start = time.perf_counter()
         step = protocol.step_at(self.run, it)  # (budget, push cap, proposal cap), once
         upload = broadcast = 0
-        proposed = None
+        proposed = proposal_counts = None
         if self.run["two_phase"]:
             proposals, nbytes = self.collect_one(it, "propose", step)
+            proposal_counts = [int(proposals[r]["count"]) for r in sorted(proposals)]
             upload += nbytes
             self.endpoint.pace(nbytes)
             broadcast, proposed = self._vote(it, step, [proposals[r] for r in sorted(proposals)])
@@ -87,7 +88,7 @@ class Rounds:
             "union": totals["union"], "broadcast_entries": totals["sent"],
             "residual_entries": totals["residual"], "dense": totals["dense"],
             "overflow": totals["overflow"],
-            "proposed": proposed, "upload_bytes": totals["upload"],
+            "proposed": proposed, "proposals": proposal_counts, "upload_bytes": totals["upload"],
             "broadcast_bytes": totals["broadcast"],
             "loss": float(np.mean(losses)) if losses else None,
             "round_s": round(time.perf_counter() - t_start, 6),
