@@ -180,9 +180,13 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
     cfg = plan.cfg
     prepare_run_dir(plan)
     what = f"script {shlex.join(plan.script)}" if plan.script else f"{cfg.model}/{cfg.dataset}"
-    print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
-          f"{plan.out}", flush=True)
-    supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s)
+    workers = f"{cfg.workers} workers" if plan.ranks is None else \
+        f"{len(plan.ranks)} of {cfg.workers} workers (ranks {plan.ranks}: those live at the " \
+        f"checkpoint of iteration {plan.start})"
+    print(f"psparse: {workers}, {what}, density {cfg.density:g}, run dir {plan.out}",
+          flush=True)
+    supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s,
+                            elastic_from=plan.start if cfg.elastic else None)
     progress = Progress(plan.out, plan.shards, plan.baseline, quiet)
 
     def merge_shards():  # (each shard merges when it finishes; this covers a failed run)

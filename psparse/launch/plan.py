@@ -70,10 +70,18 @@ class Plan:
     master_addr: str | None = None
     resume: bool = False
     rendezvous_port: int = 0  # a local baseline's or script's: where DDP ranks meet (free port)
+    # the worker ranks to start: None for all; an elastic run resumed from a checkpoint after
+    # it lost workers goes on with the ranks live then (checkpoint.resume_point)
+    ranks: list[int] | None = None
+    start: int = 0  # the iteration the run starts (resumes) at
 
     @property
     def shards(self) -> int:
         return self.cfg.servers
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.cfg.workers)) if self.ranks is None else list(self.ranks)
 
     def server_name(self, index: int) -> str:
         """The process (and log) name of server shard ``index``: "server" for a single one."""
@@ -141,17 +149,20 @@ class Plan:
                           # process group (DDP with psparse's comm hook)
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous_port)}
                 return [Spec(f"rank-{r}", "script", self.script,
-                             self.script_env(r, r, server, config)) for r in range(cfg.workers)]
+                             self.script_env(r, r, server, config)) for r in self.worker_ranks]
             return [Spec(f"rank-{r}", "fork", [
                 "psparse.worker", "--config", str(self.config_path), "--rank", str(r),
                 "--connect", server, "--out", str(self.out), *self._again()])
-                for r in range(cfg.workers)]
+                for r in self.worker_ranks]
         out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
         inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(self.config_path.read_text()),
                                                     separators=(",", ":")),
                   "PSPARSE_CONFIG": ""}  # a path inherited from this shell would win
         if t.mode == "slurm":
+            if self.ranks is not None:
+                raise RuntimeError(f"this elastic run resumes with ranks {self.ranks} only, and "
+                                   "one srun starts them all: resume it with --hostfile")
             if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
                 env = {k: v for k, v in self.script_env(0, 0, server, inline).items()
                        if k not in ("RANK", "LOCAL_RANK")}
@@ -164,6 +175,8 @@ class Plan:
                          + self._again(), prefix="rank ")]
         specs = []
         for rank, host, local in cluster.place(t.hosts, cfg.workers):
+            if rank not in self.worker_ranks:  # (a lost rank's slot stays empty)
+                continue
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
             if t.gpus_per_node and "CUDA_VISIBLE_DEVICES" not in env:
                 env["CUDA_VISIBLE_DEVICES"] = str(local % t.gpus_per_node)

@@ -43,6 +43,7 @@ class Attempt:
     error: str | None = None  # the server's words (summary.json), else the process's last line
     noticed_at: float | None = None  # when the launcher saw the failure
     stopped_at: float | None = None  # when the other processes had been stopped
+    ranks: list[int] | None = None  # the worker ranks started, when not all (elastic resume)
 
     def cause(self) -> tuple:
         """What must repeat for "the same fault again": who, where, and what it said."""
@@ -55,8 +56,8 @@ class Attempt:
         return f"{self.process or 'the run'} failed{where}: {self.error}"
 
 
-def resume_point(out: Path, world_size: int, shards: int) -> int | None:
-    return checkpoint.latest_common(out, world_size, shards)
+def resume_point(out: Path, world_size: int, shards: int) -> checkpoint.ResumePoint | None:
+    return checkpoint.resume_point(out, world_size, shards)
 
 
 def iterations_done(out: Path) -> int | None:
@@ -160,10 +161,13 @@ class Restarts:
 
     def run(self, start) -> int:
         plan = self.plan
-        resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards) \
-            if plan.resume else None
+        point = resume_point(plan.out, plan.cfg.workers, plan.shards) if plan.resume else None
+        if point is not None:  # (without one, --resume fails in the server, saying why)
+            self._resume_at(point)
         while True:
-            attempt = Attempt(len(self.attempts), resumed_from, time.time())
+            attempt = Attempt(len(self.attempts), None if point is None else point.iteration,
+                              time.time(),
+                              ranks=plan.ranks)
             self.attempts.append(attempt)
             code, supervisor = start(plan)
             if code == 0:
@@ -173,17 +177,27 @@ class Restarts:
             if code == 130 or not self._again(attempt):
                 break
             keep_logs(plan.out, attempt.number)
-            resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards)
-            if resumed_from is None:
+            point = resume_point(plan.out, plan.cfg.workers, plan.shards)
+            if point is None:
                 drop_checkpoints(plan.out, plan.shards)
-            plan.resume = resumed_from is not None
-            where = ("from the beginning (no checkpoint is complete yet)" if resumed_from is None
-                     else f"from the checkpoint at iteration {resumed_from}")
+            where = "from the beginning (no checkpoint is complete yet)" if point is None \
+                else f"from the checkpoint at iteration {point.iteration}" + (
+                    f" with the ranks live then, {point.live}"
+                    if len(point.live) < plan.cfg.workers else "")
             self.say(f"psparse-launch: restart {attempt.number + 1} of {self.max_restarts} in "
                      f"{self.backoff_s:g} s, {where}, after: {attempt.describe()}")
             time.sleep(self.backoff_s)
+            self._resume_at(point)
         write_history(plan.out, self.attempts, code, self.max_restarts)
         return code
+
+    def _resume_at(self, point) -> None:
+        """The next attempt resumes at ``point`` (None: starts from the beginning) with the
+        workers live there: an elastic run's lost ranks stay out (plan.ranks)."""
+        plan = self.plan
+        plan.resume, plan.start = point is not None, 0 if point is None else point.iteration
+        plan.ranks = None if point is None or len(point.live) == plan.cfg.workers \
+            else point.live
 
     def _again(self, attempt: Attempt) -> bool:
         if attempt.number >= self.max_restarts:

@@ -1,6 +1,10 @@
 """The launcher's watch over a run's processes: start them from their specs, wait for the
 servers to listen, notice the first failure (its cause, not its echoes), stop everything
-cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes."""
+cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes.
+
+In an ``--elastic`` run a worker that fails once training is under way is the server's to
+lose: when the servers are still running a grace after it, the run goes on without it (its
+rank is in ``lost``) and only the servers' end, or the last worker's, ends it."""
 
 from __future__ import annotations
 
@@ -21,8 +25,12 @@ def is_server(name: str) -> bool:
 
 
 class Supervisor:
-    def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None):
+    def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None,
+                 elastic_from: int | None = None):
         self.out, self.quiet, self.grace_s = out, quiet, grace_s
+        # an elastic run's first iteration: a worker lost after it started is not the end
+        self.elastic_from = elastic_from
+        self.lost: set[str] = set()  # workers an elastic run went on without
         self.say = say or (lambda msg: print(msg, flush=True))
         self.procs: dict = {}  # name -> ForkedProcess or Popen
         self.failure: tuple[str, int] | None = None  # (name, exit code) of the first failure
@@ -69,7 +77,7 @@ class Supervisor:
         interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
         while True:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-            failed = {n: c for n, c in finished.items() if c != 0}
+            failed = {n: c for n, c in finished.items() if c != 0 and n not in self.lost}
             progress.read()
             if failed and all(is_server(n) for n in failed):
                 # The server ends the run at once when a worker's connection closes, so it can
@@ -79,15 +87,10 @@ class Supervisor:
                 first_failure = sorted(failed.items())[0]
                 self.noticed_at = time.time()
                 if not any(is_server(n) for n in failed):
-                    # a worker failed: give the servers a moment to record its cause in
-                    # summary.json and end the run themselves before they are stopped
-                    deadline = time.monotonic() + self.grace_s
-                    for name, server in self.procs.items():
-                        if is_server(name):
-                            try:
-                                server.wait(max(0.0, deadline - time.monotonic()))
-                            except subprocess.TimeoutExpired:
-                                pass
+                    self._await_servers(progress)
+                if self._goes_on_without(failed, progress):
+                    first_failure = self.noticed_at = None
+                    continue
             if failed:
                 name, code = self.failure = first_failure
                 self.say(f"\npsparse-launch: {name} exited with code {code}; stopping the "
@@ -107,12 +110,46 @@ class Supervisor:
                 last_print = time.monotonic()
             time.sleep(0.1)
 
+    def _await_servers(self, progress) -> None:
+        """A worker failed: give the servers a moment (the grace) to record its cause in
+        summary.json and end the run themselves before they are stopped, or, in an elastic
+        run, to serve a round without it."""
+        deadline = time.monotonic() + self.grace_s
+        servers = [p for n, p in self.procs.items() if is_server(n)]
+        seen = None if progress.latest is None else progress.latest["iter"]
+        while time.monotonic() < deadline and any(p.poll() is None for p in servers):
+            if self.elastic_from is not None:
+                progress.read()
+                if progress.latest is not None and progress.latest["iter"] != seen:
+                    return  # a round after the failure: the run went on
+            time.sleep(0.02)
+
+    def _goes_on_without(self, failed: dict[str, int], progress) -> bool:
+        """An elastic run loses the failed workers and goes on: training was under way (a
+        round of this start recorded) and the servers went on, to the end (exit 0) or still
+        serving the workers left."""
+        progress.read()
+        if self.elastic_from is None or any(is_server(n) for n in failed) \
+                or progress.latest is None or progress.latest["iter"] < self.elastic_from:
+            return False
+        servers = [p.poll() for n, p in self.procs.items() if is_server(n)]
+        workers_left = any(p.poll() is None for n, p in self.procs.items() if not is_server(n))
+        if not (all(code == 0 for code in servers)
+                or all(code in (None, 0) for code in servers) and workers_left):
+            return False
+        self.lost.update(failed)
+        for name, code in sorted(failed.items()):
+            self.say(f"\npsparse-launch: {name} exited with code {code}; --elastic: the run "
+                     f"goes on without it\n{self.tail(name)}")
+        return True
+
     def _worker_failures_within(self, seconds: float) -> dict[str, int]:
-        """Workers that exit non-zero on their own within ``seconds`` (name -> code)."""
+        """Workers that exit non-zero on their own within ``seconds`` (name -> code), but those
+        an elastic run already went on without."""
         deadline = time.monotonic() + seconds
         while True:
-            failed = {n: p.returncode for n, p in self.procs.items()
-                      if not is_server(n) and p.poll() is not None and p.returncode != 0}
+            failed = {n: p.returncode for n, p in self.procs.items() if not is_server(n)
+                      and n not in self.lost and p.poll() is not None and p.returncode != 0}
             if failed or time.monotonic() >= deadline:
                 return failed
             time.sleep(0.02)
