@@ -25,7 +25,10 @@ from collections.abc import Callable, Hashable
 from . import protocol
 from .protocol import ProtocolError
 
-__all__ = ["Membership", "RunAborted"]
+__all__ = ["Membership", "RunAborted", "BEFORE_TRAINING"]
+
+# how the run's end reads when a worker reported that it could not start (summary.json's error)
+BEFORE_TRAINING = "failed before training started"
 
 
 class RunAborted(RuntimeError):
@@ -121,7 +124,7 @@ class Membership:
         elif msg.get("rank", rank) != rank:
             raise ProtocolError(f"peer registered as rank {rank} cannot send for rank "
                                 f"{msg['rank']}")
-        return f"rank {rank} failed before training started: {msg['message']}"
+        return f"rank {rank} {BEFORE_TRAINING}: {msg['message']}"
 
     def _check_proof(self, msg: protocol.Message) -> None:
         """A register (or an early error) proves the run token with an unused nonce, when the

@@ -45,7 +45,8 @@ class Spec:
 class Topology:
     """Where the processes go: ``mode`` local, hostfile or slurm; for the cluster modes the
     hosts, the address the workers reach the server at, its port and bind address, the remote
-    shell, GPUs per node and the shards' hosts (None: every shard here)."""
+    shell, GPUs per node, the shards' hosts (None: every shard here) and the interpreter that
+    runs psparse (or the script) on the hosts."""
 
     mode: str = "local"
     hosts: list = field(default_factory=list)
@@ -55,6 +56,7 @@ class Topology:
     rsh: list[str] = field(default_factory=list)
     gpus_per_node: int | None = None
     server_hosts: list[str] | None = None
+    python: str = sys.executable
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Plan:
             name = self.server_name(index)
             if t.server_hosts:  # shard I on the I-th host
                 argv = cluster.server_argv(self.cfg, t.bind, t.port + index, out,
-                                           (index, self.shards)) + self._again()
+                                           (index, self.shards), t.python) + self._again()
                 specs.append(Spec(name, "command", cluster.remote_command(
                     t.rsh, t.server_hosts[index], argv, os.getcwd(), cluster.forwarded_env()),
                     prefix=f"{name}| "))
@@ -169,9 +171,9 @@ class Plan:
                 # torchrun's names from SLURM's, per task, before the script starts
                 argv = cluster.srun_prefix(cfg) + [
                     "sh", "-c", 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "$@"',
-                    "psparse-task", sys.executable, *self.script]
+                    "psparse-task", t.python, *self.script]
                 return [Spec("workers", "command", argv, env, prefix="rank ")]
-            return [Spec("workers", "command", cluster.srun_command(cfg, server, out)
+            return [Spec("workers", "command", cluster.srun_command(cfg, server, out, t.python)
                          + self._again(), prefix="rank ")]
         specs = []
         for rank, host, local in cluster.place(t.hosts, cfg.workers):
@@ -182,9 +184,9 @@ class Plan:
                 env["CUDA_VISIBLE_DEVICES"] = str(local % t.gpus_per_node)
             if self.script:
                 env.update(self.script_env(rank, local, server, inline))
-                argv = [sys.executable, *self.script]
+                argv = [t.python, *self.script]
             else:
-                argv = cluster.worker_argv(cfg, server, out, rank) + self._again()
+                argv = cluster.worker_argv(cfg, server, out, rank, t.python) + self._again()
             specs.append(Spec(f"rank-{rank}", "command", cluster.remote_command(
                 t.rsh, host, argv, os.getcwd(), env), prefix=f"rank {rank}| "))
         return specs
@@ -210,7 +212,7 @@ class Plan:
         specs = []
         for rank, host, local in placed:
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
-            argv = [sys.executable, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
+            argv = [t.python, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
                     str(rank), "--port", str(t.port), "--master-addr", master, "--out", out,
                     *self._baseline_flags()]
             specs.append(Spec(f"rank-{rank}", "command", cluster.remote_command(

@@ -24,6 +24,12 @@ def is_server(name: str) -> bool:
     return name == "server" or name.startswith("server-")
 
 
+class StartFailure(RuntimeError):
+    """The run could not start (a port in use, a data set or a program missing, a server that
+    exited before it listened): starting it again would fail the same way, so --max-restarts
+    does not (restart.py). The text names the problem."""
+
+
 class Supervisor:
     def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None,
                  elastic_from: int | None = None):
@@ -33,15 +39,22 @@ class Supervisor:
         self.lost: set[str] = set()  # workers an elastic run went on without
         self.say = say or (lambda msg: print(msg, flush=True))
         self.procs: dict = {}  # name -> ForkedProcess or Popen
+        self.kinds: dict[str, str] = {}  # name -> its spec's kind (fork, script, command)
         self.failure: tuple[str, int] | None = None  # (name, exit code) of the first failure
         self.error: str | None = None  # the launcher's own error (e.g. a server never listened)
+        self.start_failed = False  # that error is a StartFailure: the run could not start
         self.noticed_at: float | None = None  # time.time() when the failure was seen
         self.stopped_at: float | None = None  # time.time() when the others had been stopped
 
     def start(self, spec: Spec):
         log = self.out / "logs" / f"{spec.name}.log"
+        self.kinds[spec.name] = spec.kind
         if spec.kind == "command":
-            proc = piped(spec.argv, log, spec.prefix, self.quiet, spec.env)
+            try:
+                proc = piped(spec.argv, log, spec.prefix, self.quiet, spec.env)
+            except OSError as exc:  # e.g. no such --rsh program
+                raise StartFailure(f"{spec.name} could not start: {spec.argv[0]}: "
+                                   f"{exc.strerror or exc}") from None
         elif spec.kind == "script":
             def target(spec=spec):
                 os.environ.update(spec.env)
@@ -61,7 +74,8 @@ class Supervisor:
         for name, port_file in port_files:
             while not port_file.is_file():
                 if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited before listening:\n" + self.tail(name))
+                    raise StartFailure(f"{name} could not start: it exited before listening"
+                                       + "".join(f"; {line}" for line in self.last_lines(name)))
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} did not start listening within {timeout:g} s")
                 time.sleep(0.05)
@@ -165,6 +179,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+    def last_lines(self, name: str, lines: int = 1) -> list[str]:
+        """The last non-empty lines of ``name``'s log."""
+        try:
+            text = (self.out / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.out / "logs" / f"{name}.log"
