@@ -193,3 +193,61 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
     assert f"{name}-" not in left
     assert not Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h0").exists()
     assert not Path(f"/sys/fs/cgroup/cpuset/psparse-{name}-h0").exists()
+
+
+def test_a_host_whose_link_is_down_longer_than_the_timeout_restarts_the_run(tmp_path):
+    """launch/netns.sh cluster (server host h0, workers on h1 and h2): h1's switch port goes
+    down for 8 s, longer than --timeout 5, then comes back. The server loses rank 0, the run
+    fails, and --max-restarts starts it again (after a 5 s back-off: the link is back by
+    then) from the newest checkpoint; it ends as a run over the same hosts that nothing
+    disturbed."""
+    from test_restarts import assert_identical
+
+    reason = _netns_unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+    name = f"pf{os.getpid() % 10000}"
+    netns = ["bash", str(SCRIPT)]
+    rsh = ["bash", str(SCRIPT.parent / "nsrsh.sh")]
+    up = subprocess.run([*netns, "cluster", name, "3", "50mbit"], capture_output=True, text=True)
+    try:
+        assert up.returncode == 0, up.stderr
+        server_ip = up.stdout.split()[0]
+        (tmp_path / "hosts").write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
+
+        def launch(out: Path, *extra: str) -> subprocess.Popen:
+            argv = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet",
+                    "--hostfile", str(tmp_path / "hosts"), "--rsh", shlex.join(rsh),
+                    "--server-host", server_ip, "--bind", server_ip, "--port", "5555",
+                    "--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations",
+                    "600", "--eval-every", "100", "--checkpoint-every", "100", "--seed", "4",
+                    "--timeout", "5", "--threads", "1", *extra]
+            return subprocess.Popen([*rsh, f"{name}-h0", f"cd {shlex.quote(os.getcwd())} && "
+                                     f"exec {shlex.join(argv)}"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+
+        clean = launch(tmp_path / "clean")
+        output = clean.communicate(timeout=300)[0]
+        assert clean.returncode == 0, output
+        out = tmp_path / "run"
+        run = launch(out, "--max-restarts", "2", "--restart-backoff", "5")
+        saved = [out / "checkpoint" / f"{who}-100.pt" for who in ("server", "rank-0", "rank-1")]
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() for f in saved):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[0]
+            time.sleep(0.02)
+        port = ["ip", "-n", f"{name}-sw", "link", "set", "p1"]  # h1's port on the switch
+        subprocess.run([*port, "down"], check=True)
+        time.sleep(8)
+        subprocess.run([*port, "up"], check=True)
+        output = run.communicate(timeout=300)[0]
+        assert run.returncode == 0, output
+    finally:
+        subprocess.run([*netns, "down", name], check=False)
+    assert "psparse-launch: restart 1 of 2" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1
+    failed, resumed = summary["attempts"]
+    assert "rank 0 stopped answering" in failed["error"] and resumed["resumed_from"] >= 100
+    assert_identical(out, tmp_path / "clean", 2)
