@@ -12,10 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import python_module
 from test_restarts import assert_identical, launch
 
 from psparse import checkpoint
+from psparse.cluster import Host
+from psparse.config import RunConfig
+from psparse.launch.plan import Plan, StartFailure, Topology
 from psparse.launch.processes import writer_of
 
 HERE = Path(__file__).resolve().parent
@@ -102,3 +106,21 @@ def test_a_run_that_failed_soon_after_a_loss_resumes_before_it_with_every_rank(t
     assert summary["status"] == "ok" and summary["lost_workers"] == []
     assert "resumed at iteration 20" in (out / "logs" / "server.log").read_text()
     assert_identical(out, clean, 2)
+
+
+def test_a_plan_resumed_with_the_live_ranks_starts_only_those(tmp_path):
+    cfg = RunConfig(workers=3, elastic=True)
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    hosts = Topology(mode="hostfile", hosts=[Host("a", 2), Host("b", 1)], rsh=["ssh"])
+    plan = Plan(cfg, tmp_path, tmp_path / "config.json", hosts, "token", resume=True,
+                ranks=[0, 2])
+    specs = plan.workers("srv:5555")
+    assert [s.name for s in specs] == ["rank-0", "rank-2"]
+    assert specs[1].argv[1] == "b"  # rank 2 keeps its slot: the lost rank 1's stays empty
+    local = Plan(cfg, tmp_path, tmp_path / "config.json", Topology(), "token", ranks=[1])
+    assert [s.name for s in local.workers("127.0.0.1:1")] == ["rank-1"]
+    slurm = Plan(cfg, tmp_path, tmp_path / "config.json", Topology(mode="slurm"), "token",
+                 ranks=[0, 2])
+    with pytest.raises(StartFailure, match="one srun starts them all: resume it with "
+                                           "--hostfile"):
+        slurm.workers("srv:5555")

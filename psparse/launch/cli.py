@@ -27,11 +27,11 @@ from ..policies import Layout, PolicyError, build_policy
 from ..provenance import provenance
 from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 from ..server.records import merge_run_dir
-from .plan import Plan, Topology
+from .plan import Plan, StartFailure, Topology
 from .processes import free_port, port_taken
 from .progress import Progress
 from .restart import BACKOFF_S, Restarts
-from .supervisor import StartFailure, Supervisor
+from .supervisor import Supervisor
 
 DEFAULT_CHECKPOINT_EVERY = 100  # iterations, where --max-restarts finds no --checkpoint-every
 

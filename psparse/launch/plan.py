@@ -27,6 +27,12 @@ from ..config import RunConfig
 from ..rundir import PORT_FILE
 
 
+class StartFailure(RuntimeError):
+    """The run could not start (a port in use, a data set or a program missing, a server that
+    exited before it listened, a plan the topology cannot start): starting it again would fail
+    the same way, so --max-restarts does not (restart.py). The text names the problem."""
+
+
 @dataclass
 class Spec:
     """One process. ``fork``: module ``argv[0]``'s ``main(argv[1:])`` in a fork of the launcher;
@@ -163,8 +169,9 @@ class Plan:
                   "PSPARSE_CONFIG": ""}  # a path inherited from this shell would win
         if t.mode == "slurm":
             if self.ranks is not None:
-                raise RuntimeError(f"this elastic run resumes with ranks {self.ranks} only, and "
-                                   "one srun starts them all: resume it with --hostfile")
+                raise StartFailure(f"the run could not start: this elastic run resumes with "
+                                   f"ranks {self.ranks} only, and one srun starts them all: "
+                                   "resume it with --hostfile")
             if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
                 env = {k: v for k, v in self.script_env(0, 0, server, inline).items()
                        if k not in ("RANK", "LOCAL_RANK")}

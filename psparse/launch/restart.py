@@ -15,7 +15,7 @@ server left no summary.json (a killed server, a launcher error) gets one from th
 every failure's cause is in the run directory.
 
 A run that could not start is not restarted at all: a port in use, a data set or a program
-missing (the launcher's checks, supervisor.StartFailure), a command that exits 126/127 (its
+missing (the launcher's checks, plan.StartFailure), a command that exits 126/127 (its
 interpreter or program not found or not executable: --python, --rsh), or a worker that reported
 an error before training (its data set missing on its host, a bad model): the same start would
 fail the same way.
@@ -89,7 +89,7 @@ def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
     attempt.process, attempt.process_exit_code = name, (proc_code if name else None)
     attempt.noticed_at, attempt.stopped_at = supervisor.noticed_at, supervisor.stopped_at
     attempt.iterations_done = iterations_done(out)
-    if supervisor.start_failed:  # the launcher's own words (supervisor.StartFailure)
+    if supervisor.start_failed:  # the launcher's own words (plan.StartFailure)
         attempt.error, attempt.start_failure = supervisor.error, True
         return
     summary = read_summary(out) or {}

@@ -16,18 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from .plan import Spec
+from .plan import Spec, StartFailure
 from .processes import ForkedProcess, piped, run_script
 
 
 def is_server(name: str) -> bool:
     return name == "server" or name.startswith("server-")
-
-
-class StartFailure(RuntimeError):
-    """The run could not start (a port in use, a data set or a program missing, a server that
-    exited before it listened): starting it again would fail the same way, so --max-restarts
-    does not (restart.py). The text names the problem."""
 
 
 class Supervisor:
