@@ -6,21 +6,17 @@ checkpoint that every rank live at it saved wins (psparse/checkpoint.py, resume_
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import python_module
-from test_restarts import assert_identical, launch
+from test_restarts import assert_identical, kill_once_saved, launch, restarted_once
 
 from psparse import checkpoint
 from psparse.cluster import Host
 from psparse.config import RunConfig
 from psparse.launch.plan import Plan, StartFailure, Topology
-from psparse.launch.processes import writer_of
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "faulty_train.py")
@@ -65,22 +61,15 @@ def test_a_run_that_lost_a_worker_restarts_after_the_loss_with_the_live_ranks(tm
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     saved = [out / "checkpoint" / name for name in ("server-60.pt", "rank-0-60.pt",
                                                     "rank-1-60.pt")]
-    deadline = time.monotonic() + 120
-    while not all(f.is_file() for f in saved) or \
-            (pid := writer_of(out / "logs" / "server.log")) is None:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
+    kill_once_saved(proc, out, saved, "server")
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output
     assert "with the ranks live then, [0, 1]" in output
     assert "psparse: 2 of 3 workers (ranks [0, 1]" in output
-    summary = summary_of(out)
-    assert summary["status"] == "ok" and summary["restarts"] == 1
-    failed, resumed = summary["attempts"]
+    failed, resumed = restarted_once(out, output)
     assert failed["process"] == "server" and failed["ranks"] is None
     assert resumed["resumed_from"] >= 60 and resumed["ranks"] == [0, 1]
-    assert summary["lost_workers"] == [{"rank": 2, "iter": 25}]
+    assert summary_of(out)["lost_workers"] == [{"rank": 2, "iter": 25}]
     assert not (out / "logs" / "rank-2.log").exists()  # the lost rank was not started again
     assert_identical(out, clean, 2)
 
