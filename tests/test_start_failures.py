@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import python_module
 
+from psparse.config import RunConfig
+
 FAKE_RSH = Path(__file__).resolve().parent / "fake_rsh.sh"
 RUN = ["--workers", "2", "--model", "mlp", "--iterations", "20", "--quiet"]
 RESTARTS = ["--max-restarts", "2", "--restart-backoff", "0"]
@@ -95,3 +97,16 @@ def test_a_data_set_missing_on_a_workers_host_is_not_restarted(tmp_path):
     assert_told(r, summary, "failed before training started: DataError: MNIST not found in "
                 f"{empty}/mnist", RESTARTS)
     assert os.path.isfile(tmp_path / "run" / "logs" / "server.log")
+
+
+def test_a_server_that_cannot_resume_is_not_restarted(tmp_path):
+    """--resume of a run directory without checkpoints: the server says so and exits before
+    it listens."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = RunConfig(workers=2, model="mlp", dataset="digits", iterations=20)
+    (out / "config.json").write_text(cfg.to_json())
+    r, summary = launch(tmp_path, "--resume", str(out), *RESTARTS)
+    assert_told(r, summary, "server could not start: it exited with code 1 before listening; "
+                f"psparse-server: error: no checkpoint in {out} that the server and every "
+                "worker live at it saved", RESTARTS)

@@ -3,8 +3,9 @@ servers to listen, notice the first failure (its cause, not its echoes), stop ev
 cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes.
 
 In an ``--elastic`` run a worker that fails once training is under way is the server's to
-lose: when the servers are still running a grace after it, the run goes on without it (its
-rank is in ``lost``) and only the servers' end, or the last worker's, ends it."""
+lose: when the servers serve another round without it (or are still serving a grace after it,
+or ended well) the run goes on without it (its name is in ``lost``), and only the servers' end
+or another failure ends it."""
 
 from __future__ import annotations
 
@@ -67,9 +68,12 @@ class Supervisor:
         ports = []
         for name, port_file in port_files:
             while not port_file.is_file():
-                if self.procs[name].poll() is not None:
-                    raise StartFailure(f"{name} could not start: it exited before listening"
-                                       + "".join(f"; {line}" for line in self.last_lines(name)))
+                code = self.procs[name].poll()
+                if code is not None:  # on its own (it says why), or killed (not its fault)
+                    said = "".join(f"; {line}" for line in self.last_lines(name))
+                    failure = StartFailure if code > 0 else RuntimeError
+                    raise failure(f"{name} could not start: it exited with code {code} before "
+                                  f"listening{said}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} did not start listening within {timeout:g} s")
                 time.sleep(0.05)
