@@ -3,9 +3,15 @@
 Every ``--checkpoint-every`` iterations, at the same iteration boundary, the server and every
 worker write RUN_DIR/checkpoint/<who>-<iteration>.pt (written to a temporary name, then renamed,
 so a file is whole or absent). A run stopped at any moment resumes from the newest iteration for
-which the server and all workers have a file; older files are pruned to the last two. With
-key-range server shards (``--servers S``) each shard keeps its own files in
-RUN_DIR/shard-I/checkpoint/, and a resume needs all S of them.
+which the server and every worker live at that iteration have a file (``resume_point``); older
+files are pruned to the last two. With key-range server shards (``--servers S``) each shard
+keeps its own files in RUN_DIR/shard-I/checkpoint/, and a resume needs all S of them.
+
+The server's file begins with a small header, ``{"live": [ranks]}``: the workers still in the
+run at that iteration (fewer than all once an ``--elastic`` run lost some), so that finding the
+resume point reads a few bytes per checkpoint, not the server's whole state. A worker lost
+before an iteration saves nothing at it, and is not asked for: the run resumes with the ranks
+that were live then (docs/cli.md, "Restarts").
 """
 
 from __future__ import annotations
@@ -14,20 +20,32 @@ import os
 import pickle
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 KEEP = 2  # checkpoints per process: the newest may be incomplete across processes
+HEADER = "psparse_checkpoint_header"  # the first pickle of a file with a header holds this key
+
+
+class ResumePoint(NamedTuple):
+    iteration: int
+    live: list[int]  # the worker ranks in the run at that iteration (all, unless elastic lost some)
 
 
 def directory(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint"
 
 
-def save(run_dir: Path, who: str, iteration: int, state: dict) -> Path:
+def save(run_dir: Path, who: str, iteration: int, state: dict,
+         header: dict | None = None) -> Path:
+    """``state`` as RUN_DIR/checkpoint/<who>-<iteration>.pt, preceded by ``header`` when given
+    (read alone by ``header``)."""
     folder = directory(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{who}-{iteration}.pt"
     tmp = folder / f".{who}-{iteration}.pt.tmp"
     with open(tmp, "wb") as fh:  # pickle: numpy arrays and torch tensors alike, no torch here
+        if header is not None:
+            pickle.dump({HEADER: header}, fh, protocol=5)
         pickle.dump(state, fh, protocol=5)
         fh.flush()
         os.fsync(fh.fileno())
@@ -39,7 +57,15 @@ def save(run_dir: Path, who: str, iteration: int, state: dict) -> Path:
 
 def load(run_dir: Path, who: str, iteration: int) -> dict:
     with open(directory(run_dir) / f"{who}-{iteration}.pt", "rb") as fh:
-        return pickle.load(fh)  # our own files only: never point --resume at untrusted ones
+        first = pickle.load(fh)  # our own files only: never point --resume at untrusted ones
+        return pickle.load(fh) if isinstance(first, dict) and HEADER in first else first
+
+
+def header(run_dir: Path, who: str, iteration: int) -> dict:
+    """A checkpoint's header without its state ({} for a file saved without one)."""
+    with open(directory(run_dir) / f"{who}-{iteration}.pt", "rb") as fh:
+        first = pickle.load(fh)
+    return first[HEADER] if isinstance(first, dict) and HEADER in first else {}
 
 
 def iterations(run_dir: Path, who: str) -> list[int]:
@@ -50,15 +76,19 @@ def iterations(run_dir: Path, who: str) -> list[int]:
     return [int(m.group(1)) for p in folder.iterdir() if (m := pattern.match(p.name))]
 
 
-def latest_common(run_dir: Path, world_size: int, shards: int = 1) -> int | None:
-    """Newest iteration saved by the server (every one of ``shards`` key-range servers, whose
-    files are in RUN_DIR/shard-I/checkpoint/) and by every worker rank, or None."""
-    if shards > 1:
-        common = set(iterations(Path(run_dir) / "shard-0", "server"))
-        for index in range(1, shards):
-            common &= set(iterations(Path(run_dir) / f"shard-{index}", "server"))
-    else:
-        common = set(iterations(run_dir, "server"))
-    for rank in range(world_size):
-        common &= set(iterations(run_dir, f"rank-{rank}"))
-    return max(common) if common else None
+def resume_point(run_dir: Path, world_size: int, shards: int = 1) -> ResumePoint | None:
+    """The newest iteration that the server (every one of ``shards`` key-range servers, whose
+    files are in RUN_DIR/shard-I/checkpoint/) saved and every worker rank live at it saved
+    (the server's header names them: fewer than ``world_size`` after an elastic loss), with
+    those ranks; None when there is no such iteration."""
+    run_dir = Path(run_dir)
+    server_dirs = [run_dir / f"shard-{i}" for i in range(shards)] if shards > 1 else [run_dir]
+    common = set(iterations(server_dirs[0], "server"))
+    for d in server_dirs[1:]:
+        common &= set(iterations(d, "server"))
+    saved = {r: set(iterations(run_dir, f"rank-{r}")) for r in range(world_size)}
+    for it in sorted(common, reverse=True):
+        live = header(server_dirs[0], "server", it).get("live", list(range(world_size)))
+        if all(it in saved[r] for r in live):
+            return ResumePoint(it, sorted(live))
+    return None

@@ -138,9 +138,10 @@ def srun_prefix(cfg: RunConfig) -> list[str]:
     return ["srun", "--ntasks", str(cfg.workers), "--kill-on-bad-exit=1", "--label"]
 
 
-def srun_command(cfg: RunConfig, server: str, out: str) -> list[str]:
+def srun_command(cfg: RunConfig, server: str, out: str,
+                 python: str = sys.executable) -> list[str]:
     """One srun for all workers; each takes its rank from SLURM_PROCID."""
-    return [*srun_prefix(cfg), *worker_argv(cfg, server, out)]
+    return [*srun_prefix(cfg), *worker_argv(cfg, server, out, python=python)]
 
 
 def parse_servers(text: str) -> list[tuple[str, int]]:

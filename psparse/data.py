@@ -91,6 +91,16 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
     raise ValueError(f"unknown dataset {name!r}; choose one of {list(DATASETS)}")
 
 
+def check_available(name: str, data_dir: str | Path | None = None) -> None:
+    """DataError, saying where it looked, unless the built-in data set ``name``'s files are
+    there: what psparse-launch checks before it starts a run (a factory's data is its own)."""
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    if name == "mnist":
+        find_mnist(data_dir)
+    elif name == "cifar10":
+        find_cifar10(data_dir)
+
+
 def check_dataset(ds, spec: str) -> Dataset:
     """A user factory's result, checked the way the training loop will use it."""
     if not isinstance(ds, Dataset):
@@ -218,19 +228,25 @@ def load_cifar10(data_dir: Path) -> Dataset:
     ``cifar10-jpeg.tar.gz``, each under ``data_dir``. Decoded JPEGs are cached as .npy.
     """
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-    batches = data_dir / "cifar-10-batches-py"
-    if batches.is_dir():
-        train = [_unpickle(batches / f"data_batch_{i}") for i in range(1, 6)]
-        test = _unpickle(batches / "test_batch")
+    source = find_cifar10(data_dir)
+    if source.name == "cifar-10-batches-py":
+        train = [_unpickle(source / f"data_batch_{i}") for i in range(1, 6)]
+        test = _unpickle(source / "test_batch")
         tx = np.concatenate([b[b"data"] for b in train]).reshape(-1, 3, 32, 32)
         ty = np.concatenate([b[b"labels"] for b in train]).astype(np.int64)
         vx = np.asarray(test[b"data"]).reshape(-1, 3, 32, 32)
         vy = np.asarray(test[b"labels"], dtype=np.int64)
         return Dataset("cifar10", tx, ty, vx, vy, mean, std, augment=True)
+    return Dataset("cifar10", *_cifar_jpeg_cached(source), mean, std, augment=True)
+
+
+def find_cifar10(data_dir: Path) -> Path:
+    """The first of cifar-10-batches-py/, cifar10-jpeg/, cifar10-jpeg.tar.gz under data_dir."""
+    if (data_dir / "cifar-10-batches-py").is_dir():
+        return data_dir / "cifar-10-batches-py"
     for source in (data_dir / "cifar10-jpeg", data_dir / "cifar10-jpeg.tar.gz"):
         if source.exists():
-            arrays = _cifar_jpeg_cached(source)
-            return Dataset("cifar10", *arrays, mean, std, augment=True)
+            return source
     raise DataError(f"CIFAR-10 not found under {data_dir}: expected cifar-10-batches-py/ (the "
                     "official python version), cifar10-jpeg/ or cifar10-jpeg.tar.gz "
                     "(train|test/<class>/*.jpg); set --data-dir or PSPARSE_DATA")

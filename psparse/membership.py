@@ -25,7 +25,10 @@ from collections.abc import Callable, Hashable
 from . import protocol
 from .protocol import ProtocolError
 
-__all__ = ["Membership", "RunAborted"]
+__all__ = ["Membership", "RunAborted", "BEFORE_TRAINING"]
+
+# how the run's end reads when a worker reported that it could not start (summary.json's error)
+BEFORE_TRAINING = "failed before training started"
 
 
 class RunAborted(RuntimeError):
@@ -53,6 +56,8 @@ class Membership:
         self.peers: dict[Hashable, int] = {}  # routing id -> rank
         self.rank_peer: dict[int, Hashable] = {}
         self.registrations: dict[int, protocol.Message] = {}
+        # the ranks that must register: all, unless a resumed elastic run lost some (``expect``)
+        self.expected: set[int] = set(range(world_size))
         self.training = False  # registration is over; ranks can no longer be rebound
         self.iterations = 0  # the run's length, once training started
         self.active: set[int] = set(range(world_size))
@@ -62,9 +67,14 @@ class Membership:
         self.last_seen: dict[int, float] = {}
 
     # -------------------------------------------------------------------------- registration
+    def expect(self, ranks) -> None:
+        """Only ``ranks`` take part: an elastic run resumed from a checkpoint after it lost
+        workers goes on with the ranks live at that checkpoint (the others' state is gone)."""
+        self.expected = set(ranks)
+
     def missing(self) -> list[int]:
-        """The ranks no peer has registered yet."""
-        return sorted(set(range(self.world_size)) - set(self.registrations))
+        """The expected ranks no peer has registered yet."""
+        return sorted(self.expected - set(self.registrations))
 
     def register(self, peer: Hashable, msg: protocol.Message) -> int:
         """Admit a decoded ``register`` from ``peer`` and bind its rank to it; the rank.
@@ -81,6 +91,10 @@ class Membership:
                                 f"{self.world_size}")
         if rank >= self.world_size:
             raise ProtocolError(f"rank {rank} out of range [0, {self.world_size})")
+        if rank not in self.expected:
+            raise ProtocolError(f"rank {rank} is not in this run: the elastic run lost it "
+                                "before the checkpoint it resumes from (live ranks "
+                                f"{sorted(self.expected)})")
         self._check_proof(msg)
         if "run" in msg.header:
             protocol.check_run(msg["run"])
@@ -110,7 +124,7 @@ class Membership:
         elif msg.get("rank", rank) != rank:
             raise ProtocolError(f"peer registered as rank {rank} cannot send for rank "
                                 f"{msg['rank']}")
-        return f"rank {rank} failed before training started: {msg['message']}"
+        return f"rank {rank} {BEFORE_TRAINING}: {msg['message']}"
 
     def _check_proof(self, msg: protocol.Message) -> None:
         """A register (or an early error) proves the run token with an unused nonce, when the
@@ -133,13 +147,14 @@ class Membership:
         self.log(f"rank {rank} is free again: the peer that registered it left ({why})")
 
     def complete(self) -> bool:
-        """Every rank is registered by a peer that is still reachable (one that left is freed)."""
-        if len(self.registrations) != self.world_size:
+        """Every expected rank is registered by a peer that is still reachable (one that left
+        is freed)."""
+        if set(self.registrations) != self.expected:
             return False
         for rank in sorted(self.registrations):
             if not self.reachable(self.rank_peer[rank]):
                 self.unbind(rank, "its connection closed")
-        return len(self.registrations) == self.world_size
+        return set(self.registrations) == self.expected
 
     def agree(self, start: int) -> dict:
         """The run all registrations describe (and resume at ``start``), or RunAborted naming
@@ -172,12 +187,12 @@ class Membership:
         return reference
 
     def start_training(self, iterations: int) -> None:
-        """Registration is over: every rank is active, heard from now, with a fresh heartbeat
-        token (sent in its ``ready``)."""
+        """Registration is over: every expected rank is active, heard from now, with a fresh
+        heartbeat token (sent in its ``ready``)."""
         self.iterations = iterations
-        self.active = set(range(self.world_size))
-        self.tokens = {r: secrets.token_hex(8) for r in range(self.world_size)}
-        self.last_seen = {r: self.clock() for r in range(self.world_size)}
+        self.active = set(self.expected)
+        self.tokens = {r: secrets.token_hex(8) for r in sorted(self.expected)}
+        self.last_seen = {r: self.clock() for r in sorted(self.expected)}
         self.training = True
 
     # ----------------------------------------------------------------- messages and liveness

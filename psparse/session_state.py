@@ -4,7 +4,7 @@ the part of ``Session`` (psparse/session.py) that ``--checkpoint-every`` and ``-
 A checkpoint is written at an iteration boundary (psparse/checkpoint.py): the parameters and
 optimizer state after the last update, the model's buffers as they were after that
 iteration's forward pass, the error-feedback memory, the policy's state, the key cache, the
-byte and time totals and the evaluator's last report. The session's attributes it reads are
+byte and time totals, the evaluator's last report and the live ranks (an elastic run's). The session's attributes it reads are
 those ``Session.__init__`` sets (``net``, ``optimizer``, ``memory``, ``policy``, ``client``,
 ``ctx``, ``dev``, ``out_dir``, ``cfg``, ``servers``, ``rank``).
 """
@@ -35,6 +35,7 @@ class Checkpointed:
             "cache": self.client.cache_state(),
             "stats": self.stats,
             "last_report": self.last_report,
+            "live": list(self.live),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -55,6 +56,10 @@ class Checkpointed:
         self.ctx.clock.times.update({k: stats[k] for k in self.ctx.clock.times})
         self.last_report = state["last_report"]
         self.start = self.iteration = state["iteration"]
+        live = state.get("live", self.live)
+        if live != self.live:  # an elastic run that had lost workers by this checkpoint
+            self.live = list(live)
+            self.policy.set_live(self.live)
 
     def _checkpoint(self, iteration: int) -> None:
         state = self.state_dict()
@@ -67,9 +72,14 @@ class Checkpointed:
     def _restore(self) -> None:
         if not self.out_dir:
             raise WorkerError("resume needs the run directory (--out)")
-        start = checkpoint.latest_common(self.out_dir, self.cfg.workers, self.servers)
-        if start is None:
-            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and all "
-                              f"{self.cfg.workers} workers saved")
-        self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}", start))
-        self.say(f"resuming at iteration {start}")
+        point = checkpoint.resume_point(self.out_dir, self.cfg.workers, self.servers)
+        if point is None:
+            raise WorkerError(f"no checkpoint in {self.out_dir} that the server and every "
+                              "worker live at it saved")
+        if self.rank not in point.live:
+            raise WorkerError(f"rank {self.rank} is not in the resumed run: the elastic run "
+                              f"lost it before iteration {point.iteration}, the checkpoint it "
+                              f"resumes from (live ranks {point.live}); start only those")
+        self.load_state_dict(checkpoint.load(self.out_dir, f"rank-{self.rank}",
+                                             point.iteration))
+        self.say(f"resuming at iteration {point.iteration}")

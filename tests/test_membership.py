@@ -316,3 +316,18 @@ def test_the_server_layers_below_the_socket_import_no_transport():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_resumed_elastic_run_expects_exactly_the_ranks_live_at_its_checkpoint():
+    members = make(3, elastic=True)
+    members.expect([0, 2])  # rank 1 was lost before the checkpoint
+    join(members, b"A", register(0, 3))
+    assert members.missing() == [2] and not members.complete()
+    with pytest.raises(ProtocolError, match=r"^rank 1 is not in this run: the elastic run lost "
+                                            r"it before the checkpoint it resumes from \(live "
+                                            r"ranks \[0, 2\]\)$"):
+        join(members, b"B", register(1, 3))
+    join(members, b"C", register(2, 3))
+    assert members.complete()
+    members.start_training(RUN["iterations"])
+    assert members.active == {0, 2} and sorted(members.tokens) == [0, 2]

@@ -3,6 +3,7 @@ path, not loopback). Needs root and iproute2; skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_restarts import assert_identical, restarted_once, wait_until_saved
 
 SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "netns.sh"
 
@@ -128,22 +130,32 @@ def bulk_mbit(rsh: list[str], src: str, dst: str, dst_addr: str, tmp_path) -> fl
     return int(n) * 8 / float(seconds) / 1e6
 
 
+@contextlib.contextmanager
+def emulated_cluster(prefix: str, hosts: int, rate: str):
+    """``launch/netns.sh cluster`` for the test's duration, removed after (the test is skipped,
+    saying why, where namespaces cannot be made): its name, its hosts' addresses (h0's first)
+    and the --rsh into its hosts."""
+    reason = _netns_unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+    name = f"{prefix}{os.getpid() % 10000}"
+    netns = ["bash", str(SCRIPT)]
+    up = subprocess.run([*netns, "cluster", name, str(hosts), rate], capture_output=True,
+                        text=True)
+    try:
+        assert up.returncode == 0, up.stderr
+        yield name, up.stdout.split(), ["bash", str(SCRIPT.parent / "nsrsh.sh")]
+    finally:
+        subprocess.run([*netns, "down", name], check=False)
+
+
 def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_link(tmp_path):
     """launch/netns.sh cluster: 3 hosts (server + 2 workers), each with its own 20 Mbit/s link
     and CPU share; psparse-launch --hostfile runs inside the server's host with the workers
     started through launch/nsrsh.sh; a bulk transfer in each direction of a link runs at the
     shaped rate (payload within 10%); `down` leaves nothing behind."""
-    reason = _netns_unavailable()
-    if reason:
-        print(f"skipped: {reason}")
-        pytest.skip(reason)
-    name = f"pt{os.getpid() % 10000}"
-    netns = ["bash", str(SCRIPT)]
-    rsh = ["bash", str(SCRIPT.parent / "nsrsh.sh")]
-    up = subprocess.run([*netns, "cluster", name, "3", "20mbit"], capture_output=True, text=True)
-    try:
-        assert up.returncode == 0, up.stderr
-        addrs = up.stdout.split()
+    with emulated_cluster("pt", 3, "20mbit") as (name, addrs, rsh):
         assert len(addrs) == 3
         quota = Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h1/cpu.cfs_quota_us")
         if quota.parent.is_dir():  # 2/3 of this machine's cores per host, per 10 ms
@@ -187,9 +199,46 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
                                (f"{name}-h0", f"{name}-h2", addrs[2])):
             mbit = bulk_mbit(rsh, src, dst, addr, tmp_path)
             assert abs(mbit - 20) / 20 < 0.10, f"{src} -> {dst}: {mbit:.2f} Mbit/s"
-    finally:
-        subprocess.run([*netns, "down", name], check=False)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{name}-" not in left
     assert not Path(f"/sys/fs/cgroup/cpu/psparse-{name}-h0").exists()
     assert not Path(f"/sys/fs/cgroup/cpuset/psparse-{name}-h0").exists()
+
+
+def test_a_host_whose_link_is_down_longer_than_the_timeout_restarts_the_run(tmp_path):
+    """launch/netns.sh cluster (server host h0, workers on h1 and h2): h1's switch port goes
+    down for 8 s, longer than --timeout 5, then comes back. The server loses rank 0, the run
+    fails, and --max-restarts starts it again (after a 5 s back-off: the link is back by
+    then) from the newest checkpoint; it ends as a run over the same hosts that nothing
+    disturbed."""
+    with emulated_cluster("pf", 3, "50mbit") as (name, addrs, rsh):
+        server_ip = addrs[0]
+        (tmp_path / "hosts").write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
+
+        def launch(out: Path, *extra: str) -> subprocess.Popen:
+            argv = [sys.executable, "-m", "psparse.launch", "--out", str(out), "--quiet",
+                    "--hostfile", str(tmp_path / "hosts"), "--rsh", shlex.join(rsh),
+                    "--server-host", server_ip, "--bind", server_ip, "--port", "5555",
+                    "--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations",
+                    "600", "--eval-every", "100", "--checkpoint-every", "100", "--seed", "4",
+                    "--timeout", "5", "--threads", "1", *extra]
+            return subprocess.Popen([*rsh, f"{name}-h0", f"cd {shlex.quote(os.getcwd())} && "
+                                     f"exec {shlex.join(argv)}"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+
+        clean = launch(tmp_path / "clean")
+        output = clean.communicate(timeout=300)[0]
+        assert clean.returncode == 0, output
+        out = tmp_path / "run"
+        run = launch(out, "--max-restarts", "2", "--restart-backoff", "5")
+        saved = [out / "checkpoint" / f"{who}-100.pt" for who in ("server", "rank-0", "rank-1")]
+        wait_until_saved(run, saved)
+        port = ["ip", "-n", f"{name}-sw", "link", "set", "p1"]  # h1's port on the switch
+        subprocess.run([*port, "down"], check=True)
+        time.sleep(8)
+        subprocess.run([*port, "up"], check=True)
+        output = run.communicate(timeout=300)[0]
+        assert run.returncode == 0, output
+    failed, resumed = restarted_once(out, output)
+    assert "rank 0 stopped answering" in failed["error"] and resumed["resumed_from"] >= 100
+    assert_identical(out, tmp_path / "clean", 2)

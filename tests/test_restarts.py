@@ -42,6 +42,31 @@ def assert_identical(run: Path, clean: Path, workers: int, metrics: bool = True)
             json.loads((clean / f"rank-{r}.json").read_text())["checksum"], f"rank {r}"
 
 
+def wait_until_saved(proc: subprocess.Popen, saved: list[Path], victim: Path | None = None):
+    """Once every file of ``saved`` exists (the launcher ``proc`` must not end before): the
+    pid of the live process whose log is ``victim``, when one is named."""
+    deadline = time.monotonic() + 120
+    while not all(f.is_file() for f in saved) or \
+            (victim is not None and (pid := writer_of(victim)) is None):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    return pid if victim is not None else None
+
+
+def kill_once_saved(proc: subprocess.Popen, out: Path, saved: list[Path], victim: str) -> None:
+    """SIGKILL the run's process ``victim`` (its log: logs/VICTIM.log) once every file of
+    ``saved`` exists."""
+    os.kill(wait_until_saved(proc, saved, out / "logs" / f"{victim}.log"), signal.SIGKILL)
+
+
+def restarted_once(out: Path, output: str) -> list[dict]:
+    """The run restarted once and then ended well: its attempts (the failed, the resumed)."""
+    assert "psparse-launch: restart 1 of" in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["restarts"] == 1
+    return summary["attempts"]
+
+
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("clean") / "run"
@@ -62,18 +87,10 @@ def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path,
     servers = [out] if not extra else [out / "shard-0", out / "shard-1"]
     saved = [d / "checkpoint" / "server-200.pt" for d in servers] + \
         [out / "checkpoint" / f"rank-{r}-200.pt" for r in range(3)]  # all of iteration 200
-    deadline = time.monotonic() + 120
-    while not all(f.is_file() for f in saved) or \
-            (pid := writer_of(out / "logs" / f"{victim}.log")) is None:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
+    kill_once_saved(proc, out, saved, victim)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output
-    assert "psparse-launch: restart 1 of 2" in output
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["restarts"] == 1
-    failed, resumed = summary["attempts"]
+    failed, resumed = restarted_once(out, output)
     assert failed["process"] == victim and failed["process_exit_code"] == -signal.SIGKILL
     assert resumed["resumed_from"] in (200, 300) and resumed["exit_code"] == 0
     assert (out / "logs" / "attempt-0" / f"{victim}.log").is_file()

@@ -20,15 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from .. import cluster, jit, keyranges, plugin
+from .. import cluster, data, jit, keyranges, plugin
 from ..config import ConfigError, RunConfig
 from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy
 from ..provenance import provenance
 from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 from ..server.records import merge_run_dir
-from .plan import Plan, Topology
-from .processes import free_port
+from .plan import Plan, StartFailure, Topology
+from .processes import free_port, port_taken
 from .progress import Progress
 from .restart import BACKOFF_S, Restarts
 from .supervisor import Supervisor
@@ -105,6 +105,10 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="server bind address in cluster modes (default 0.0.0.0)")
     g.add_argument("--rsh", default="ssh -o BatchMode=yes",
                    help="remote shell for --hostfile (default 'ssh -o BatchMode=yes')")
+    g.add_argument("--python", default=None, metavar="PATH",
+                   help="the interpreter that runs psparse (or TRAIN.PY) on the --hostfile, "
+                        "--server-hosts and --slurm hosts (default: this launcher's, "
+                        f"{sys.executable})")
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="with --hostfile: CUDA_VISIBLE_DEVICES = local rank mod this, unless "
                         "already set")
@@ -154,6 +158,25 @@ def prepare_run_dir(plan: Plan) -> None:
     plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+def check_start(plan: Plan) -> None:
+    """StartFailure, naming the problem, when the run cannot start: a port the servers started
+    here would listen on is taken, or (on this host) the data set is missing."""
+    t, cfg = plan.topology, plan.cfg
+    if t.mode != "local" and not t.server_hosts and not plan.baseline:
+        for index in range(plan.shards):
+            why = port_taken(t.bind, t.port + index)
+            if why:
+                raise StartFailure(f"the run could not start: {plan.server_name(index)} "
+                                   f"cannot listen on {t.bind}:{t.port + index}: {why} "
+                                   "(another run or program has that port; choose another "
+                                   "--port)")
+    if t.mode == "local" and not plan.script:
+        try:
+            data.check_available(cfg.dataset, cfg.data_dir)
+        except data.DataError as exc:
+            raise StartFailure(f"the run could not start: {exc}") from None
+
+
 def warm_up() -> None:
     """Before forking local children: import the worker (and torch, and torch.optim's lazy
     torch._dynamo) once, and start numba, compiling the CPU kernels if the cache lacks them
@@ -180,9 +203,13 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
     cfg = plan.cfg
     prepare_run_dir(plan)
     what = f"script {shlex.join(plan.script)}" if plan.script else f"{cfg.model}/{cfg.dataset}"
-    print(f"psparse: {cfg.workers} workers, {what}, density {cfg.density:g}, run dir "
-          f"{plan.out}", flush=True)
-    supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s)
+    workers = f"{cfg.workers} workers" if plan.ranks is None else \
+        f"{len(plan.ranks)} of {cfg.workers} workers (ranks {plan.ranks}: those live at the " \
+        f"checkpoint of iteration {plan.start})"
+    print(f"psparse: {workers}, {what}, density {cfg.density:g}, run dir {plan.out}",
+          flush=True)
+    supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s,
+                            elastic_from=plan.start if cfg.elastic else None)
     progress = Progress(plan.out, plan.shards, plan.baseline, quiet)
 
     def merge_shards():  # (each shard merges when it finishes; this covers a failed run)
@@ -190,6 +217,7 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
             merge_run_dir(plan.out, plan.shards)
 
     try:
+        check_start(plan)
         for spec in plan.servers():
             supervisor.start(spec)
         ports = supervisor.wait_for_ports(plan.port_files(), cfg.timeout)
@@ -201,8 +229,9 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
         supervisor.stop_all()
         return 130, supervisor
     except RuntimeError as exc:
-        print(f"psparse-launch: error: {exc}", flush=True)
-        supervisor.error = str(exc)
+        supervisor.error, supervisor.start_failed = str(exc), isinstance(exc, StartFailure)
+        if not supervisor.start_failed:  # (a start failure is told on stderr: restart.py)
+            print(f"psparse-launch: error: {exc}", flush=True)
         supervisor.stop_all()
         return 1, supervisor
 
@@ -241,9 +270,10 @@ def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
     """Where the processes go, from the cluster flags (checked: enough slots, one host per
     shard)."""
     if not (args.hostfile or args.slurm):
-        if args.server_hosts is not None:
-            p.error("--server-hosts places server shards in cluster modes: use it with "
-                    "--hostfile or --slurm")
+        for flag, value in (("--server-hosts", args.server_hosts), ("--python", args.python)):
+            if value is not None:
+                p.error(f"{flag} applies to processes started on other hosts: use it with "
+                        "--hostfile or --slurm")
         return Topology()
     if args.hostfile and args.slurm:
         p.error("--hostfile and --slurm exclude each other")
@@ -267,7 +297,7 @@ def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
     return Topology(mode="slurm" if args.slurm else "hostfile", hosts=hosts,
                     server_host=args.server_host or socket.gethostname(), port=args.port,
                     bind=args.bind, rsh=shlex.split(args.rsh), gpus_per_node=args.gpus_per_node,
-                    server_hosts=server_hosts)
+                    server_hosts=server_hosts, python=args.python or sys.executable)
 
 
 def _check_restarts(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:

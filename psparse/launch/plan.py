@@ -27,6 +27,12 @@ from ..config import RunConfig
 from ..rundir import PORT_FILE
 
 
+class StartFailure(RuntimeError):
+    """The run could not start (a port in use, a data set or a program missing, a server that
+    exited before it listened, a plan the topology cannot start): starting it again would fail
+    the same way, so --max-restarts does not (restart.py). The text names the problem."""
+
+
 @dataclass
 class Spec:
     """One process. ``fork``: module ``argv[0]``'s ``main(argv[1:])`` in a fork of the launcher;
@@ -45,7 +51,8 @@ class Spec:
 class Topology:
     """Where the processes go: ``mode`` local, hostfile or slurm; for the cluster modes the
     hosts, the address the workers reach the server at, its port and bind address, the remote
-    shell, GPUs per node and the shards' hosts (None: every shard here)."""
+    shell, GPUs per node, the shards' hosts (None: every shard here) and the interpreter that
+    runs psparse (or the script) on the hosts."""
 
     mode: str = "local"
     hosts: list = field(default_factory=list)
@@ -55,6 +62,7 @@ class Topology:
     rsh: list[str] = field(default_factory=list)
     gpus_per_node: int | None = None
     server_hosts: list[str] | None = None
+    python: str = sys.executable
 
 
 @dataclass
@@ -70,10 +78,18 @@ class Plan:
     master_addr: str | None = None
     resume: bool = False
     rendezvous_port: int = 0  # a local baseline's or script's: where DDP ranks meet (free port)
+    # the worker ranks to start: None for all; an elastic run resumed from a checkpoint after
+    # it lost workers goes on with the ranks live then (checkpoint.resume_point)
+    ranks: list[int] | None = None
+    start: int = 0  # the iteration the run starts (resumes) at
 
     @property
     def shards(self) -> int:
         return self.cfg.servers
+
+    @property
+    def worker_ranks(self) -> list[int]:
+        return list(range(self.cfg.workers)) if self.ranks is None else list(self.ranks)
 
     def server_name(self, index: int) -> str:
         """The process (and log) name of server shard ``index``: "server" for a single one."""
@@ -100,7 +116,7 @@ class Plan:
             name = self.server_name(index)
             if t.server_hosts:  # shard I on the I-th host
                 argv = cluster.server_argv(self.cfg, t.bind, t.port + index, out,
-                                           (index, self.shards)) + self._again()
+                                           (index, self.shards), t.python) + self._again()
                 specs.append(Spec(name, "command", cluster.remote_command(
                     t.rsh, t.server_hosts[index], argv, os.getcwd(), cluster.forwarded_env()),
                     prefix=f"{name}| "))
@@ -141,37 +157,43 @@ class Plan:
                           # process group (DDP with psparse's comm hook)
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.rendezvous_port)}
                 return [Spec(f"rank-{r}", "script", self.script,
-                             self.script_env(r, r, server, config)) for r in range(cfg.workers)]
+                             self.script_env(r, r, server, config)) for r in self.worker_ranks]
             return [Spec(f"rank-{r}", "fork", [
                 "psparse.worker", "--config", str(self.config_path), "--rank", str(r),
                 "--connect", server, "--out", str(self.out), *self._again()])
-                for r in range(cfg.workers)]
+                for r in self.worker_ranks]
         out = str(self.out.resolve())
         # a script's workers get the configuration inline: no shared filesystem is assumed
         inline = {"PSPARSE_CONFIG_JSON": json.dumps(json.loads(self.config_path.read_text()),
                                                     separators=(",", ":")),
                   "PSPARSE_CONFIG": ""}  # a path inherited from this shell would win
         if t.mode == "slurm":
+            if self.ranks is not None:
+                raise StartFailure(f"the run could not start: this elastic run resumes with "
+                                   f"ranks {self.ranks} only, and one srun starts them all: "
+                                   "resume it with --hostfile")
             if self.script:  # srun passes the environment on; each task's rank: SLURM_PROCID
                 env = {k: v for k, v in self.script_env(0, 0, server, inline).items()
                        if k not in ("RANK", "LOCAL_RANK")}
                 # torchrun's names from SLURM's, per task, before the script starts
                 argv = cluster.srun_prefix(cfg) + [
                     "sh", "-c", 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "$@"',
-                    "psparse-task", sys.executable, *self.script]
+                    "psparse-task", t.python, *self.script]
                 return [Spec("workers", "command", argv, env, prefix="rank ")]
-            return [Spec("workers", "command", cluster.srun_command(cfg, server, out)
+            return [Spec("workers", "command", cluster.srun_command(cfg, server, out, t.python)
                          + self._again(), prefix="rank ")]
         specs = []
         for rank, host, local in cluster.place(t.hosts, cfg.workers):
+            if rank not in self.worker_ranks:  # (a lost rank's slot stays empty)
+                continue
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
             if t.gpus_per_node and "CUDA_VISIBLE_DEVICES" not in env:
                 env["CUDA_VISIBLE_DEVICES"] = str(local % t.gpus_per_node)
             if self.script:
                 env.update(self.script_env(rank, local, server, inline))
-                argv = [sys.executable, *self.script]
+                argv = [t.python, *self.script]
             else:
-                argv = cluster.worker_argv(cfg, server, out, rank) + self._again()
+                argv = cluster.worker_argv(cfg, server, out, rank, t.python) + self._again()
             specs.append(Spec(f"rank-{rank}", "command", cluster.remote_command(
                 t.rsh, host, argv, os.getcwd(), env), prefix=f"rank {rank}| "))
         return specs
@@ -197,7 +219,7 @@ class Plan:
         specs = []
         for rank, host, local in placed:
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
-            argv = [sys.executable, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
+            argv = [t.python, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
                     str(rank), "--port", str(t.port), "--master-addr", master, "--out", out,
                     *self._baseline_flags()]
             specs.append(Spec(f"rank-{rank}", "command", cluster.remote_command(

@@ -32,6 +32,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def port_taken(bind: str, port: int) -> str | None:
+    """Why a server could not listen on bind:port (e.g. "Address already in use"), or None.
+    With SO_REUSEADDR, as ZeroMQ binds: a port that the previous attempt's closed sockets
+    leave in TIME_WAIT is free, one that a socket listens on is not."""
+    with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 class ForkedProcess:
     """A child running ``target()`` (its exit code) in a fork of this process; Popen-like."""
 

@@ -13,22 +13,32 @@ attempt with its cause (the first process that failed, its exit code, the iterat
 and the message) and the checkpoint it resumed from (docs/run-directory.md). A failed run whose
 server left no summary.json (a killed server, a launcher error) gets one from the launcher, so
 every failure's cause is in the run directory.
+
+A run that could not start is not restarted at all: a port in use, a data set or a program
+missing (the launcher's checks, plan.StartFailure), a command that exits 126/127 (its
+interpreter or program not found or not executable: --python, --rsh), or a worker that reported
+an error before training (its data set missing on its host, a bad model): the same start would
+fail the same way.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import checkpoint, keyranges
+from ..membership import BEFORE_TRAINING
 from ..rundir import METRICS_FILE, SUMMARY_FILE, read_jsonl, write_json
 from .supervisor import is_server
 
 BACKOFF_S = 2.0  # default wait before a restart: ports and sockets of the stopped run close
 STOPPED = "terminated by signal"  # how a server's summary begins when the launcher stopped it
+# exit codes of a shell (ssh's remote one, srun's) whose command could not be run at all
+NOT_STARTED = {126: "its program is not executable", 127: "its program was not found"}
 
 
 @dataclass
@@ -43,33 +53,29 @@ class Attempt:
     error: str | None = None  # the server's words (summary.json), else the process's last line
     noticed_at: float | None = None  # when the launcher saw the failure
     stopped_at: float | None = None  # when the other processes had been stopped
+    ranks: list[int] | None = None  # the worker ranks started, when not all (elastic resume)
+    start_failure: bool = False  # it could not start (``error`` says why): no restart
 
     def cause(self) -> tuple:
         """What must repeat for "the same fault again": who, where, and what it said."""
         return self.process, self.iterations_done, self.error
 
     def describe(self) -> str:
+        if self.start_failure:  # its error is a whole sentence, naming who could not start
+            return self.error
         done = self.iterations_done
         where = "" if done is None else \
             " before its first iteration" if done == 0 else f" after {done} iterations"
         return f"{self.process or 'the run'} failed{where}: {self.error}"
 
 
-def resume_point(out: Path, world_size: int, shards: int) -> int | None:
-    return checkpoint.latest_common(out, world_size, shards)
+def resume_point(out: Path, world_size: int, shards: int) -> checkpoint.ResumePoint | None:
+    return checkpoint.resume_point(out, world_size, shards)
 
 
 def iterations_done(out: Path) -> int | None:
     path = out / METRICS_FILE
     return len(read_jsonl(path)) if path.is_file() else None
-
-
-def last_line(log: Path) -> str | None:
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
-    return lines[-1] if lines else None
 
 
 def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
@@ -83,9 +89,13 @@ def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
     attempt.process, attempt.process_exit_code = name, (proc_code if name else None)
     attempt.noticed_at, attempt.stopped_at = supervisor.noticed_at, supervisor.stopped_at
     attempt.iterations_done = iterations_done(out)
+    if supervisor.start_failed:  # the launcher's own words (plan.StartFailure)
+        attempt.error, attempt.start_failure = supervisor.error, True
+        return
     summary = read_summary(out) or {}
     server_error = summary.get("error") if summary.get("status") != "ok" else None
     ranks = summary.get("failed_ranks")
+    attempt.start_failure = bool(server_error) and BEFORE_TRAINING in server_error
     if server_error and ranks:
         attempt.error = server_error
         if name not in [f"rank-{r}" for r in ranks]:
@@ -97,9 +107,13 @@ def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
                            or not server_error.startswith(STOPPED)):
         attempt.error = server_error
     elif name is not None:
-        line = last_line(out / "logs" / f"{name}.log")
-        attempt.error = f"exited with code {proc_code}" + (f"; its last line: {line}" if line
-                                                           else "")
+        said = "".join(f"; its last line: {line}" for line in supervisor.last_lines(name))
+        if supervisor.kinds.get(name) == "command" and proc_code in NOT_STARTED:
+            attempt.start_failure = True
+            attempt.error = (f"{name} could not start: exit code {proc_code}, "
+                             f"{NOT_STARTED[proc_code]} (see --python, --rsh){said}")
+        else:
+            attempt.error = f"exited with code {proc_code}{said}"
     else:
         attempt.error = supervisor.error or f"the launcher ended with code {code}"
 
@@ -160,32 +174,52 @@ class Restarts:
 
     def run(self, start) -> int:
         plan = self.plan
-        resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards) \
-            if plan.resume else None
+        point = resume_point(plan.out, plan.cfg.workers, plan.shards) if plan.resume else None
+        if point is not None:  # (without one, --resume fails in the server, saying why)
+            self._resume_at(point)
         while True:
-            attempt = Attempt(len(self.attempts), resumed_from, time.time())
+            attempt = Attempt(len(self.attempts), None if point is None else point.iteration,
+                              time.time(),
+                              ranks=plan.ranks)
             self.attempts.append(attempt)
             code, supervisor = start(plan)
             if code == 0:
                 attempt.exit_code = 0
                 break
             record_failure(attempt, plan.out, code, supervisor)
+            if attempt.start_failure:
+                print(f"psparse-launch: error: {attempt.describe()}", file=sys.stderr,
+                      flush=True)
             if code == 130 or not self._again(attempt):
                 break
             keep_logs(plan.out, attempt.number)
-            resumed_from = resume_point(plan.out, plan.cfg.workers, plan.shards)
-            if resumed_from is None:
+            point = resume_point(plan.out, plan.cfg.workers, plan.shards)
+            if point is None:
                 drop_checkpoints(plan.out, plan.shards)
-            plan.resume = resumed_from is not None
-            where = ("from the beginning (no checkpoint is complete yet)" if resumed_from is None
-                     else f"from the checkpoint at iteration {resumed_from}")
+            where = "from the beginning (no checkpoint is complete yet)" if point is None \
+                else f"from the checkpoint at iteration {point.iteration}" + (
+                    f" with the ranks live then, {point.live}"
+                    if len(point.live) < plan.cfg.workers else "")
             self.say(f"psparse-launch: restart {attempt.number + 1} of {self.max_restarts} in "
                      f"{self.backoff_s:g} s, {where}, after: {attempt.describe()}")
             time.sleep(self.backoff_s)
+            self._resume_at(point)
         write_history(plan.out, self.attempts, code, self.max_restarts)
         return code
 
+    def _resume_at(self, point) -> None:
+        """The next attempt resumes at ``point`` (None: starts from the beginning) with the
+        workers live there: an elastic run's lost ranks stay out (plan.ranks)."""
+        plan = self.plan
+        plan.resume, plan.start = point is not None, 0 if point is None else point.iteration
+        plan.ranks = None if point is None or len(point.live) == plan.cfg.workers \
+            else point.live
+
     def _again(self, attempt: Attempt) -> bool:
+        if attempt.start_failure and self.max_restarts:
+            self.say("psparse-launch: the run could not start; not restarting it (it would "
+                     f"not start again): {attempt.describe()}")
+            return False
         if attempt.number >= self.max_restarts:
             if self.max_restarts:
                 self.say(f"psparse-launch: no restart left ({self.max_restarts} used); the run "

@@ -1,6 +1,11 @@
 """The launcher's watch over a run's processes: start them from their specs, wait for the
 servers to listen, notice the first failure (its cause, not its echoes), stop everything
-cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes."""
+cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes.
+
+In an ``--elastic`` run a worker that fails once training is under way is the server's to
+lose: when the servers serve another round without it (or are still serving a grace after it,
+or ended well) the run goes on without it (its name is in ``lost``), and only the servers' end
+or another failure ends it."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .plan import Spec
+from .plan import Spec, StartFailure
 from .processes import ForkedProcess, piped, run_script
 
 
@@ -21,19 +26,30 @@ def is_server(name: str) -> bool:
 
 
 class Supervisor:
-    def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None):
+    def __init__(self, out: Path, quiet: bool = False, grace_s: float = 5.0, say=None,
+                 elastic_from: int | None = None):
         self.out, self.quiet, self.grace_s = out, quiet, grace_s
+        # an elastic run's first iteration: a worker lost after it started is not the end
+        self.elastic_from = elastic_from
+        self.lost: set[str] = set()  # workers an elastic run went on without
         self.say = say or (lambda msg: print(msg, flush=True))
         self.procs: dict = {}  # name -> ForkedProcess or Popen
+        self.kinds: dict[str, str] = {}  # name -> its spec's kind (fork, script, command)
         self.failure: tuple[str, int] | None = None  # (name, exit code) of the first failure
         self.error: str | None = None  # the launcher's own error (e.g. a server never listened)
+        self.start_failed = False  # that error is a StartFailure: the run could not start
         self.noticed_at: float | None = None  # time.time() when the failure was seen
         self.stopped_at: float | None = None  # time.time() when the others had been stopped
 
     def start(self, spec: Spec):
         log = self.out / "logs" / f"{spec.name}.log"
+        self.kinds[spec.name] = spec.kind
         if spec.kind == "command":
-            proc = piped(spec.argv, log, spec.prefix, self.quiet, spec.env)
+            try:
+                proc = piped(spec.argv, log, spec.prefix, self.quiet, spec.env)
+            except OSError as exc:  # e.g. no such --rsh program
+                raise StartFailure(f"{spec.name} could not start: {spec.argv[0]}: "
+                                   f"{exc.strerror or exc}") from None
         elif spec.kind == "script":
             def target(spec=spec):
                 os.environ.update(spec.env)
@@ -52,8 +68,12 @@ class Supervisor:
         ports = []
         for name, port_file in port_files:
             while not port_file.is_file():
-                if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited before listening:\n" + self.tail(name))
+                code = self.procs[name].poll()
+                if code is not None:  # on its own (it says why), or killed (not its fault)
+                    said = "".join(f"; {line}" for line in self.last_lines(name))
+                    failure = StartFailure if code > 0 else RuntimeError
+                    raise failure(f"{name} could not start: it exited with code {code} before "
+                                  f"listening{said}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} did not start listening within {timeout:g} s")
                 time.sleep(0.05)
@@ -69,7 +89,7 @@ class Supervisor:
         interval = 1.0 if sys.stdout.isatty() else 10.0  # a log file gets a line every 10 s
         while True:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-            failed = {n: c for n, c in finished.items() if c != 0}
+            failed = {n: c for n, c in finished.items() if c != 0 and n not in self.lost}
             progress.read()
             if failed and all(is_server(n) for n in failed):
                 # The server ends the run at once when a worker's connection closes, so it can
@@ -79,15 +99,10 @@ class Supervisor:
                 first_failure = sorted(failed.items())[0]
                 self.noticed_at = time.time()
                 if not any(is_server(n) for n in failed):
-                    # a worker failed: give the servers a moment to record its cause in
-                    # summary.json and end the run themselves before they are stopped
-                    deadline = time.monotonic() + self.grace_s
-                    for name, server in self.procs.items():
-                        if is_server(name):
-                            try:
-                                server.wait(max(0.0, deadline - time.monotonic()))
-                            except subprocess.TimeoutExpired:
-                                pass
+                    self._await_servers(progress)
+                if self._goes_on_without(failed, progress):
+                    first_failure = self.noticed_at = None
+                    continue
             if failed:
                 name, code = self.failure = first_failure
                 self.say(f"\npsparse-launch: {name} exited with code {code}; stopping the "
@@ -107,12 +122,46 @@ class Supervisor:
                 last_print = time.monotonic()
             time.sleep(0.1)
 
+    def _await_servers(self, progress) -> None:
+        """A worker failed: give the servers a moment (the grace) to record its cause in
+        summary.json and end the run themselves before they are stopped, or, in an elastic
+        run, to serve a round without it."""
+        deadline = time.monotonic() + self.grace_s
+        servers = [p for n, p in self.procs.items() if is_server(n)]
+        seen = None if progress.latest is None else progress.latest["iter"]
+        while time.monotonic() < deadline and any(p.poll() is None for p in servers):
+            if self.elastic_from is not None:
+                progress.read()
+                if progress.latest is not None and progress.latest["iter"] != seen:
+                    return  # a round after the failure: the run went on
+            time.sleep(0.02)
+
+    def _goes_on_without(self, failed: dict[str, int], progress) -> bool:
+        """An elastic run loses the failed workers and goes on: training was under way (a
+        round of this start recorded) and the servers went on, to the end (exit 0) or still
+        serving the workers left."""
+        progress.read()
+        if self.elastic_from is None or any(is_server(n) for n in failed) \
+                or progress.latest is None or progress.latest["iter"] < self.elastic_from:
+            return False
+        servers = [p.poll() for n, p in self.procs.items() if is_server(n)]
+        workers_left = any(p.poll() is None for n, p in self.procs.items() if not is_server(n))
+        if not (all(code == 0 for code in servers)
+                or all(code in (None, 0) for code in servers) and workers_left):
+            return False
+        self.lost.update(failed)
+        for name, code in sorted(failed.items()):
+            self.say(f"\npsparse-launch: {name} exited with code {code}; --elastic: the run "
+                     f"goes on without it\n{self.tail(name)}")
+        return True
+
     def _worker_failures_within(self, seconds: float) -> dict[str, int]:
-        """Workers that exit non-zero on their own within ``seconds`` (name -> code)."""
+        """Workers that exit non-zero on their own within ``seconds`` (name -> code), but those
+        an elastic run already went on without."""
         deadline = time.monotonic() + seconds
         while True:
-            failed = {n: p.returncode for n, p in self.procs.items()
-                      if not is_server(n) and p.poll() is not None and p.returncode != 0}
+            failed = {n: p.returncode for n, p in self.procs.items() if not is_server(n)
+                      and n not in self.lost and p.poll() is not None and p.returncode != 0}
             if failed or time.monotonic() >= deadline:
                 return failed
             time.sleep(0.02)
@@ -128,6 +177,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+    def last_lines(self, name: str, lines: int = 1) -> list[str]:
+        """The last non-empty lines of ``name``'s log."""
+        try:
+            text = (self.out / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.out / "logs" / f"{name}.log"

@@ -184,11 +184,11 @@ class Server:
                              aggregators=[Aggregator(hi - lo, self.dev) for lo, hi in spans],
                              parts=parts, limit=self.limit, shard=self.shard)
         members.start_training(self.iterations)
-        for rank in range(self.world_size):
+        for rank in sorted(members.expected):
             endpoint.send(members.rank_peer[rank], protocol.encode(
                 "ready", world_size=self.world_size, start=self.start, run=run,
                 token=members.tokens[rank], heartbeat_s=endpoint.heartbeat_s), it=self.start)
-        self.log(f"{self.world_size} workers registered: numel={self.numel}, "
+        self.log(f"{len(members.expected)} workers registered: numel={self.numel}, "
                  f"iterations={self.iterations}"
                  + (f", keys [{self.key_range[0]}, {self.key_range[1]}) of {run['numel']}"
                     if self.sharded else ""))
@@ -211,24 +211,30 @@ class Server:
 
     # ---------------------------------------------------------------------- checkpoint, resume
     def _resume_point(self) -> int:
-        it = checkpoint.latest_common(self.run_dir, self.world_size, self.shard[1])
-        if it is None:
+        """The iteration to resume at; registration then expects exactly the ranks live at it
+        (an elastic run that lost workers before it resumes without them)."""
+        point = checkpoint.resume_point(self.run_dir, self.world_size, self.shard[1])
+        if point is None:
             raise ValueError(f"no checkpoint in {self.run_dir} that the server"
                              + (f" shards (all {self.shard[1]})" if self.sharded else "")
-                             + f" and all {self.world_size} workers saved")
-        self.start = it
-        return it
+                             + " and every worker live at it saved")
+        self.start = point.iteration
+        self.members.expect(point.live)
+        if len(point.live) < self.world_size:
+            self.log(f"resuming at iteration {point.iteration} with the ranks live then: "
+                     f"{point.live}")
+        return point.iteration
 
     def _checkpoint(self, iteration: int) -> None:
         members = self.members
+        live = sorted(members.active)  # in the header too: a resume expects exactly these ranks
         checkpoint.save(self.out_dir, "server", iteration, {
             "iteration": iteration, **self.records.state(),
-            "active": sorted(members.active), "lost": members.lost,
-            "evaluators": members.evaluators,
+            "active": live, "lost": members.lost, "evaluators": members.evaluators,
             "caches": {r: c.state() for r, c in self.endpoint.caches.items()},
             "limit": None if self.limit is None else
             {"support": self.limit.support, "values": self.limit.residual[self.limit.support]},
-        })
+        }, header={"live": live})
 
     def _restore(self) -> None:
         state = checkpoint.load(self.out_dir, "server", self.start)
