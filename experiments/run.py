@@ -173,7 +173,9 @@ def launch(sweep: str, run: str, label: str, cache: RunCache, cmd: list[str],
     t = time.perf_counter()
     saved = None
     if cache.started() and cache.dir.json("config.json") is not None:
-        saved = checkpoint.latest_common(out, cache.dir.config()["workers"])
+        config = cache.dir.config()
+        point = checkpoint.resume_point(out, config["workers"], config.get("servers") or 1)
+        saved = point.iteration if point is not None else None
         made_by = cache.dir.code_id()
         if saved is not None and made_by != provenance()["code_id"]:
             # one run, one code: a table states which code made its runs
