@@ -18,7 +18,7 @@ from test_policy_equivalence import CASES, LAYERS, MODEL, aggregate, build, grad
 from psparse.backend import CudaBackend
 from psparse.device_policy import DeviceSelection
 from psparse.emulated import EmulatedBackend
-from psparse.policies import Layout, build_policy
+from psparse.policies import Layout, PolicyError, build_policy, policy_class
 from psparse.xp import cupy_or_none
 
 
@@ -46,6 +46,11 @@ def test_the_device_path_selects_what_the_host_selects(dev, name, args, granular
                                                        rounds=18, k=70):
     layout = Layout(MODEL if granularity == "model" else LAYERS, granularity)
     n = layout.numel
+    if not policy_class(name).device_path:  # micro, exdyna: a GPU worker refuses them by name
+        with pytest.raises(PolicyError, match=f"policy {name!r} runs on the host path only"):
+            build_policy(name, [f"{a}={v}" for a, v in args.items()], layout, k, rank=0,
+                         world_size=4, seed=3, dev=dev)
+        return
     host = build(name, layout, k, args)
     device = build_policy(name, [f"{a}={v}" for a, v in args.items()], layout, k, rank=0,
                           world_size=4, seed=3, dev=dev)

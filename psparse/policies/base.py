@@ -103,12 +103,18 @@ class SelectionPolicy:
     name = "base"
     params: dict[str, Param] = {}
     two_phase = False
+    # False: the policy has no device path (its rule reads values back every round), and a GPU
+    # worker refuses it by name rather than synchronising with the device in every round
+    device_path = True
 
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, xp=np, dev=None, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
         # dev: the device backend of a GPU worker (psparse.backend), else None (the host)
         self.dev = dev
+        if dev is not None and not self.device_path:
+            raise PolicyError(f"policy {self.name!r} runs on the host path only (its threshold "
+                              "controller reads counts back every round): use --device cpu")
         self.xp = dev.xp if dev is not None else xp  # numpy, or cupy on the GPU
         self.engines = DeviceEngines(dev, layout) if dev is not None else None
         self.fusion: Fusion | None = None  # the round's error-feedback work (set by the session)

@@ -32,8 +32,10 @@ mean of union / k after the warm-up is within 10% of 1 (0.95: the in-band factor
 it near the band's lower edge); in training the gradient's scale falls faster than the
 threshold's 0.5% a round and union / k lags below 1 (0.50 on mlp/digits after round 150), after
 the threshold has risen from 1/(2·sqrt(k)), which sends up to the cap first (LeNet/MNIST, 8
-workers, 1%: union / k 2.48 over 200 rounds). Array code is ``self.xp`` (no radix device key:
-the threshold test is one elementwise pass over the worker's partition only; not run on a GPU).
+workers, 1%: union / k 2.48 over 200 rounds). Host path only (``device_path = False``): the
+threshold test is numpy over the worker's partition and the controller reads the round's count
+back, so a GPU worker refuses the policy by name (``--device cpu``) rather than synchronise with
+the device every round.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .base import Param, PolicyError, SelectionPolicy
 class Micro(SelectionPolicy):
     name = "micro"
     two_phase = True
+    device_path = False  # numpy selection and a host threshold: refused on a GPU worker
     # propose reads the accumulator with array code, so on the GPU it must already hold this
     # round's gradient (no engine folds it in during the selection)
     fuses_accumulation = False
