@@ -74,8 +74,13 @@ def exit_status(run_dir: Path) -> int | None:
     summary = RunDir(run_dir).summary()
     if summary is None:
         return None
-    return 0 if summary.get("status") == "ok" else \
-        INTERRUPTED if "signal" in str(summary.get("error")) else 1
+    if summary.get("status") == "ok":
+        return 0
+    # the server's own summary says "terminated by signal"; one the launcher wrote when it
+    # was stopped first records its exit code in the last attempt
+    attempts = summary.get("attempts") or [{}]
+    stopped = attempts[-1].get("exit_code") in STOPPED or "signal" in str(summary.get("error"))
+    return INTERRUPTED if stopped else 1
 
 
 def reached(run_dir: Path, name: str, seed: int, exit_code: int | None) -> dict:
