@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .rundir import open_truncated
+
 RECALL_FILE = "recall.jsonl"
 PROBE_DIR = "probes"
 WAIT_S = 30.0  # a live worker's file that has not appeared by then: the row is skipped
@@ -54,11 +56,8 @@ def measures(total: np.ndarray, union: np.ndarray, k: int) -> dict:
 
 def truncate(path: Path, start: int) -> None:
     """Keep the rows of iterations before ``start`` (a resumed run writes the rest again)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["iter"] < start]
-    path.write_text("".join(line + "\n" for line in kept))
+    if Path(path).is_file():
+        open_truncated(path, lambda n, row: row["iter"] < start).close()
 
 
 class RecallProbe:
