@@ -1,4 +1,4 @@
-"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the three
+"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the
 intrinsics the kernels use, and where numba's cache lives (psparse/jit.py's docstring has the
 rules; README, "Compiled CPU kernels"). Imported by the kernel modules only."""
 
@@ -89,3 +89,36 @@ def population_count(typingctx, word):
     def codegen(context, builder, signature, args):
         return builder.ctpop(args[0])
     return types.uint64(types.uint64), codegen
+
+
+MASK_LANES = 16  # float32s that ``magnitude_mask`` compares at once: one 64-byte cache line
+
+
+@intrinsic
+def magnitude_mask(typingctx, address, low, high):
+    """Bit i set where low <= |x_i| <= high for the 16 float32s x_0..x_15 at byte ``address``,
+    compared as bits (``low``/``high``: the uint32 bits of non-negative floats; NaN's bits lie
+    above inf's, so high = inf's bits leaves NaN out).
+
+    Written as one vector compare in LLVM's IR (a 16-lane load, AND, two unsigned compares,
+    the 16 results as a 16-bit integer): numba's own loops widen integer arithmetic to 64 bits
+    and spell a per-element compare as scalar code, ~3x slower than a plain read of the same
+    memory; this one runs at the read's speed (on AVX-512 a load, an AND, two compares into a
+    mask register and a move out of it; other targets get LLVM's lowering of the same IR).
+    """
+    def codegen(context, builder, signature, args):
+        start, lo, hi = args
+        word = ir.IntType(32)
+        vector = ir.VectorType(word, MASK_LANES)
+        values = builder.load(builder.inttoptr(start, vector.as_pointer()), align=4)
+        values = builder.and_(values, ir.Constant(vector, [0x7FFFFFFF] * MASK_LANES))
+
+        def splat(scalar):
+            lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), scalar,
+                                           ir.Constant(word, 0))
+            return builder.shuffle_vector(lane0, ir.Constant(vector, ir.Undefined),
+                                          ir.Constant(vector, [0] * MASK_LANES))
+        inside = builder.and_(builder.icmp_unsigned(">=", values, splat(lo)),
+                              builder.icmp_unsigned("<=", values, splat(hi)))
+        return builder.zext(builder.bitcast(inside, ir.IntType(MASK_LANES)), ir.IntType(64))
+    return types.uint64(types.int64, types.uint32, types.uint32), codegen

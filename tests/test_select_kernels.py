@@ -115,13 +115,29 @@ def test_frequency_top_k_equals_its_rule():
 
 def test_at_least_equals_the_reference():
     rng = np.random.default_rng(4)
-    for n in (0, 1, 17, 200_003):
+    for n in (0, 1, 17, 63, 64, 65, 200_003):
         acc = rng.standard_normal(n).astype(np.float32)
         if n > 17:
-            acc[[5, 70, 300]] = [np.nan, np.inf, -np.inf]
-            acc[1000] = np.float32(0.7)  # at a lam whose float32 rounds down: selected
+            acc[[5, 70 % n, 300 % n]] = [np.nan, np.inf, -np.inf]
+            acc[1000 % n] = np.float32(0.7)  # at a lam whose float32 rounds down: selected
         got = select_kernels.at_least(acc, np.float32(0.7))
         np.testing.assert_array_equal(got, kernels.at_least(acc, 0.7, np.empty(64, np.float32)))
+
+
+@pytest.mark.parametrize("hits", [0.0, 0.001, 0.06, 0.5, 1.0])
+def test_at_least_at_every_hit_rate(hits):
+    """Blocks of 64 with no hit, a few (the branch-free first four), many (the loop after
+    them) and all; the tail of fewer than 64 one by one; -0.0, subnormals and huge values."""
+    rng = np.random.default_rng(int(hits * 1000))
+    for n in (64 * 37 + 29, 64 * 500):
+        acc = rng.uniform(-0.5, 0.5, n).astype(np.float32)
+        chosen = rng.random(n) < hits
+        acc[chosen] = (rng.choice([-1, 1], chosen.sum())
+                       * rng.uniform(1.0, 3e38, chosen.sum())).astype(np.float32)
+        acc[:4] = [-0.0, 1e-45, -np.float32(1.0), np.float32(1.0)]
+        got = select_kernels.at_least(acc, np.float32(1.0))
+        np.testing.assert_array_equal(got, np.flatnonzero(np.abs(acc) >= 1.0))
+        np.testing.assert_array_equal(got, kernels.at_least(acc, 1.0, np.empty(64, np.float32)))
 
 
 def test_scatter_add_and_renormalise_equal_numpy_bit_for_bit():

@@ -35,6 +35,7 @@ import numpy as np
 from .base import Param, PolicyError
 from .micro import Micro
 
+
 class ExDyna(Micro):
     name = "exdyna"
     params = {
