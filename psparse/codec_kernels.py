@@ -109,30 +109,71 @@ def encode_delta(indices, out, capacity):
     return size
 
 
+ENCODE_CHUNK = 1024  # indices whose varints one pass forms before another stores them
+
+
 @kernel
 def _encode_run(indices, start, stop, size, base, out):
-    """encode_delta's loop over indices[start:stop] without the capacity check."""
+    """encode_delta's loop over indices[start:stop] without the capacity check, a chunk at a
+    time in two passes: ``_form_varints`` (each gap's first four bytes and its length, no
+    dependence between indices: it vectorises) and ``_store_varints`` (the 32-bit stores at
+    the running size: a store and an add an index). One pass doing both was bound by its
+    instructions, ~2.3x the time (its stores wait on the sizes, the sizes on the gaps)."""
+    words = np.empty(ENCODE_CHUNK, np.uint32)
+    lengths = np.empty(ENCODE_CHUNK, np.uint8)
+    for chunk in range(start, stop, ENCODE_CHUNK):
+        end = min(stop, chunk + ENCODE_CHUNK)
+        _form_varints(indices, chunk, end, words, lengths)
+        size = _store_varints(indices, chunk, end, words, lengths, size, base, out)
+    return size
+
+
+@kernel
+def _form_varints(indices, start, stop, words, lengths):
+    """words[i - start]: the first four bytes of gap i's varint (``_first_four``), and
+    lengths[i - start] its length in bytes, for i in [start, stop)."""
     previous = np.int64(indices[start - 1]) if start > 0 else np.int64(0)
     for i in range(start, stop):
         current = np.int64(indices[i])
         gap = np.uint64(current - previous)
         previous = current
-        length = _LENGTH_BY_BITS[np.uint64(64) - _leading_zeros(gap)]
-        _store_u32(base + size, _first_four(gap, length))
-        if length > 4:  # gaps of 2**28 and more
-            _write_tail(out, size, gap, length)
+        bits = np.uint64(64) - _leading_zeros(gap | np.uint64(1))
+        # ceil(bits / 7) for 1 <= bits <= 64, without a division or a table (both kept it
+        # from vectorising); tests/test_cpu_kernels.py checks every bit length
+        length = (bits * np.uint64(37) + np.uint64(222)) >> np.uint64(8)
+        more = np.uint64(0x80808080) \
+            & ((np.uint64(1) << (np.uint64(8) * min(length - np.uint64(1), np.uint64(4))))
+               - np.uint64(1))
+        words[i - start] = np.uint32(_spread(gap) | more)
+        lengths[i - start] = np.uint8(length)
+
+
+@kernel
+def _store_varints(indices, start, stop, words, lengths, size, base, out):
+    """Store the formed varints from byte ``size`` on; returns the size after them."""
+    for i in range(start, stop):
+        length = np.int64(lengths[i - start])
+        _store_u32(base + size, np.uint64(words[i - start]))
+        if length > 4:  # gaps of 2**28 and more: their bytes past the fourth
+            previous = np.int64(indices[i - 1]) if i > 0 else np.int64(0)
+            _write_tail(out, size, np.uint64(np.int64(indices[i]) - previous), length)
         size += length
     return size
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _first_four(gap, length):
-    """A varint's first four bytes as a little-endian 32-bit word."""
+def _spread(gap):
+    """The low 28 bits of ``gap`` as four 7-bit groups, one a byte (continuation bits clear)."""
     seven = np.uint64(0x7F)
-    spread = (gap & seven) | ((gap << np.uint64(1)) & (seven << np.uint64(8))) \
+    return (gap & seven) | ((gap << np.uint64(1)) & (seven << np.uint64(8))) \
         | ((gap << np.uint64(2)) & (seven << np.uint64(16))) \
         | ((gap << np.uint64(3)) & (seven << np.uint64(24)))
-    return spread | _MORE_BY_LENGTH[length]
+
+
+@numba.njit(inline="always", nogil=True, cache=True)
+def _first_four(gap, length):
+    """A varint's first four bytes as a little-endian 32-bit word."""
+    return _spread(gap) | _MORE_BY_LENGTH[length]
 
 
 @kernel
@@ -156,17 +197,19 @@ def decode_delta(data, count, out, wide_shift):
     path: each 7-bit group is added into the running index at its shift (the groups of a gap
     do not overlap, so adding them one by one is adding the gap), and a varint's end is a mask
     that resets the shift (no select for the compiler to turn into a branch); the checks
-    follow in passes of their own. (Tried: decoding the two halves of a frame as two chains in
+    follow in passes of their own: WIDE too (``_continued_run``; tracking the widest shift in
+    this loop took 1.7x its time). (Tried: decoding the two halves of a frame as two chains in
     one loop, slower; assembling each gap apart before adding it, ~1.7x the time.)
     """
     shift = np.uint64(0)
     index = np.uint64(0)
     varints = np.uint64(0)
-    widest = np.uint64(0)
     for p in range(data.size):
-        shift, index, varints, widest = _step(data[p], shift, index, varints, widest, out)
+        shift, index, varints = _step(data[p], shift, index, varints, out)
     flags = 0
-    if widest >= np.uint64(wide_shift):
+    # a group at bit wide_shift or above: wide_shift / 7 (rounded up) continuation bytes with
+    # a byte after them
+    if _continued_run(data, (wide_shift + 6) // 7):
         if wide_shift < 63:
             return np.int64(varints), WIDE, np.int64(index)
         flags |= _long_varints(data)
@@ -176,16 +219,38 @@ def decode_delta(data, count, out, wide_shift):
 
 
 @numba.njit(inline="always", nogil=True, cache=True)
-def _step(byte, shift, index, varints, widest, out):
-    """One byte of a delta frame: (shift, index, varints, widest) after it; the index so far
-    is written at out[varints] whether the varint ended or not (varints <= bytes; the frame
-    ends on a varint's last byte, so the index returned is whole)."""
+def _step(byte, shift, index, varints, out):
+    """One byte of a delta frame: (shift, index, varints) after it; the index so far is
+    written at out[varints] whether the varint ended or not (varints <= bytes; the frame ends
+    on a varint's last byte, so the index returned is whole)."""
     byte = np.uint64(byte)
     last = (byte >> np.uint64(7)) ^ np.uint64(1)  # 1 on a varint's last byte, else 0
-    widest = max(widest, shift)
     index += (byte & np.uint64(0x7F)) << (shift & np.uint64(63))
     out[varints] = index
-    return (shift + np.uint64(7)) & (last - np.uint64(1)), index, varints + last, widest
+    return (shift + np.uint64(7)) & (last - np.uint64(1)), index, varints + last
+
+
+@kernel
+def _continued_run(data, run):
+    """Whether ``run`` consecutive bytes of ``data`` have the continuation bit with a byte
+    after them: an AND over each window (no dependence between windows: it vectorises),
+    unrolled for the two runs decode_delta asks about (5: int32 output, 9: int64)."""
+    n = data.size
+    found = 0
+    if run == 5:
+        for s in range(n - 5):
+            found |= data[s] & data[s + 1] & data[s + 2] & data[s + 3] & data[s + 4]
+    elif run == 9:
+        for s in range(n - 9):
+            found |= data[s] & data[s + 1] & data[s + 2] & data[s + 3] & data[s + 4] \
+                & data[s + 5] & data[s + 6] & data[s + 7] & data[s + 8]
+    else:
+        for s in range(n - run):
+            every = 0xFF
+            for q in range(run):
+                every &= data[s + q]
+            found |= every
+    return (found & 0x80) != 0
 
 
 @kernel

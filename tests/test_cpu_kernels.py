@@ -230,6 +230,10 @@ def index_sets():
     yield np.sort(rng.choice(12_500_000, 125_000, replace=False))
     yield np.arange(10_000)
     yield np.sort(rng.choice(2**31 - 1, 5000, replace=False))
+    # every varint length at once, in a set long enough for the kernels (not jit.SMALL's
+    # numpy path): gaps of 2**b - 1 and 2**b for every bit length b, in turn, then repeated
+    gaps = [g for b in range(1, 55) for g in (2**b - 1, 2**b)]
+    yield np.cumsum(np.array(gaps * 80, dtype=np.int64))
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
