@@ -199,17 +199,32 @@ def _pass_of(kind, acc, aux, marks, p, t, bound, capacity, idx, val):
     """``_pass`` for one kind."""
     n = acc.size
     bits = acc.view(np.uint32)
+    start = acc.ctypes.data
+    low = _bits(t) if t > 0 else np.uint32(0)  # |acc| >= t as bits (t is never NaN)
     count, cursor, status = 0, 0, 0
     full = n - n % GROUP
     for g in range(0, full, GROUP):
         if not _reaches(bits, g, g + GROUP, bound):
             continue
         for h in range(g, g + GROUP, LINE):
-            if _line_reaches(bits, h, bound):
-                count, cursor, status = _collect(kind, acc, aux, marks, p, t, h, h + LINE,
-                                                 cursor, count, capacity, idx, val)
-                if status < 0:
-                    return count, status
+            if not _line_reaches(bits, h, bound):
+                continue
+            if kind == ABS and magnitude_mask(start + 4 * h, INF_BITS, SIGN_OFF) == 0:
+                # |acc| is the score and the line holds no NaN or inf: its candidates are the
+                # set bits of one more compare (4x fewer instructions than one by one)
+                hits = magnitude_mask(start + 4 * h, low, INF_BITS)
+                while hits:
+                    j = h + np.int64(trailing_zeros(hits))
+                    at = min(count, capacity)
+                    idx[at] = j
+                    val[at] = abs(acc[j])
+                    count += 1
+                    hits &= hits - np.uint64(1)
+                continue
+            count, cursor, status = _collect(kind, acc, aux, marks, p, t, h, h + LINE,
+                                             cursor, count, capacity, idx, val)
+            if status < 0:
+                return count, status
     count, cursor, status = _collect(kind, acc, aux, marks, p, t, full, n, cursor, count,
                                      capacity, idx, val)
     return count, status
