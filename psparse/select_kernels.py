@@ -17,7 +17,9 @@ imports numba.
   |acc| that a score at the threshold needs (one vector compare a cache line,
   ``numba_jit.magnitude_mask``: non-negative float32 bits order as the values do, NaN and inf
   above every number), and only the rare lines that reach it are scored one by one (and
-  checked for NaN and inf); so ema reads its priority only where |acc| is large enough. The candidates are trimmed to exactly k. When the sample
+  checked for NaN and inf); so ema reads its priority only where |acc| is large enough.
+  PENALTY's pass is top-k's at about t / pi (what an entry off the marks needs), and the marks
+  are merged in afterwards, each scored once. The candidates are trimmed to exactly k. When the sample
   misjudged (too few candidates, or more than the buffer holds) the exact k-th score is found
   by a partition of all of them, as ``kernels.select`` does.
 * ``frequency_top_k``: frequency's rule, the k best by (count, magnitude) of the pool (the
@@ -230,6 +232,48 @@ def _pass_of(kind, acc, aux, marks, p, t, bound, capacity, idx, val):
     return count, status
 
 
+@inlined
+def _penalty_bound(t, p):
+    """An |acc| at or below which no unmarked entry's score pi * |acc| reaches t (t / pi,
+    rounded down a little: the pass may collect a few too many, ``_merge_penalty`` scores them
+    exactly)."""
+    return np.float32(np.float64(t) / np.float64(p) * (1.0 - 2.0 ** -20))
+
+
+@inlined
+def _low_bits(value):
+    """The |acc| bits a pass looks for at a float32 threshold: its bits, at most inf's (NaN
+    and inf always looked at), 0 at or below 0."""
+    return min(_bits(value), INF_BITS) if value > 0 else np.uint32(0)
+
+
+@kernel
+def _merge_penalty(idx, val, count, acc, marks, p, t):
+    """PENALTY's candidates: the pass's (every |acc| >= about t / pi, val = |acc|) and the
+    marks (the previous aggregate's entries, sorted) merged in index order, each scored as
+    ``_score`` scores it (pi * |acc| off the marks, |acc| on them) and kept if it reaches t:
+    so the marks are looked up once each, not searched for in every line the pass reads (the
+    first compiled PENALTY score did, 2-3x slower than numpy)."""
+    out_idx = np.empty(count + marks.size, np.int64)
+    out_val = np.empty(count + marks.size, np.float32)
+    a, b, c = 0, 0, 0
+    while a < count or b < marks.size:
+        if b < marks.size and (a >= count or marks[b] <= idx[a]):
+            j = marks[b]
+            s = abs(acc[j])
+            if a < count and idx[a] == j:
+                a += 1
+            b += 1
+        else:
+            j = idx[a]
+            s = val[a] * p
+            a += 1
+        if s >= t:
+            out_idx[c], out_val[c] = j, s
+            c += 1
+    return out_idx, out_val, c
+
+
 @kernel
 def _merge_marks(idx, val, count, marks):
     """CORE: the candidates and the marks (at float32's maximum) merged, in index order."""
@@ -281,12 +325,19 @@ def candidates(kind, acc, aux, marks, p, q, k):
     for attempt in range(3):
         idx = np.empty(capacity + 1, np.int64)
         val = np.empty(capacity + 1, np.float32)
-        count, status = _pass(kind, acc, aux, marks, p, t, _lowest_acc(kind, t, q), capacity,
-                              idx, val)
+        if kind == PENALTY:  # |acc| >= about t / pi, then the marks merged in
+            low = _penalty_bound(t, p)
+            count, status = _pass(ABS, acc, aux, NO_MARKS, p, low, _low_bits(low), capacity,
+                                  idx, val)
+        else:
+            count, status = _pass(kind, acc, aux, marks, p, t, _lowest_acc(kind, t, q),
+                                  capacity, idx, val)
         if status < 0:
             return NO_MARKS, NO_AUX, 0, status
         if kind == CORE and count <= capacity:
             idx, val, count = _merge_marks(idx, val, count, marks)
+        if kind == PENALTY and count <= capacity:
+            idx, val, count = _merge_penalty(idx, val, count, acc, marks, p, t)
         if k <= count <= capacity:
             return idx, val, count, min(attempt, 1)
         if attempt == 0:  # the sample misjudged: the exact k-th score

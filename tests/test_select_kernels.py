@@ -65,6 +65,20 @@ def test_top_k_equals_the_exact_top_k_of_the_score(kind, n, ties):
                                       err_msg=f"kind {kind} n {n} k {k}")
 
 
+@pytest.mark.parametrize("pi", [1.0, 0.5, 0.3, 1e-3])
+def test_penalty_at_every_pi(pi):
+    """PENALTY collects |acc| >= about t / pi and merges the marks in afterwards: exact at pi
+    = 1 (no penalty), at a pi whose division rounds, and at a tiny one (every mark first)."""
+    rng = np.random.default_rng(int(pi * 1000))
+    for n, ties in ((7037, True), (200_003, False)):
+        acc, _, marks = inputs(rng, n, ties)
+        score = reference_score(select_kernels.PENALTY, acc, None, marks, pi)
+        for k in (1, n // 100, n // 7):
+            np.testing.assert_array_equal(
+                compiled(select_kernels.PENALTY, acc, k, None, marks, pi),
+                topk_exact(score, k, nonnegative=True), err_msg=f"pi {pi} n {n} k {k}")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(GRID, min_size=1, max_size=400), st.data())
 def test_top_k_on_tied_grids(values, data):

@@ -6,10 +6,12 @@
 so a new index must be 1/pi times larger than a shared one to displace it. The previous
 aggregate is identical on every worker, so all workers favour the same indices.
 
-Cost (issue 18, item 3): on the host the score is made and selected a block at a time
-(``Selector.topk_scored``), each block's shared entries restored while it is in cache. The
-compiled score (``select_kernels.top_k``, kind PENALTY: the shared entries found by a search
-per line looked at) gives the same answer but was measured slower (``compiled_selection``).
+Cost (issue 18, item 3): on the host the compiled selection (``select_kernels.top_k``, kind
+PENALTY) collects every |acc| that could reach the sampled threshold off the shared entries
+(t / pi), one vector compare a cache line as top-k's pass, and merges the shared entries in
+afterwards, each looked up once; where the compiled kernels are off, the numpy way makes the
+score a block at a time (``Selector.topk_scored``), each block's shared entries restored
+while it is in cache. The same indices either way.
 """
 
 import numpy as np
@@ -22,9 +24,12 @@ from .base import Param, ScoredPolicy
 
 class Penalty(ScoredPolicy):
     name = "penalty"
-    # select_kernels.top_k's PENALTY score, measured back to back against the numpy way at 11M:
-    # 55-83 ms against 19-29 (its bound, the threshold itself, lets pi * |acc| lines through)
-    compiled_selection = False
+    # select_kernels.top_k's PENALTY candidates, measured back to back against the numpy way
+    # (bench_select's rounds, whole round with the accumulator's update): 11M at 0.1% / 1%
+    # 26.0 / 41.9 ms against 35.9 / 49.9 (top-k 27.4 / 35.3); 61,706: 0.10 / 0.22 against
+    # 0.25 / 0.30 ms. (The first compiled score searched the shared entries in every line
+    # it read, with the threshold itself as the bound: 2-3x slower than numpy.)
+    compiled_selection = True
     params = {
         "pi": Param(float, 0.25, "factor for indices absent from the previous aggregate",
                     lambda v: 0 < v <= 1, "in (0, 1]"),
