@@ -18,7 +18,9 @@ still move the uncoded bytes.
 Read once: raw re-sent, with each end reading every received byte once (a max over the
 indices, a dot product of the values) and checking nothing: the floor for any protocol that
 validates every entry (the received frames were written by ZeroMQ's I/O thread, on another
-core).
+core). For the delta-coded row also the codec floor: read once plus the thread CPU of the
+round trip's two delta encodes and two decodes alone (in this process, same run): what ours
+would cost if the LEB128 codec were its only work beyond reading.
 
 Two measures, the four kinds alternating in blocks so drift in machine load hits all: wall
 time (median round trip), and CPU time per round trip, client and peer processes together
@@ -159,6 +161,7 @@ def main() -> int:
             c_raw, c_resent, c_read, c_ours = (statistics.median(cpu[f])
                                                for f in (raw, resent, read, ours))
             m_resent, m_ours = (statistics.median(main_cpu[f]) for f in (resent, ours))
+            codec_s = codec_seconds(idx) if fmt == "delta" else None
             rows.append([label, f"{k:,}", fmt, f"{t_raw * 1e3:.2f}", f"{t_ours * 1e3:.2f}",
                          f"{t_raw / t_ours:.0%}", f"{c_raw * 1e3:.2f}", f"{c_resent * 1e3:.2f}",
                          f"{c_ours * 1e3:.2f}", f"{c_raw / c_ours:.0%}",
@@ -174,6 +177,9 @@ def main() -> int:
                 "cpu_ms": {"raw": round(c_raw * 1e3, 4), "resent": round(c_resent * 1e3, 4),
                            "read_once": round(c_read * 1e3, 4), "ours": round(c_ours * 1e3, 4)},
                 "protocol_own_cpu_ms": round((m_ours - m_resent) * 1e3, 4),
+                **({} if codec_s is None else {
+                    "codec_ms": round(codec_s * 1e3, 4),
+                    "codec_floor_ratio": round(c_raw / (c_read + codec_s), 4)}),
                 "baseline": "raw ZeroMQ echo of the same index and value bytes, CPU time of "
                             "client and peer (all threads) per round trip"}
     finally:
@@ -190,8 +196,29 @@ def main() -> int:
           "I/O threads: the protocol's own work is ours main - re-sent main); a/b: b's time "
           "over a's, i.e. a's throughput as a fraction of b's; read-once: re-sent, each end "
           "reading every received byte once (the least that checking every entry costs)")
+    for key, row in results.items():
+        if "codec_floor_ratio" in row:
+            print(f"{row['payload']}: the codec alone (two delta encodes and two decodes of the "
+                  f"{row['entries']:,} indices, in process) takes {row['codec_ms']:.2f} ms a round "
+                  f"trip; read once plus that would be {row['codec_floor_ratio']:.0%} of raw "
+                  f"(ours {row['ratio']:.0%}, target {row['target']:.0%})")
     record(results)
     return 0
+
+
+def codec_seconds(idx: np.ndarray, reps: int = 200) -> float:
+    """Thread CPU of what a delta-coded round trip's index frames need at least: two encodes
+    and two decodes (push and aggregate), the compiled kernels with the decoder's checks,
+    nothing else (the median over ``reps``)."""
+    frame = np.frombuffer(codec.encode_delta(idx).tobytes(), np.uint8)  # read-only, as received
+    times = []
+    for _ in range(reps):
+        t = time.thread_time()
+        for _ in range(2):
+            codec.encode_delta(idx)
+            codec.decode_delta(frame, idx.size, idx.dtype)
+        times.append(time.thread_time() - t)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,31 @@ def policy_table(quick: bool = False) -> tuple[str, dict]:
                      f"accumulator once, {read * 1e3:.1f} ms; ema also reads its priority, "
                      f"{reads * 1e3:.1f} ms ({reads / read:.1f}x), and updates it at its union, "
                      f"{(reads + update) * 1e3:.1f} ms ({(reads + update) / read:.1f}x)")
+        pool = pool_floor(n, density)
+        ratios[f"floor_frequency_pool@{n}@{density:g}"] = round(pool, 3)
+        lines.append(f"pool floor at {n:,}, {density:.1%} (pool_floor): frequency ranks the "
+                     f"c*k = 4k largest |acc|; selecting those alone takes {pool:.2f}x top-k's "
+                     "time (Selector.topk of 4k against of k, same accumulator)")
     return "\n".join(lines), ratios
+
+
+def pool_floor(n: int, density: float, c: float = 4.0) -> float:
+    """What frequency's rule costs at least, as a multiple of top-k: its candidates are the
+    c*k largest |acc| (its default c), so no selection of them is cheaper than a top-(c*k) of
+    the accumulator. Thread CPU medians of ``Selector.topk`` on the heavy-tailed bench
+    accumulator, interleaved."""
+    rng = np.random.default_rng(0)
+    acc = (np.abs(rng.standard_normal(n, dtype=np.float32)) ** 3
+           * rng.standard_normal(n, dtype=np.float32))
+    k = density_to_k(density, n)
+    selector = Selector(n)
+    times = {k: [], int(c * k): []}
+    for _ in range(9):
+        for size in times:
+            t = CLOCK()
+            selector.topk(acc, size)
+            times[size].append(CLOCK() - t)
+    return statistics.median(times[int(c * k)]) / statistics.median(times[k])
 
 
 def main(argv=None) -> int:

@@ -16,11 +16,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .numba_jit import kernel, trailing_zeros
+from .numba_jit import (kernel, magnitude_mask, not_increasing_32, not_increasing_64,
+                         trailing_zeros)
 
 MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
 ENCODE_SLACK = 4  # bytes past a delta frame's end that the encoder may write (then cut off)
 INT64_MAX = np.uint64(2**63 - 1)
+INF_BITS32, SIGN_OFF32 = np.uint32(0x7F800000), np.uint32(0x7FFFFFFF)
 
 # check_sparse's flags
 BAD_ORDER, NEGATIVE, OUT_OF_RANGE, NOT_FINITE = 1, 2, 4, 8
@@ -339,10 +341,7 @@ def check_sparse(indices, values, numel, check_order):
     if n == 0:
         return flags
     if check_order:
-        disorder = False
-        for i in range(1, n):
-            disorder |= indices[i] <= indices[i - 1]
-        flags |= BAD_ORDER if disorder else 0
+        flags |= 0 if _increasing(indices) else BAD_ORDER
         flags |= NEGATIVE if indices[0] < 0 else 0
     flags |= OUT_OF_RANGE if (numel >= 0 and indices[n - 1] >= numel) else 0
     flags |= 0 if all_finite(values) else NOT_FINITE
@@ -350,14 +349,43 @@ def check_sparse(indices, values, numel, check_order):
 
 
 @kernel
+def _increasing(indices):
+    """Whether int32 or int64 ``indices`` increase strictly: a vector compare of each value
+    with the next, a cache line at a time (``numba_jit.not_increasing_*``), the rest one by
+    one."""
+    n = indices.size
+    start = indices.ctypes.data
+    lanes = 16 if indices.itemsize == 4 else 8
+    full = (n - 1) - (n - 1) % lanes  # pairs (i, i + 1) with i < full go by lanes
+    bad = np.uint64(0)
+    for h in range(0, full, lanes):
+        at = start + indices.itemsize * h
+        bad |= not_increasing_32(at) if indices.itemsize == 4 else not_increasing_64(at)
+    disorder = bad != np.uint64(0)
+    for i in range(max(full, 1), n):
+        disorder |= indices[i] <= indices[i - 1]
+    return not disorder
+
+
+@kernel
 def all_finite(values):
-    """No NaN or inf among float32 ``values`` (an exponent of all ones is either)."""
+    """No NaN or inf among float32 ``values`` (an exponent of all ones is either): 64 at a
+    time by ``magnitude_mask`` (|x| from inf's bits up: NaN or inf), at a plain read's speed
+    (numba's own loop over the same test ran at a third of it)."""
+    n = values.size
+    start = values.ctypes.data
+    full = n - n % 64
+    bad = np.uint64(0)
+    for h in range(0, full, 64):
+        at = start + 4 * h
+        bad |= magnitude_mask(at, INF_BITS32, SIGN_OFF32) \
+            | magnitude_mask(at + 64, INF_BITS32, SIGN_OFF32) \
+            | magnitude_mask(at + 128, INF_BITS32, SIGN_OFF32) \
+            | magnitude_mask(at + 192, INF_BITS32, SIGN_OFF32)
     bits = values.view(np.uint32)
-    bad = np.uint32(0)
-    for i in range(bits.size):
-        bad |= np.uint32(1) if (bits[i] & np.uint32(0x7F800000)) == np.uint32(0x7F800000) \
-            else np.uint32(0)
-    return bad == 0
+    for i in range(full, n):
+        bad |= np.uint64((bits[i] & INF_BITS32) == INF_BITS32)
+    return bad == np.uint64(0)
 
 
 def warm_up() -> None:
