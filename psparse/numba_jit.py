@@ -147,3 +147,26 @@ def _not_increasing_mask(width: int):
 
 not_increasing_32 = _not_increasing_mask(32)  # 16 int32 lanes
 not_increasing_64 = _not_increasing_mask(64)  # 8 int64 lanes
+
+
+def _continued_run_mask(run: int):
+    """An intrinsic: bit i set where the ``run`` bytes from byte ``address`` + i all have their
+    top bit (a varint's continuation bit), for the 64 starting positions i < 64 (reads 63 +
+    run bytes). A delta frame's wide-varint test: one AND of ``run`` shifted 64-byte loads."""
+    @intrinsic
+    def continued(typingctx, address):
+        def codegen(context, builder, signature, args):
+            vector = ir.VectorType(ir.IntType(8), 64)
+            every = None
+            for offset in range(run):
+                at = builder.add(args[0], ir.Constant(ir.IntType(64), offset))
+                data = builder.load(builder.inttoptr(at, vector.as_pointer()), align=1)
+                every = data if every is None else builder.and_(every, data)
+            top = builder.icmp_unsigned(">=", every, ir.Constant(vector, [0x80] * 64))
+            return builder.bitcast(top, ir.IntType(64))
+        return types.uint64(types.int64), codegen
+    return continued
+
+
+continued_5 = _continued_run_mask(5)  # a group at bit 35 or above: int32 output may not hold it
+continued_9 = _continued_run_mask(9)  # a 10-byte varint
