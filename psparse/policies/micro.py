@@ -33,9 +33,10 @@ it near the band's lower edge); in training the gradient's scale falls faster th
 threshold's 0.5% a round and union / k lags below 1 (0.50 on mlp/digits after round 150), after
 the threshold has risen from 1/(2·sqrt(k)), which sends up to the cap first (LeNet/MNIST, 8
 workers, 1%: union / k 2.48 over 200 rounds). Host path only (``device_path = False``): the
-threshold test is numpy over the worker's partition and the controller reads the round's count
+threshold test is array code over the worker's partition and the controller reads the round's count
 back, so a GPU worker refuses the policy by name (``--device cpu``) rather than synchronise with
-the device every round.
+the device every round. On the host the threshold test is threshold's compiled ``at_least`` (or
+its numpy oracle where the kernels are off: the same indices).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ import math
 import numpy as np
 
 from .. import kernels, sparsify
-from ..sparsify import Selector
+from ..jit import host_compiled
+from ..sparsify import Selector, select_kernels
 from .base import Param, PolicyError, SelectionPolicy
 
 
@@ -111,8 +113,11 @@ class Micro(SelectionPolicy):
         j = self.owned(iteration)
         lo, hi = int(edges[j]), int(edges[j + 1])
         part = accumulator[lo:hi]
-        chosen = kernels.at_least(part, self.threshold,
-                                  self._scratch if self.dev is None else None)
+        if self.dev is None and host_compiled(part):  # threshold's kernel: the same indices
+            chosen = select_kernels.at_least(part, np.float32(self.threshold))
+        else:
+            chosen = kernels.at_least(part, self.threshold,
+                                      self._scratch if self.dev is None else None)
         cap = self.max_propose
         if chosen.size > cap:  # the largest go; the rest waits in the accumulator
             chosen = chosen[self._largest(part[chosen], cap)]
