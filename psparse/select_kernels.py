@@ -296,20 +296,23 @@ def _merge_marks(idx, val, count, marks):
 @kernel
 def _scores(kind, acc, aux, marks, p, stride):
     """The scores of every stride-th entry (the sample; all of them for the exact fallback);
-    -1 - j at the first NaN or inf."""
+    -1 - j at the first NaN or inf. Every entry is scored as unmarked first, then the marks
+    that fall on the sample overwrite theirs: a walk of the marks beside the sample (a
+    cursor, as ``_collect`` keeps) cost penalty's sample 3.5x top-k's at 11M/1%, where the
+    previous aggregate holds 5 entries for every sampled one."""
     m = (acc.size + stride - 1) // stride
     scores = np.empty(m, np.float32)
-    cursor = 0
     for i in range(m):
         j = i * stride
-        marked = False
-        if kind == PENALTY or kind == CORE:
-            cursor, marked = _marked(marks, cursor, j)
-        s = CORE_SCORE if kind == CORE and marked else \
-            _score(kind, abs(acc[j]), aux, p, j, marked)
-        if not np.isfinite(s):
-            return scores, -1 - j
-        scores[i] = s
+        scores[i] = _score(kind, abs(acc[j]), aux, p, j, False)
+    if kind == PENALTY or kind == CORE:
+        for c in range(marks.size):
+            j = marks[c]
+            if j % stride == 0:
+                scores[j // stride] = CORE_SCORE if kind == CORE else abs(acc[j])
+    for i in range(m):  # the first NaN or inf, in index order
+        if not np.isfinite(scores[i]):
+            return scores, -1 - i * stride
     return scores, 0
 
 
