@@ -259,31 +259,47 @@ def policy_table(quick: bool = False) -> tuple[str, dict]:
                      f"accumulator once, {read * 1e3:.1f} ms; ema also reads its priority, "
                      f"{reads * 1e3:.1f} ms ({reads / read:.1f}x), and updates it at its union, "
                      f"{(reads + update) * 1e3:.1f} ms ({(reads + update) / read:.1f}x)")
-        pool = pool_floor(n, density)
+        pool, gather = pool_floor(n, density)
         ratios[f"floor_frequency_pool@{n}@{density:g}"] = round(pool, 3)
+        ratios[f"floor_penalty_gather@{n}@{density:g}"] = round(gather, 3)
         lines.append(f"pool floor at {n:,}, {density:.1%} (pool_floor): frequency ranks the "
                      f"c*k = 4k largest |acc|; selecting those alone takes {pool:.2f}x top-k's "
-                     "time (Selector.topk of 4k against of k, same accumulator)")
+                     "time (Selector.topk of 4k against of k, same accumulator); penalty also "
+                     "reads |acc| at the previous aggregate's entries: top-k and that gather, "
+                     f"{gather:.2f}x")
+        read, _, update = memory_floor(n, density, UNION["core"])
+        ratios[f"floor_core_update@{n}@{density:g}"] = round((read + update) / read, 3)
+        lines.append(f"update floor at {n:,}, {density:.1%}: core reads the accumulator and "
+                     f"updates its model-sized state at its union ({UNION['core']}k): "
+                     f"{(read + update) / read:.2f}x top-k's one read")
     return "\n".join(lines), ratios
 
 
-def pool_floor(n: int, density: float, c: float = 4.0) -> float:
-    """What frequency's rule costs at least, as a multiple of top-k: its candidates are the
-    c*k largest |acc| (its default c), so no selection of them is cheaper than a top-(c*k) of
-    the accumulator. Thread CPU medians of ``Selector.topk`` on the heavy-tailed bench
-    accumulator, interleaved."""
+def pool_floor(n: int, density: float, c: float = 4.0) -> tuple[float, float]:
+    """What frequency's and penalty's rules cost at least, as multiples of top-k. frequency's
+    candidates are the c*k largest |acc| (its default c), so no selection of them is cheaper
+    than a top-(c*k) of the accumulator; penalty's rule needs |acc| at every entry of the
+    previous aggregate (its union/k times k of them) beside a top-k. Thread CPU medians of
+    ``Selector.topk`` and of a numpy gather on the heavy-tailed bench accumulator,
+    interleaved: (top-(c*k) / top-k, (top-k + gather) / top-k)."""
     rng = np.random.default_rng(0)
     acc = (np.abs(rng.standard_normal(n, dtype=np.float32)) ** 3
            * rng.standard_normal(n, dtype=np.float32))
     k = density_to_k(density, n)
     selector = Selector(n)
-    times = {k: [], int(c * k): []}
+    previous = np.sort(rng.choice(n, min(n, int(UNION["penalty"] * k)), replace=False))
+    times = {k: [], int(c * k): [], "gather": []}
     for _ in range(9):
         for size in times:
             t = CLOCK()
-            selector.topk(acc, size)
+            if size == "gather":
+                np.abs(acc[previous])
+            else:
+                selector.topk(acc, size)
             times[size].append(CLOCK() - t)
-    return statistics.median(times[int(c * k)]) / statistics.median(times[k])
+    top = statistics.median(times[k])
+    return (statistics.median(times[int(c * k)]) / top,
+            (top + statistics.median(times["gather"])) / top)
 
 
 def main(argv=None) -> int:
