@@ -258,10 +258,11 @@ def policy_table(quick: bool = False) -> tuple[str, dict]:
         read, reads, update = memory_floor(n, density)
         ratios[f"floor_ema_reads@{n}@{density:g}"] = round(reads / read, 3)
         ratios[f"floor_ema_reads_and_update@{n}@{density:g}"] = round((reads + update) / read, 3)
+        ms = (lambda sec: f"{sec * 1e3:.1f}") if n > 1_000_000 else (lambda sec: f"{sec * 1e3:.4f}")
         lines.append(f"memory floor at {n:,}, {density:.1%} (memory_floor): top-k reads the "
-                     f"accumulator once, {read * 1e3:.1f} ms; ema also reads its priority, "
-                     f"{reads * 1e3:.1f} ms ({reads / read:.1f}x), and updates it at its union, "
-                     f"{(reads + update) * 1e3:.1f} ms ({(reads + update) / read:.1f}x)")
+                     f"accumulator once, {ms(read)} ms; ema also reads its priority, "
+                     f"{ms(reads)} ms ({reads / read:.1f}x), and updates it at its union, "
+                     f"{ms(reads + update)} ms ({(reads + update) / read:.1f}x)")
         pool, gather = pool_floor(n, density)
         ratios[f"floor_frequency_pool@{n}@{density:g}"] = round(pool, 3)
         ratios[f"floor_penalty_gather@{n}@{density:g}"] = round(gather, 3)
