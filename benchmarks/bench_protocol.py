@@ -196,7 +196,7 @@ def main() -> int:
           "I/O threads: the protocol's own work is ours main - re-sent main); a/b: b's time "
           "over a's, i.e. a's throughput as a fraction of b's; read-once: re-sent, each end "
           "reading every received byte once (the least that checking every entry costs)")
-    for key, row in results.items():
+    for row in results.values():
         if "codec_floor_ratio" in row:
             print(f"{row['payload']}: the codec alone (two delta encodes and two decodes of the "
                   f"{row['entries']:,} indices, in process) takes {row['codec_ms']:.2f} ms a round "
