@@ -16,8 +16,15 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .numba_jit import (continued_5, continued_9, kernel, magnitude_mask, not_increasing_32,
-                         not_increasing_64, trailing_zeros)
+from .numba_jit import (
+    continued_5,
+    continued_9,
+    kernel,
+    magnitude_mask,
+    not_increasing_32,
+    not_increasing_64,
+    trailing_zeros,
+)
 
 MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
 ENCODE_SLACK = 4  # bytes past a delta frame's end that the encoder may write (then cut off)
