@@ -85,6 +85,7 @@ def decode_delta(data: np.ndarray, count: int, dtype=np.int64) -> np.ndarray:
     sortedness check). One pass over the frame (codec_kernels.decode_delta), the problems
     reported in the order the protocol names them. int32 indices above 2^31 - 1 come back as
     int64 (the caller's range check refuses them)."""
+    data = np.ascontiguousarray(data)  # the kernel's checks read 64-byte windows (no copy if so)
     if data.size == 0:
         if count:
             raise CodecError(f"delta frame is empty but count is {count}")

@@ -2,7 +2,9 @@
 psparse/jit.py, psparse/numba_jit.py). One pass each over the indices or the frame; each equals its numpy reference
 in psparse/reference.py (tests/test_cpu_kernels.py). They import nothing above psparse.jit.
 
-Their loops avoid data-dependent branches where the data decide them (a varint's length, the
+The arrays they take are C-contiguous (several read whole cache lines from an array's start:
+the callers in psparse/codec.py and psparse/protocol.py make them so). Their loops avoid
+data-dependent branches where the data decide them (a varint's length, the
 end of a varint, a word's set bits): on the development machine a mispredicted branch costs
 ~10 ns, several times the work of an entry. Problems are returned as counts and flags; the
 callers (psparse/codec.py, psparse/protocol.py) turn them into the protocol's error texts.
@@ -223,7 +225,9 @@ def decode_delta(data, count, out, wide_shift):
             return np.int64(varints), WIDE, np.int64(index)
         flags |= _long_varints(data)
     if varints == np.uint64(count):
-        if out.itemsize == 4:  # no gap reached 2**35: nothing wrapped, a repeat is a zero gap
+        # int32: no gap reached 2**35, and codec.decode_delta decodes again as int64 unless
+        # the last index is in [0, 2**31): then nothing wrapped, and a repeat is a zero gap
+        if out.itemsize == 4:
             flags |= 0 if _increasing(out[:count]) else ZERO_GAP
         else:
             flags |= _disorder(out, count)

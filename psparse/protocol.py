@@ -346,7 +346,10 @@ def sparse_frame_problem(indices: np.ndarray, values: np.ndarray | None, numel: 
     a negative first index, the last index against numel, non-finite values), or None."""
     if not compiled(indices.size):  # jit.SMALL: the same answer without loading numba
         return reference.sparse_frame_problem(indices, values, numel, check_order)
-    flags = codec_kernels.check_sparse(indices, _NO_VALUES if values is None else values,
+    # the kernels read whole cache lines from the arrays' start: contiguous (no copy when so)
+    flags = codec_kernels.check_sparse(np.ascontiguousarray(indices),
+                                       _NO_VALUES if values is None else
+                                       np.ascontiguousarray(values),
                                        -1 if numel is None else numel, check_order)
     if flags & codec_kernels.BAD_ORDER:
         return "indices must be strictly increasing (sorted, no duplicates)"
@@ -363,7 +366,7 @@ def all_finite(values: np.ndarray) -> bool:
     """Whether no value is NaN or +-Inf: one compiled pass that allocates nothing."""
     if not compiled(values.size):
         return reference.all_finite(values)
-    return bool(codec_kernels.all_finite(values))
+    return bool(codec_kernels.all_finite(np.ascontiguousarray(values)))
 
 
 def _decode_index_format(fmt, buf, count, numel, cache, dtype=np.int64) -> np.ndarray:

@@ -236,7 +236,11 @@ def _pass_of(kind, acc, aux, marks, p, t, bound, capacity, idx, val):
 def _penalty_bound(t, p):
     """An |acc| at or below which no unmarked entry's score pi * |acc| reaches t (t / pi,
     rounded down a little: the pass may collect a few too many, ``_merge_penalty`` scores them
-    exactly)."""
+    exactly). 0 for a t below float32's normal range, as ``_lowest_acc`` does for EMA: a
+    subnormal product's rounding is not within a relative 2**-20 (a review's reproduction:
+    tests/test_select_kernels.py, subnormal accumulators)."""
+    if t < 1e-30:
+        return np.float32(0)
     return np.float32(np.float64(t) / np.float64(p) * (1.0 - 2.0 ** -20))
 
 

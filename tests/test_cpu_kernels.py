@@ -372,3 +372,19 @@ def test_a_fresh_process_loads_every_kernel_from_the_cache():
     assert out.returncode == 0, out.stderr
     misses = json.loads(out.stdout.strip().splitlines()[-1])
     assert misses and sum(misses) == 0, f"compiled instead of loaded: {misses}"
+
+
+def test_strided_arrays_are_checked_as_their_values():
+    """The kernels read whole cache lines from an array's start: the protocol's and the codec's
+    entry points hand them contiguous arrays, so a strided view answers as its values do."""
+    values = np.ones(40_000, np.float32)
+    values[1::2] = np.nan  # every other value: a strided view of the rest is all finite
+    assert protocol.all_finite(values[::2]) and not protocol.all_finite(values)
+    idx = np.arange(80_000, dtype=np.int32)
+    assert protocol.sparse_frame_problem(idx[::2], values[::2], 10**6, True) is None
+    assert protocol.sparse_frame_problem(idx[::-2], values[::2], 10**6, True) is not None
+    want = np.arange(0, 90_000, 3)
+    frame = codec.encode_delta(want)
+    spread = np.zeros(2 * frame.size, np.uint8)
+    spread[::2] = frame
+    assert np.array_equal(codec.decode_delta(spread[::2], want.size), want)

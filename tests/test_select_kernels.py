@@ -79,6 +79,19 @@ def test_penalty_at_every_pi(pi):
                 topk_exact(score, k, nonnegative=True), err_msg=f"pi {pi} n {n} k {k}")
 
 
+@pytest.mark.parametrize("k", [5, 15])
+def test_penalty_on_subnormal_scores(k):
+    """pi * |acc| rounds to a subnormal with a large relative error: the pass's bound may not
+    assume 2**-20 of slack there (every score here is 2**-149; ties go to the lowest index)."""
+    bits = np.full(2000, 3, np.uint32)
+    bits[100:110] = 4
+    acc = bits.view(np.float32)
+    marks = np.empty(0, np.int64)
+    score = reference_score(select_kernels.PENALTY, acc, None, marks, 0.25)
+    np.testing.assert_array_equal(compiled(select_kernels.PENALTY, acc, k, None, marks, 0.25),
+                                  topk_exact(score, k, nonnegative=True))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(GRID, min_size=1, max_size=400), st.data())
 def test_top_k_on_tied_grids(values, data):
