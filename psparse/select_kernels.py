@@ -244,13 +244,6 @@ def _penalty_bound(t, p):
     return np.float32(np.float64(t) / np.float64(p) * (1.0 - 2.0 ** -20))
 
 
-@inlined
-def _low_bits(value):
-    """The |acc| bits a pass looks for at a float32 threshold: its bits, at most inf's (NaN
-    and inf always looked at), 0 at or below 0."""
-    return min(_bits(value), INF_BITS) if value > 0 else np.uint32(0)
-
-
 @kernel
 def _merge_penalty(idx, val, count, acc, marks, p, t):
     """PENALTY's candidates: the pass's (every |acc| >= about t / pi, val = |acc|) and the
@@ -334,8 +327,8 @@ def candidates(kind, acc, aux, marks, p, q, k):
         val = np.empty(capacity + 1, np.float32)
         if kind == PENALTY:  # |acc| >= about t / pi, then the marks merged in
             low = _penalty_bound(t, p)
-            count, status = _pass(ABS, acc, aux, NO_MARKS, p, low, _low_bits(low), capacity,
-                                  idx, val)
+            count, status = _pass(ABS, acc, aux, NO_MARKS, p, low, _lowest_acc(ABS, low, q),
+                                  capacity, idx, val)
         else:
             count, status = _pass(kind, acc, aux, marks, p, t, _lowest_acc(kind, t, q),
                                   capacity, idx, val)
