@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -97,6 +98,29 @@ def test_cifar_image_folder_archive_is_decoded_and_cached(tmp_path, monkeypatch)
     assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
     again = load_dataset("cifar10", tmp_path)  # from the cache
     np.testing.assert_array_equal(again.test_x, ds.test_x)
+
+
+def test_the_same_archive_elsewhere_reuses_its_cache_and_another_does_not(tmp_path, monkeypatch,
+                                                                          capsys):
+    """The cache is named by the archive's bytes: a copy at another path with a new mtime (a
+    fresh checkout, a new shared mount) reuses it; an archive with other images gets its own."""
+    monkeypatch.setenv("PSPARSE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    _write_image_archive(tmp_path / "a" / "cifar10-jpeg.tar.gz", per_class=2)
+    first = load_dataset("cifar10", tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "cifar10-jpeg.tar.gz", tmp_path / "b" / "cifar10-jpeg.tar.gz")
+    os.utime(tmp_path / "b" / "cifar10-jpeg.tar.gz", ns=(1, 1))
+    capsys.readouterr()
+    copy = load_dataset("cifar10", tmp_path / "b")
+    assert "decoding CIFAR-10" not in capsys.readouterr().out
+    np.testing.assert_array_equal(copy.train_x, first.train_x)
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    (tmp_path / "c").mkdir()
+    _write_image_archive(tmp_path / "c" / "cifar10-jpeg.tar.gz", per_class=3)
+    assert load_dataset("cifar10", tmp_path / "c").train_x.shape[0] == 6
+    assert "decoding CIFAR-10" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
 def test_workers_starting_together_decode_the_archive_once(tmp_path):
