@@ -32,6 +32,9 @@ def test_example_runs_through_the_launcher(tmp_path, example, policy):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["iterations"] == 6
     assert json.loads((out / "rank-0.json").read_text())["policy"] == policy
+    # evaluated once, at the end (not again by the epoch's own log), on the evaluator
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["iter"] for e in evals] == [5] and summary["test_acc"] == evals[0]["test_acc"]
 
 
 def launch_example(out, *args, timeout=600):
