@@ -1,5 +1,5 @@
 """Key-range server shards (--servers S, psparse-server --shard I/S): real server and worker
-processes on loopback. The same run gives the same results with 1, 2 and 4 shards, timing and
+processes on loopback. The same run gives the same results with 1 and 3 shards, timing and
 bytes aside; the per-shard bytes add up to the totals; a sharded run resumes from its
 checkpoints; bad values and features that do not work with shards yet are refused clearly."""
 
@@ -63,14 +63,17 @@ def check_shard_bytes(run: Path, shards: int) -> None:
 
 
 @pytest.mark.parametrize("policy", ["topk", "core", "vote", "cltk", "exdyna"])
-def test_results_are_identical_with_1_2_and_4_server_shards(tmp_path, policy):
+def test_results_are_identical_with_1_and_3_server_shards(tmp_path, policy):
+    """Three shards cut the 2,410 parameters unevenly (803, 803 and 804 keys) and give a middle
+    shard that touches neither end; two shards run in tests/test_identical_runs.py and in
+    the resume and hostfile tests below."""
     runs = {}
-    for shards in (1, 2, 4):
+    for shards in (1, 3):
         runs[shards] = tmp_path / f"s{shards}"
         r = launch(runs[shards], *RUN, "--policy", policy, "--servers", str(shards))
         assert r.returncode == 0, r.stdout + r.stderr
     one = runs[1]
-    for shards in (2, 4):
+    for shards in (3,):
         run = runs[shards]
         assert comparable(read_jsonl(run / "metrics.jsonl")) == \
             comparable(read_jsonl(one / "metrics.jsonl")), shards
