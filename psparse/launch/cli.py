@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from .. import cluster, data, jit, keyranges, plugin
+from .. import cluster, jit, keyranges, plugin
 from ..config import ConfigError, RunConfig
 from ..options import add_config_arguments, resolve_config
-from ..policies import Layout, PolicyError, build_policy
+from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
 from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 from ..server.records import merge_run_dir
@@ -118,6 +118,7 @@ def check_policy(cfg: RunConfig) -> None:
     """Build the policy as rank 0 will: on the real model's layout and k (no data loaded).
     A script's or a factory's model is not known here: then a 100,000-entry stand-in checks the
     policy's name and parameters."""
+    policy_class(cfg.policy)  # an unknown name is told before torch is imported (~2 s)
     import torch
 
     from ..data import IN_SHAPES
@@ -171,6 +172,7 @@ def check_start(plan: Plan) -> None:
                                    "(another run or program has that port; choose another "
                                    "--port)")
     if t.mode == "local" and not plan.script:
+        from .. import data  # (torch: imported where a run starts, not for --help or a bad flag)
         try:
             data.check_available(cfg.dataset, cfg.data_dir)
         except data.DataError as exc:
