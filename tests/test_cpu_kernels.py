@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -372,6 +373,28 @@ def test_a_fresh_process_loads_every_kernel_from_the_cache():
     assert out.returncode == 0, out.stderr
     misses = json.loads(out.stdout.strip().splitlines()[-1])
     assert misses and sum(misses) == 0, f"compiled instead of loaded: {misses}"
+
+
+def test_a_module_another_process_is_warming_up_is_taken_last_and_loaded_after_it():
+    """Processes warming up together share the compile: with select_kernels' lock held here
+    (as a process compiling it holds it), a warm-up does the other two modules, then waits
+    for the lock and loads select_kernels from the cache once it is free."""
+    import fcntl
+
+    from psparse import select_kernels
+
+    jit.warm_up()  # a complete cache: what the probe does while it waits is loading only
+    with open(jit._lock_path(select_kernels), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        probe = subprocess.Popen([sys.executable, "-m", "psparse.jit"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        done = [probe.stdout.readline() for _ in range(3)]  # the cache line, then two modules
+        assert [line.split(":")[0].strip() for line in done[1:]] == \
+            ["agg_kernels", "codec_kernels"], done
+        time.sleep(0.5)
+        assert probe.poll() is None  # waiting for select_kernels' lock
+    rest, _ = probe.communicate(timeout=120)  # the lock is free: it loads and ends
+    assert probe.returncode == 0 and "select_kernels:" in rest and "all kernels:" in rest, rest
 
 
 def test_strided_arrays_are_checked_as_their_values():
