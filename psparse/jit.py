@@ -184,7 +184,7 @@ def warm_up(say=None) -> dict[str, float]:
 
 def _take_module(pending: list):
     """(module, its locked lock file) for the next module to warm up: the first that no other
-    process is warming up, else the first one once its holder is done. (module, None) where
+    process is warming up, else the first whose holder is done. (module, None) where
     nothing is cached or the cache has no room for lock files: then each process warms up on
     its own."""
     import fcntl
@@ -194,16 +194,15 @@ def _take_module(pending: list):
         return pending[0], None
     try:
         Path(cache_dir()).mkdir(parents=True, exist_ok=True)
-        for module in pending:
-            lock = open(_lock_path(module), "w")
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return module, lock
-            except BlockingIOError:
-                lock.close()  # another process is warming it up: try the next
-        lock = open(_lock_path(pending[0]), "w")  # all are: wait for the first one's holder
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return pending[0], lock
+        while True:  # (polled, not waited on: whichever module is freed first is taken)
+            for module in pending:
+                lock = open(_lock_path(module), "w")
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return module, lock
+                except BlockingIOError:
+                    lock.close()  # another process is warming it up: try the next
+            time.sleep(0.05)
     except OSError:
         return pending[0], None
 
