@@ -213,7 +213,7 @@ def memory_floor(n: int, density: float,
     def gather_add_scatter():
         state[union] += add
 
-    reps = 1 if n > 1_000_000 else 200  # a small model's calls take microseconds
+    reps = _calls_per_sample(n)
 
     def timed(fn):
         ts = []
@@ -279,6 +279,11 @@ def policy_table(quick: bool = False) -> tuple[str, dict]:
     return "\n".join(lines), ratios
 
 
+def _calls_per_sample(n: int) -> int:
+    """Calls timed together in one sample of the floors: a small model's take microseconds."""
+    return 1 if n > 1_000_000 else 200
+
+
 def pool_floor(n: int, density: float, c: float = 4.0) -> tuple[float, float]:
     """What frequency's and penalty's rules cost at least, as multiples of top-k. frequency's
     candidates are the c*k largest |acc| (its default c), so no selection of them is cheaper
@@ -293,7 +298,7 @@ def pool_floor(n: int, density: float, c: float = 4.0) -> tuple[float, float]:
     selector = Selector(n)
     previous = np.sort(rng.choice(n, min(n, int(UNION["penalty"] * k)), replace=False))
     times = {k: [], int(c * k): [], "gather": []}
-    reps = 1 if n > 1_000_000 else 200
+    reps = _calls_per_sample(n)
     for _ in range(9):
         for size in times:
             t = CLOCK()

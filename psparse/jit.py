@@ -167,7 +167,7 @@ def warm_up(say=None) -> dict[str, float]:
         try:
             t = time.perf_counter()
             module.warm_up()
-            name = module.__name__.rsplit(".", 1)[1]
+            name = _module_name(module)
             times[name] = time.perf_counter() - t
         finally:
             if lock is not None:
@@ -208,7 +208,11 @@ def _take_module(pending: list):
 
 
 def _lock_path(module) -> Path:
-    return Path(cache_dir()) / f"psparse-{module.__name__.rsplit('.', 1)[1]}.lock"
+    return Path(cache_dir()) / f"psparse-{_module_name(module)}.lock"
+
+
+def _module_name(module) -> str:
+    return module.__name__.rsplit(".", 1)[1]  # psparse.agg_kernels -> agg_kernels
 
 
 def _stamp_path() -> Path:
