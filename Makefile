@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -34,6 +34,16 @@ TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 test: install data
 	$(PYTEST) tests
+
+# The tests whose floats come from oneDNN's kernels (bf16/fp16 autocast, the examples' training)
+# again with oneDNN capped at older ISAs: a suite green on a CPU with AMX / AVX512-BF16 must be
+# green on one without, and the reverse (docs/api.md, "Determinism"). Each run ends with the
+# kernels it used.
+ISA_TESTS ?= tests/test_amp.py tests/test_examples.py
+ISAS ?= AVX2 AVX512_CORE
+test-isa: install data
+	set -e; for isa in $(ISAS); do echo "== ONEDNN_MAX_CPU_ISA=$$isa"; \
+		ONEDNN_MAX_CPU_ISA=$$isa $(PYTEST) $(ISA_TESTS); done
 
 test-fast: install data
 	$(PYTEST) -m "not slow" tests

@@ -11,6 +11,7 @@ with the same uncommitted changes still match and runs with different ones do no
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -39,3 +40,35 @@ def provenance() -> dict:
         code_id = f"{commit}+dirty-{hashlib.sha256(diff.encode()).hexdigest()[:12]}"
     return {"git_commit": commit, "git_dirty": dirty, "code_id": code_id,
             "psparse_version": __version__}
+
+
+_KERNEL_PROBE = """
+import torch
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    torch.nn.functional.conv2d(torch.randn(1, 1, 8, 8), torch.randn(2, 1, 3, 3))
+print("capability", torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def float_kernels(env: dict | None = None) -> dict:
+    """Which float kernels torch takes on this CPU under ``env`` (default: this process's):
+    {"onednn_max_cpu_isa", "torch_capability", "onednn_isa"}, read from a bf16 convolution in
+    a child process with oneDNN's verbose line on.
+
+    Why it matters: bf16/fp16 autocast (and some fp32 convolutions) take other oneDNN kernels
+    on CPUs with AMX or AVX512-BF16 than on older ones, so training's floats, and whatever is
+    decided from them (an accuracy, an early stop), differ between such machines; a run is
+    bit-reproducible on the same machine and kernel set (docs/api.md, "Determinism").
+    ``ONEDNN_MAX_CPU_ISA`` caps the set (AVX2, AVX512_CORE, ...); below AVX512_CORE no oneDNN
+    primitive serves bf16 and torch uses its own kernels (``onednn_isa`` says so)."""
+    import sys
+    env = dict(os.environ if env is None else env)
+    r = subprocess.run([sys.executable, "-c", _KERNEL_PROBE], capture_output=True, text=True,
+                       env={**env, "ONEDNN_VERBOSE": "1"}, timeout=120)
+    lines = r.stdout.splitlines()
+    onednn = next((ln.split("isa:", 1)[1] for ln in lines if "info,cpu,isa:" in ln),
+                  "none: no oneDNN primitive ran, torch's own kernels")
+    capability = next((ln.split()[1] for ln in lines if ln.startswith("capability ")),
+                      f"unknown (probe failed: {r.stderr.strip()[-200:]})")
+    return {"onednn_max_cpu_isa": env.get("ONEDNN_MAX_CPU_ISA", "unset"),
+            "torch_capability": capability, "onednn_isa": onednn}

@@ -23,6 +23,20 @@ def data_dir() -> Path:
     pytest.fail("MNIST not found: run `make data` (tests need the real data set)")
 
 
+def float_kernels_line() -> str:
+    """The float kernels this run's processes take (bf16 autocast's differ on CPUs with AMX /
+    AVX512-BF16): a floor that fails is read against them."""
+    from psparse.provenance import float_kernels
+    k = float_kernels()
+    return (f"float kernels: ONEDNN_MAX_CPU_ISA={k['onednn_max_cpu_isa']}, torch capability "
+            f"{k['torch_capability']}, oneDNN {k['onednn_isa']}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """At the end of every run, -q included (the header is not printed under -q)."""
+    terminalreporter.write_line(float_kernels_line())
+
+
 @pytest.fixture(scope="session")
 def data_root() -> Path:
     return data_dir()

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import data_dir, python_module
 
+from experiments.open_ended_isa import TEST_ARGS, TEST_FLOOR, TEST_POLICY, TEST_STEPS
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -45,33 +47,37 @@ def launch_example(out, *args, timeout=600):
     return r, json.loads((out / "summary.json").read_text())
 
 
-OPEN_ENDED = ("--train-samples", "2000", "--epochs", "4", "--max-lr", "0.05",
-              "--eval-every", "5", "--eval-samples", "500", "--patience", "2",
-              "--min-delta", "0.01")  # 31 steps an epoch a worker: a schedule of 124
+OPEN_ENDED = (*TEST_POLICY, str(EXAMPLES / "open_ended.py"), *TEST_ARGS)
 
 
 def test_the_open_ended_example_stopped_early_equals_its_fixed_length_form(tmp_path):
     """Open-ended, bf16 autocast, 2 micro-batches a step, OneCycle laid out over 124 steps:
     rank 0's early stopping fires before the schedule's end, at T, and the fixed-length form
     declared at T + 1 iterations is the same run on the same seed: the same weights on every
-    rank (checksums), the same test accuracy."""
-    policy = ("--density", "0.1", "--policy", "vote", "--policy-arg", "keep=1.5")
-    r, open_run = launch_example(tmp_path / "open", *policy, str(EXAMPLES / "open_ended.py"),
-                                 *OPEN_ENDED)
+    rank (checksums), the same test accuracy.
+
+    Both forms run here, in the same kind of process, so their identity holds on any CPU; the
+    stopping point T and the accuracy move with the CPU's bf16 kernels (AMX or not). The
+    floor holds on any of them because the example judges its patience only once the rate has
+    annealed to half its peak (step ~80 of 124), where the accuracy is near its plateau:
+    measured 89.5-91.8% on 3 seeds with oneDNN's bf16, AVX512 and AVX2-capped kernels
+    (experiments/open_ended_isa.py); chance is 10%, and TEST_FLOOR (50%) leaves 40 points for
+    kernel sets this machine cannot play."""
+    r, open_run = launch_example(tmp_path / "open", *OPEN_ENDED)
     assert r.returncode == 0, r.stdout + r.stderr
     stopped = re.fullmatch(r"stopped by rank 0 at iteration (\d+)", open_run["ended"])
     assert stopped, open_run["ended"]
     last = int(stopped[1])
-    assert last < 123 and open_run["iterations"] == last + 1  # early: not the schedule's end
-    r, fixed_run = launch_example(tmp_path / "fixed", *policy, str(EXAMPLES / "open_ended.py"),
-                                  *OPEN_ENDED, "--fixed", "--iterations", str(last + 1))
+    assert last < TEST_STEPS - 1 and open_run["iterations"] == last + 1  # early: not the end
+    r, fixed_run = launch_example(tmp_path / "fixed", *OPEN_ENDED, "--fixed", "--iterations",
+                                  str(last + 1))
     assert r.returncode == 0, r.stdout + r.stderr
     assert fixed_run["ended"] == "iterations reached" and fixed_run["iterations"] == last + 1
     for rank in (0, 1):
         open_rank, fixed_rank = (json.loads((tmp_path / form / f"rank-{rank}.json").read_text())
                                  for form in ("open", "fixed"))
         assert open_rank["checksum"] == fixed_rank["checksum"]
-    assert open_run["test_acc"] == fixed_run["test_acc"] > 0.5
+    assert open_run["test_acc"] == fixed_run["test_acc"] > TEST_FLOOR
 
 
 def test_the_open_ended_example_ends_with_its_schedule(tmp_path):
