@@ -17,8 +17,11 @@ from dataclasses import dataclass, fields
 from .config import SERVER_CONFIG, RunConfig
 
 # Forwarded to remote workers when set here (the rest of the environment stays on this host).
+# The float-kernel caps too (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, MKL_CBWR, ...): a run
+# capped for reproducibility must be capped on every host (docs/api.md, "Determinism").
 FORWARD_ENV = re.compile(r"^(PSPARSE_|PYTHONPATH$|OMP_NUM_THREADS$|CUDA_VISIBLE_DEVICES$|"
-                         r"NCCL_|MKL_NUM_THREADS$)")
+                         r"NCCL_|MKL_NUM_THREADS$|ONEDNN_|DNNL_|ATEN_CPU_CAPABILITY$|MKL_CBWR$|"
+                         r"MKL_ENABLE_INSTRUCTIONS$)")
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,9 @@ def test_config_flags_round_trip_through_the_worker_parser():
     assert resolve_config(build_parser().parse_args(["--rank", "0", *flags])) == cfg
 
 
-def _hostfile_run(tmp_path, hostfile_text, *extra):
+def _hostfile_run(tmp_path, hostfile_text, *extra, env=None):
     (tmp_path / "hosts").write_text(hostfile_text)
-    env = {**os.environ, "FAKE_RSH_LOG": str(tmp_path / "rsh.log")}
+    env = {**os.environ, **(env or {}), "FAKE_RSH_LOG": str(tmp_path / "rsh.log")}
     return subprocess.Popen(python_module(
         "psparse.launch", "--out", str(tmp_path / "run"), "--hostfile", str(tmp_path / "hosts"),
         "--rsh", f"bash {FAKE_RSH}", "--server-host", "127.0.0.1", "--bind", "127.0.0.1",
@@ -83,14 +83,16 @@ def _hostfile_run(tmp_path, hostfile_text, *extra):
 
 
 def test_hostfile_launch_through_the_remote_shell(tmp_path):
+    """... and a float-kernel cap set here reaches every host (docs/api.md, Determinism)."""
     proc = _hostfile_run(tmp_path, "localhost slots=2  # first host\n127.0.0.1 slots=2\n",
-                         "--iterations", "30", "--timeout", "20")
+                         "--iterations", "30", "--timeout", "20",
+                         env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, out
     calls = [line.split("\t") for line in (tmp_path / "rsh.log").read_text().splitlines()]
     assert [host for host, _ in calls] == ["localhost", "localhost", "127.0.0.1"]
     assert all(f"cd {os.getcwd()}" in cmd and "LOCAL_RANK=" in cmd and "--rank" in cmd
-               for _, cmd in calls)
+               and "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in cmd for _, cmd in calls)
     assert "rank 2| [rank 2" in out  # output prefixed by rank
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 3

@@ -60,7 +60,8 @@ def test_the_open_ended_example_stopped_early_equals_its_fixed_length_form(tmp_p
     stopping point T and the accuracy move with the CPU's bf16 kernels (AMX or not). The
     floor holds on any of them because the example judges its patience only once the rate has
     annealed to half its peak (step ~80 of 124), where the accuracy is near its plateau:
-    measured 89.5-91.8% on 3 seeds with oneDNN's bf16, AVX512 and AVX2-capped kernels
+    measured 87.4-91.2% on 3 seeds with oneDNN's bf16, AVX512 and AVX2-capped kernels,
+    stopping at iterations 90-110 (the last evaluation that can stop it is at 120)
     (experiments/open_ended_isa.py); chance is 10%, and TEST_FLOOR (50%) leaves 40 points for
     kernel sets this machine cannot play."""
     r, open_run = launch_example(tmp_path / "open", *OPEN_ENDED)

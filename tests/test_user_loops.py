@@ -76,7 +76,8 @@ def test_gradient_accumulation_exchanges_once_per_step_with_and_without_overlap(
         assert r.returncode == 0, r.stdout + r.stderr
         assert len(read_jsonl(out / "metrics.jsonl")) == 30  # one round per step
         assert summary(out)["ended"] == "stopped by rank 0 at iteration 29"
-        assert summary(out)["test_acc"] > 0.5
+        # mid-curve after 30 steps: 54.6% under every kernel set tried; chance is 10%
+        assert summary(out)["test_acc"] > 0.3
         report = json.loads((out / "rank-0.json").read_text())["overlap"]
         buckets = len(report["parts"]) - 1
         assert buckets >= 3
