@@ -10,7 +10,7 @@
 
 Parts (every ratio is measured in the same run as its baseline):
 
-``aggregation``: the server's aggregation path (``psparse.aggregation.Aggregator.mean``: the
+``aggregation``: the server's aggregation path (``psparse.server.aggregation.Aggregator.mean``: the
 compiled rank-order sum of ``agg_kernels``, whose reference ``reference.sparse_mean`` is the
 scatter-add of N pushes into the dense scratch, sorted union, mean at the union, scratch
 zeroed) for N pushes of k entries each (half of every push shared by all
@@ -80,8 +80,8 @@ from bench_scale_grid import (  # noqa: E402
 from common import half_shared_pushes, interleaved_medians  # noqa: E402
 
 from experiments.harness import md_table  # noqa: E402
-from psparse.aggregation import Aggregator  # noqa: E402
-from psparse.transport import parse_rate  # noqa: E402
+from psparse.server.aggregation import Aggregator  # noqa: E402
+from psparse.wire.transport import parse_rate  # noqa: E402
 
 RESULTS = HERE / "bench_scale.json"
 FIGURE = HERE / "bench_scale.png"

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import half_shared_pushes as pushes  # noqa: E402
 from common import record, table  # noqa: E402
 
-from psparse import protocol  # noqa: E402
-from psparse.aggregation import Aggregator  # noqa: E402
+from psparse.server.aggregation import Aggregator  # noqa: E402
+from psparse.wire import protocol  # noqa: E402
 
 WORKERS, NUMEL, DENSITY, SETS = 8, 11_200_000, 0.01, 3
 TARGET = 0.7
@@ -251,8 +251,8 @@ def scatter_floor_seconds(sets) -> float | None:
     try:
         from bench_aggregation import scatter_floor
 
-        from psparse.agg_kernels import block_bits_for
-        from psparse.jit import address_table
+        from psparse.cpu.agg_kernels import block_bits_for
+        from psparse.cpu.jit import address_table
     except ImportError:
         return None
     times = []

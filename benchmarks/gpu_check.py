@@ -4,7 +4,7 @@ Run through ``bash benchmarks/gpu_check.sh`` (which sets up the bundled wheels a
 benchmarks/README.md). Steps, each with its own time limit, all within ``--budget`` seconds:
 
 1. device and versions (nvidia-smi, torch, CuPy, pyzmq, numba, llvmlite);
-2. the kernel gate (``python -m psparse.kernel_check``: NVRTC compiles every kernel);
+2. the kernel gate (``python -m psparse.gpu.kernel_check``: NVRTC compiles every kernel);
 3. the kernel tests (tests/test_kernels.py, test_kernel_check.py, test_radix.py,
    test_device_policies.py: on a GPU the radix engine and every policy's device path run on
    the device, against the host's selections); no test may be skipped for "no CUDA device";
@@ -133,7 +133,7 @@ def kernel_gate_and_tests(check: Check) -> None:
     except Exception:
         have_nvrtc = False
     if have_nvrtc:
-        check.run("kernel gate", [sys.executable, "-m", "psparse.kernel_check"], 60)
+        check.run("kernel gate", [sys.executable, "-m", "psparse.gpu.kernel_check"], 60)
     else:
         check.say("\n=== kernel gate: skipped (CuPy/NVRTC not installed here; make check-kernels)")
     code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",

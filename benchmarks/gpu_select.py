@@ -2,7 +2,7 @@
 
 For n in {1M, 11.2M, 25M, 100M} floats and densities {0.1%, 1%} on one CUDA device:
 
-* ours: the radix engine (``psparse.radix.RadixSelect``: a histogram pass, the threshold digit
+* ours: the radix engine (``psparse.gpu.radix.RadixSelect``: a histogram pass, the threshold digit
   found on the device, the candidates compacted in order, refinement, the ordered write), its
   launches replayed as a CUDA graph (``graph``) and launched one by one from Python (``eager``);
 * ``torch.topk(x.abs(), k)`` on the same memory (through DLPack, no copy);
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from common import median_time, table  # noqa: E402
 
-from psparse import kernels, radix  # noqa: E402
+from psparse.cpu import selection
+from psparse.gpu import radix  # noqa: E402
 from psparse.xp import cupy_or_none, to_torch  # noqa: E402
 
 SIZES = [1_000_000, 11_200_000, 25_000_000, 100_000_000]
@@ -95,7 +96,7 @@ class Ours:
 
     def eager(self):
         if self.dev is None:
-            return kernels.select_any(self.x, self.k)[0]
+            return selection.select_any(self.x, self.k)[0]
         with self.dev.stream_scope():
             self.engine.run()
         return self.engine.out_idx
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
         if xp is None:
             print("gpu_select: no CUDA device (or CuPy not installed); nothing measured")
             return 0
-        from psparse.backend import CudaBackend
+        from psparse.gpu.backend import CudaBackend
         dev = CudaBackend(xp)
         device = (f"{xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
                   f"CuPy {xp.__version__}")

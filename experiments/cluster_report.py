@@ -13,8 +13,9 @@ from pathlib import Path
 from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS, WORKERS
 from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunDir, md_table, mean_sd
-from psparse.costmodel import WIRE_OVERHEAD, Setting, powersgd_sizes, predict
-from psparse.transport import parse_rate
+from psparse.analysis.costmodel import WIRE_OVERHEAD, Setting, predict
+from psparse.training.ddp import powersgd_sizes
+from psparse.wire.transport import parse_rate
 
 
 def run_dir(model: str, rate: str, name: str, seed: int) -> Path:
@@ -50,7 +51,7 @@ def cpu_per_iteration(samples: list[dict], iterations: int, eval_every: int) -> 
 
 def numel_and_shapes(model: str) -> tuple[int, list[tuple[int, ...]]]:
     from psparse.data import IN_SHAPES
-    from psparse.models import build_model
+    from psparse.training.models import build_model
 
     dataset = "mnist" if model == "lenet" else "cifar10"
     net = build_model(model, IN_SHAPES[dataset], 10)
@@ -173,7 +174,7 @@ def table(model: str, rows: list[dict], commit: str) -> str:
              "received / sent over the run, headers included. CPU: CPU ms per iteration between evaluations, the PS server's and a "
              "worker's for its exchange (its CPU less its compute's). Models against the "
              "median iteration: link only (compute + bytes / rate) and with the CPU terms "
-             "(psparse/costmodel.py).", ""]
+             "(psparse/analysis/costmodel.py).", ""]
     header = ["rate", "run", "ms/it mean", "ms/it median", "compute", "select", "wait",
               "server link MB in/out", "worker link MB in/out", f"s to {100 * target:g}%",
               f"s to {100 * target:g}% net of evaluations", f"s to {100 * second:g}% net",

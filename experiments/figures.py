@@ -195,7 +195,7 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
                               RESULTS / f"{stem}.png", "time",
                               f"LeNet-5 / MNIST, 8 workers, server link {rate}", target))
     elif sweep == "locality":
-        from psparse import locality
+        from psparse.analysis import locality
         for name, r in ok.items():
             result = locality.analyse(ROOT / r["dir"])
             written.append(RESULTS / f"{stem}-{name}.png")

@@ -11,7 +11,7 @@ density warm-up (``--density-warmup 1``: the first epoch at higher density build
 before k is small), and `vote` keep=1.5 and keep=2 (no history: the group's choice is made
 from this round's proposals; keep=2 is the issue's bound union/k = 2.0). Top-k and core at 1% (seed 0) show the same measures where core works.
 
-Per run, from the recordings (psparse.locality):
+Per run, from the recordings (psparse.analysis.locality):
   * captured: the share of the accumulator's top-k energy that the push carried (1 for top-k);
     low means the rule spends its budget on entries that are not the most due;
   * backlog: ||accumulator|| / ||gradient|| before the push (error feedback's residual, in
@@ -35,7 +35,7 @@ from experiments.harness import RESULTS, ROOT, made_by, md_table, mean_of, mean_
 from experiments.run import run_one
 from experiments.scaling import union_parts
 from experiments.sweeps import LENET, SWEEP_POLICIES
-from psparse import locality
+from psparse.analysis import locality
 
 CORE = SWEEP_POLICIES["core"]
 RUNS = {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from psparse.costmodel import predict, setting_from_run
-from psparse.transport import parse_rate
+from psparse.analysis.costmodel import predict, setting_from_run
+from psparse.wire.transport import parse_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ top-k, vote keep=1.5, micro, exdyna.
 
 Per run, beside accuracy, union/k and bytes (experiments.run.run_row):
   * recall: the share of the top-k of the sum of all workers' accumulators that the round's
-    aggregate holds, mean over the probed rounds (psparse.recall), and ``energy``, the share of
+    aggregate holds, mean over the probed rounds (psparse.worker.recall), and ``energy``, the share of
     that sum's squared norm at the aggregate's indices, beside ``energy_topk``, the share the
     sum's own top-k carries (the most any k entries can);
   * density error of a threshold controller: sum of the workers' selections (their
@@ -49,8 +49,8 @@ from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_of, mean_sd
 from experiments.run import run_one
 from experiments.sweeps import LENET, SCALECOM_MEMORY, SWEEP_POLICIES
-from psparse.recall import RECALL_FILE, summarise
 from psparse.rundir import read_jsonl
+from psparse.worker.recall import RECALL_FILE, summarise
 
 PROBE = ["--probe-recall", "25"]
 POLICIES = {

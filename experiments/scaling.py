@@ -41,7 +41,7 @@ from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_of, mean_sd
 from experiments.run import run_one
 from experiments.sweeps import SWEEP_POLICIES
-from psparse import locality
+from psparse.analysis import locality
 
 BASE = ["--model", "lenet", "--dataset", "mnist", "--density", "0.01", "--eval-every", "0"]
 WORKERS = (2, 4, 8, 16, 32)

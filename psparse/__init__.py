@@ -19,7 +19,8 @@ Layers, bottom to top (each imports only those below it):
 Tools on top: report, costmodel, locality, keys, kernel_check.
 """
 
-__version__ = "0.2.0"
+from .provenance import __version__
+
 __all__ = ["connect", "Session", "WorkerError", "ServerGone", "__version__"]
 
 
@@ -27,9 +28,9 @@ def __getattr__(name):
     # torch and pyzmq are imported only when the API is used, so the command-line tools that
     # never train (psparse-report, psparse-keys, ...) start quickly.
     if name == "connect":  # (the module is connection.py: a module "connect" would shadow it)
-        from .connection import connect
+        from .worker.connection import connect
         return connect
     if name in ("Session", "WorkerError", "ServerGone"):
-        from . import session
+        from .worker import session
         return getattr(session, name)
     raise AttributeError(f"module 'psparse' has no attribute {name!r}")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .memory import MEMORIES, SCALECOM_BETA
-from .transport import parse_rate
+from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
 # data.DATASETS are checked against these in the tests.
@@ -19,6 +18,9 @@ MODELS = ("lenet", "mlp", "resnet20", "synthetic")
 MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the models that take
 # --model-arg, and their keys (models.SYNTHETIC_ARGS holds the defaults; a test keeps them equal)
 DATASETS = ("mnist", "cifar10", "digits")
+# The error-feedback memories (psparse/policies/memory.py takes both from here)
+MEMORIES = ("residual", "dgc", "scalecom")
+SCALECOM_BETA = 0.1  # ScaleCom's low-pass filter's default beta (policies/memory.py's docstring)
 
 
 # Policies with a proposal phase (policies.*.two_phase); names only, like MODELS (a test keeps
@@ -265,7 +267,7 @@ class RunConfig:
              f"servers must be >= 1 (key-range server shards), got {self.servers!r}")
         if self.servers > 1:
             try:
-                from .keyranges import check_shardable
+                from .wire.keyranges import check_shardable
 
                 check_shardable(self)
             except ValueError as exc:

@@ -87,7 +87,7 @@ def connect(module: torch.nn.Module, optimizer=None, **connect_options) -> HookS
     """``psparse.connect`` for the hook: ``module`` is the model DDP wraps (or will wrap);
     exchanged in buckets of layers (``granularity="layer"``, ``bucket_mb`` default
     0.1 MB) unless told otherwise."""
-    from .connection import connect as ps_connect
+    from .worker.connection import connect as ps_connect
 
     connect_options.setdefault("granularity", "layer")
     connect_options.setdefault("bucket_mb", DEFAULT_BUCKET_MB)

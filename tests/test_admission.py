@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from conftest import python_module, read_jsonl
 
-from psparse import protocol
-from psparse.codec import KeyCache
-from psparse.transport import Channel
+from psparse.wire import protocol, run_description
+from psparse.wire.codec import KeyCache
+from psparse.wire.transport import Channel
 
 TOKEN = "test-run-secret"
 ITERATIONS = 30
@@ -49,7 +49,7 @@ def register(rank, token=None, **fields):
     proof = {}
     if token:
         nonce = secrets.token_hex(16)
-        proof = {"nonce": nonce, "proof": protocol.register_proof(token, rank, 3, nonce)}
+        proof = {"nonce": nonce, "proof": run_description.register_proof(token, rank, 3, nonce)}
     return protocol.encode("register", rank=rank, world_size=3, **proof, **fields)
 
 
@@ -72,7 +72,7 @@ class ScriptedRank2(threading.Thread):
             run = ready["run"]
             numel, cache = run["numel"], KeyCache()
             for it in range(run["iterations"]):
-                budget, push_max, _ = protocol.step_at(run, it)
+                budget, push_max, _ = run_description.step_at(run, it)
                 if it in self.bad:
                     channel.send(self.bad[it](it, numel, push_max))
                     refused = recv(channel, numel, cache)
@@ -135,7 +135,7 @@ def run_scenario(out, scenario: str) -> dict:
         env = {**os.environ, "PSPARSE_TOKEN": TOKEN}
         for r in (0, 1):
             procs.append(subprocess.Popen(
-                python_module("psparse.worker", "--rank", str(r), "--connect",
+                python_module("psparse.training.loop", "--rank", str(r), "--connect",
                               f"127.0.0.1:{port}", "--out", str(out), *WORKER_ARGS),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
         outputs = [p.communicate(timeout=240)[0] for p in procs[1:]]

@@ -1,13 +1,13 @@
-"""The server's round arithmetic (psparse/aggregation.py) on plain numpy arrays, no sockets."""
+"""The server's round arithmetic (psparse/server/aggregation.py) on plain numpy arrays, no sockets."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psparse.aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
-from psparse.backend import CudaBackend
-from psparse.emulated import EmulatedBackend
+from psparse.gpu.backend import CudaBackend
+from psparse.gpu.emulated import EmulatedBackend
+from psparse.server.aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from psparse.xp import cupy_or_none
 
 

@@ -1,4 +1,4 @@
-"""Mixed precision on real processes (psparse.amp): bf16 autocast, and fp16 autocast with a
+"""Mixed precision on real processes (psparse.worker.amp): bf16 autocast, and fp16 autocast with a
 GradScaler whose step overflows on one rank, through psparse-launch (examples/mixed_precision.py)."""
 
 from __future__ import annotations

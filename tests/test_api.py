@@ -57,7 +57,7 @@ def test_a_user_script_trains_through_the_launcher(tmp_path):
     ranks = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(4)]
     assert len({x["checksum"] for x in ranks}) == 1 and ranks[0]["policy"].startswith("core")
     plots = tmp_path / "plots"
-    rep = subprocess.run(python_module("psparse.report", str(out), "--out", str(plots)),
+    rep = subprocess.run(python_module("psparse.analysis.report", str(out), "--out", str(plots)),
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert sorted(p.suffix for p in plots.iterdir()) and any(
@@ -189,7 +189,7 @@ def test_session_state_is_model_sized_and_channels_last_models_work():
     import pickle
 
     from psparse.config import RunConfig
-    from psparse.session import Session
+    from psparse.worker.session import Session
 
     layers = [torch.nn.Conv2d(8, 8, 3) for _ in range(10)]
     model = torch.nn.Sequential(*layers).to(memory_format=torch.channels_last)

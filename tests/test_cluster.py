@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import alive, descendants, python_module, read_jsonl
 
-from psparse import cluster
 from psparse.config import RunConfig
+from psparse.launch import cluster
+from psparse.training.loop import environment
 
 FAKE_RSH = Path(__file__).resolve().parent / "fake_rsh.sh"
 
@@ -55,7 +56,7 @@ def test_remote_command_survives_a_real_shell(tmp_path):
 
 
 def test_config_flags_round_trip_through_the_worker_parser():
-    from psparse.worker import build_parser
+    from psparse.training.loop import build_parser
 
     cfg = RunConfig(model="mlp", dataset="digits", workers=3, policy="core",
                     policy_args=["own=0.2", "beta=0.3"], record_selections=True,
@@ -142,7 +143,7 @@ def test_worker_takes_rank_world_size_and_server_from_the_environment(tmp_path):
     for rank in range(2):  # what torchrun sets, plus where the psparse server is
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "PSPARSE_PORT": port}
-        workers.append(subprocess.Popen(python_module("psparse.worker", "--model", "mlp",
+        workers.append(subprocess.Popen(python_module("psparse.training.loop", "--model", "mlp",
                                                       "--dataset", "digits", "--iterations",
                                                       "10"), env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True))
@@ -153,8 +154,8 @@ def test_worker_takes_rank_world_size_and_server_from_the_environment(tmp_path):
 
 def test_slurm_helpers():
     env = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}
-    assert cluster.slurm_workers(env) == 8 and cluster.rank_from_env(env) == 5
-    assert cluster.world_size_from_env(env) == 8
+    assert cluster.slurm_workers(env) == 8 and environment.rank_from_env(env) == 5
+    assert environment.world_size_from_env(env) == 8
     cfg = RunConfig(workers=8).validate()
     cmd = cluster.srun_command(cfg, "node-a:5555", "/runs/x")
     assert cmd[:5] == ["srun", "--ntasks", "8", "--kill-on-bad-exit=1", "--label"]

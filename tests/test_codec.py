@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse import codec, protocol
-from psparse.codec import CodecError, KeyCache
-from psparse.protocol import ProtocolError
+from psparse.wire import codec, protocol
+from psparse.wire.codec import CodecError, KeyCache
+from psparse.wire.protocol import ProtocolError
 
 NUMEL = 100_000
 

@@ -1,5 +1,5 @@
-"""Every compiled CPU kernel (psparse/agg_kernels.py, psparse/codec_kernels.py) equals its numpy
-reference (psparse/reference.py) bit for bit, on random and adversarial inputs, and the kernels
+"""Every compiled CPU kernel (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py) equals its numpy
+reference (psparse/cpu/reference.py) bit for bit, on random and adversarial inputs, and the kernels
 load from numba's cache in the processes the runs start instead of compiling again."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psparse import codec, jit, protocol, reference
-from psparse.aggregation import Aggregator, ServerLimit, top_k
-from psparse.client import global_indices, merge_aggregates
-from psparse.codec import CodecError
-from psparse.kernels import NonFiniteError
-from psparse.sparsify import topk_exact
+from psparse.cpu import jit, reference
+from psparse.cpu.selection import NonFiniteError
+from psparse.cpu.sparsify import topk_exact
+from psparse.server.aggregation import Aggregator, ServerLimit, top_k
+from psparse.wire import codec, protocol
+from psparse.wire.codec import CodecError
+from psparse.worker.client import global_indices, merge_aggregates
 
 HYPOTHESIS = settings(max_examples=150, deadline=None,
                       suppress_health_check=[HealthCheck.too_slow])
@@ -109,7 +110,7 @@ def test_mean_at_the_largest_indices(numel, dtype):
 
 
 def test_every_block_size_agrees(monkeypatch):
-    from psparse import agg_kernels
+    from psparse.cpu import agg_kernels
     rng = np.random.default_rng(3)
     pushes = random_pushes(rng, 1_000_000, 5, 30_000, np.int32)
     for bits in (agg_kernels.MIN_BLOCK_BITS, 15, 18, agg_kernels.MAX_BLOCK_BITS):
@@ -364,7 +365,7 @@ def test_all_finite_on_edge_values():
 # ------------------------------------------------------------------------- the cache
 def test_a_fresh_process_loads_every_kernel_from_the_cache():
     jit.warm_up()  # compiled and cached here if no earlier process did
-    probe = ("import json, numba; from psparse import jit, agg_kernels, codec_kernels; "
+    probe = ("import json, numba; from psparse.cpu import jit, agg_kernels, codec_kernels; "
              "jit.warm_up(); kernels = [f for m in (agg_kernels, codec_kernels) "
              "for f in vars(m).values() if isinstance(f, numba.core.dispatcher.Dispatcher)]; "
              "print(json.dumps([sum(f.stats.cache_misses.values()) for f in kernels]))")
@@ -381,12 +382,12 @@ def test_a_module_another_process_is_warming_up_is_taken_last_and_loaded_after_i
     for the lock and loads select_kernels from the cache once it is free."""
     import fcntl
 
-    from psparse import select_kernels
+    from psparse.cpu import select_kernels
 
     jit.warm_up()  # a complete cache: what the probe does while it waits is loading only
     with open(jit._lock_path(select_kernels), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        probe = subprocess.Popen([sys.executable, "-m", "psparse.jit"], stdout=subprocess.PIPE,
+        probe = subprocess.Popen([sys.executable, "-m", "psparse.cpu.jit"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
         done = [probe.stdout.readline() for _ in range(3)]  # the cache line, then two modules
         # (in either order: another test's warm-up may hold one of them for a moment)

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psparse import config, data, models
+from psparse import config, data
 from psparse.data import DataError, Shard, fetch_mnist, load_dataset, read_idx
+from psparse.training import models
 
 
 def test_mnist_loads_with_the_official_shapes(data_root):

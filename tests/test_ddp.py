@@ -36,7 +36,7 @@ def test_report_compares_a_ddp_run_with_a_psparse_run(tmp_path):
         r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
                                          *extra), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run(python_module("psparse.report", str(tmp_path / "ddp"),
+    r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path / "ddp"),
                                      str(tmp_path / "sparse"), "--out", str(tmp_path / "rep")),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -1,6 +1,6 @@
 """The GPU exchange's synchronisation discipline, proven on the CPU.
 
-``PSPARSE_EMULATE_GPU=strict`` makes a worker run the GPU path (psparse/device_round.py) on the
+``PSPARSE_EMULATE_GPU=strict`` makes a worker run the GPU path (psparse/worker/device_round.py) on the
 strict emulated backend: the CUDA C kernels on the CPU and device arrays that raise
 ``HostSync`` on every implicit read to the host (``float()``, ``int()``, ``bool()``,
 ``.item()``, ``.get()``, ``np.asarray``, boolean masks, ``nonzero``...). A run that finishes
@@ -27,7 +27,7 @@ import torch
 from conftest import REPO, ServerProcess, python_module, read_jsonl
 
 import psparse
-from psparse.device_round import DeviceRound
+from psparse.worker.device_round import DeviceRound
 
 RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations", "12",
        "--eval-every", "6", "--seed", "5", "--quiet", "--threads", "1"]
@@ -240,8 +240,8 @@ def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, monke
 def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
     import numpy as np
 
-    from psparse.backend import HostSync
-    from psparse.emulated import EmulatedBackend
+    from psparse.gpu.backend import HostSync
+    from psparse.gpu.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     xp = dev.xp
     a = dev.upload("a", np.arange(10, dtype=np.float32))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from psparse import launch, server, worker
+from psparse import launch, server
+from psparse.training import loop
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -18,7 +19,7 @@ CLI = (ROOT / "docs" / "cli.md").read_text()
 RUN_DIRECTORY = (ROOT / "docs" / "run-directory.md").read_text()
 
 
-@pytest.mark.parametrize("module", [launch, server, worker], ids=["launch", "server", "worker"])
+@pytest.mark.parametrize("module", [launch, server, loop], ids=["launch", "server", "worker"])
 def test_every_flag_is_in_the_cli_reference(module):
     flags = [s for a in module.build_parser()._actions for s in a.option_strings
              if s.startswith("--") and s != "--help"]
@@ -76,7 +77,7 @@ def _spec_tables() -> dict[str, dict[str, tuple[str, str]]]:
 
 def test_the_protocol_spec_lists_every_message_field_and_frame_count():
     """docs/protocol.md is the specification others implement: it must match the code."""
-    from psparse import protocol
+    from psparse.wire import protocol, run_description
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
     tables = _spec_tables()
@@ -94,7 +95,7 @@ def test_the_protocol_spec_lists_every_message_field_and_frame_count():
         assert f"| `{msg_type}` |" in doc and f"| {frames}: header" in doc.split(
             f"| `{msg_type}` |")[1].splitlines()[0], msg_type
     assert f"(version {protocol.PROTOCOL_VERSION})" in doc
-    for field in protocol.RUN_FIELDS:
+    for field in run_description.RUN_FIELDS:
         assert f"| `{field}` |" in doc.split("## The run")[1].split("## Admission")[0]
 
 
@@ -104,10 +105,10 @@ def test_the_spec_example_proof_and_keys_are_what_the_code_computes():
 
     import numpy as np
 
-    from psparse import codec, protocol
+    from psparse.wire import codec, run_description
 
     expected = hmac.new(b"secret", b"psparse-register-v2\n1\n2\n00ff", hashlib.sha256).hexdigest()
-    assert protocol.register_proof("secret", 1, 2, "00ff") == expected
+    assert run_description.register_proof("secret", 1, 2, "00ff") == expected
     assert codec.encode_delta(np.array([3, 130])).tobytes() == bytes([0x03, 0x7F])
     assert codec.encode_delta(np.array([0, 300])).tobytes() == bytes([0x00, 0xAC, 0x02])
     assert codec.encode_bitmap(np.array([0, 3, 9]), 10).tobytes() == bytes([0x09, 0x02])
@@ -141,7 +142,7 @@ def test_the_spec_index_size_dense_switch_and_cache_key_examples():
     index_dtype), -0.0 is not a nonzero value, a cached frame is the 8 raw digest bytes."""
     import numpy as np
 
-    from psparse import codec, protocol
+    from psparse.wire import codec, protocol
 
     doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
                    .split())  # the wording below, whatever the line breaks
@@ -172,7 +173,7 @@ def test_the_spec_client_notes_hold_on_a_real_server(tmp_path):
     import numpy as np
     from conftest import ServerProcess
 
-    from psparse.transport import Channel
+    from psparse.wire.transport import Channel
 
     numel = 1000
     s = ServerProcess(tmp_path, 2, timeout=10)

@@ -14,8 +14,8 @@ from conftest import python_module
 from test_restarts import assert_identical, kill_once_saved, launch, restarted_once
 
 from psparse import checkpoint
-from psparse.cluster import Host
 from psparse.config import RunConfig
+from psparse.launch.cluster import Host
 from psparse.launch.plan import Plan, StartFailure, Topology
 
 HERE = Path(__file__).resolve().parent

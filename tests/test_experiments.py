@@ -281,7 +281,7 @@ def _record(path, sets_per_iteration, numel=100):
     """A selections file as --record-selections writes it, for one worker."""
     import numpy as np
 
-    from psparse.locality import SelectionRecorder
+    from psparse.worker.selections import SelectionRecorder
 
     rec = SelectionRecorder([numel], ["w"])
     grad = np.linspace(1, 2, numel).astype(np.float32)

@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 from conftest import python_module, read_jsonl
 
-from psparse import protocol
+from psparse.wire import protocol
 
 MESSAGES = 10_000
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "700",

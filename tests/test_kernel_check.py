@@ -1,4 +1,4 @@
-"""The GPU-less kernel gate (psparse/kernel_check.py) passes on the package and catches faults.
+"""The GPU-less kernel gate (psparse/gpu/kernel_check.py) passes on the package and catches faults.
 
 Needs CuPy and NVRTC (no GPU): `make check-kernels` installs them and runs this file; without
 them (plain `make test`) the tests that compile are skipped with that reason.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from psparse import kernel_check, kernels
-from psparse.kernel_check import CudaSource, ElementwiseSpec
+from psparse.gpu import kernel_check, sources
+from psparse.gpu.kernel_check import CudaSource, ElementwiseSpec
 
 
 def _nvrtc_or_none():
@@ -52,7 +52,7 @@ def test_every_package_kernel_is_built_and_compiled_for_each_architecture():
     assert report.errors == [], "\n".join(report.lines)
     text = "\n".join(report.lines)
     for arch in kernel_check.ARCHS:
-        assert f"{len(kernels.CUDA_KERNELS)} kernels compiled to PTX for {arch}" in text
+        assert f"{len(sources.CUDA_KERNELS)} kernels compiled to PTX for {arch}" in text
 
 
 @needs_nvrtc

@@ -1,4 +1,4 @@
-"""The kernel emulator (psparse/kernel_emu.py) is faithful where the kernels' logic needs it:
+"""The kernel emulator (psparse/gpu/kernel_emu.py) is faithful where the kernels' logic needs it:
 barriers really wait, warp collectives exchange values, a missing barrier or a divergent one
 shows, and a write past an array's end is caught. Then every element kernel of
 ``kernels.CUDA_SOURCE`` against its numpy formula, in both fiber orders.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse import kernels
-from psparse.kernel_emu import EmulatedKernels, EmulatorError
+from psparse.cpu import updates
+from psparse.gpu import sources
+from psparse.gpu.kernel_emu import EmulatedKernels, EmulatorError
 
 PROBES = r"""
 extern "C" __global__ void probe_block_sum(const float* x, long long n, float* out, int sync) {
@@ -111,7 +112,7 @@ def test_launches_are_checked_against_the_signature(probes):
 # ------------------------------------------------------------- the element kernels, emulated
 @pytest.fixture(scope="module", params=[False, True], ids=["in-order", "reversed"])
 def emu(request):
-    return EmulatedKernels(kernels.CUDA_SOURCE, reverse=request.param)
+    return EmulatedKernels(sources.CUDA_SOURCE, reverse=request.param)
 
 
 def _grid(n):
@@ -161,7 +162,7 @@ def test_the_decayed_state_kernels_follow_decaying(emu):
     """decay, renormalise, add and the per-slice maxima against kernels.Decaying itself."""
     rng = np.random.default_rng(2)
     n, bounds = 3000, np.array([0, 1000, 1001, 3000], np.int64)
-    host = kernels.Decaying(n)
+    host = updates.Decaying(n)
     host.RENORMALISE_BELOW = 0.3  # renormalise every few rounds
     stored = np.zeros(n, np.float32)
     scale, flag, top = np.ones(1), np.zeros(1, np.int32), np.zeros(3, np.float32)

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from psparse import kernels, protocol
-from psparse.backend import CudaBackend
-from psparse.emulated import EmulatedBackend
-from psparse.kernels import NonFiniteError
-from psparse.memory import Memory
-from psparse.sparsify import Selector, topk_exact
+from psparse.cpu import selection, updates
+from psparse.cpu.selection import NonFiniteError
+from psparse.cpu.sparsify import Selector, topk_exact
+from psparse.gpu import sources
+from psparse.gpu.backend import CudaBackend
+from psparse.gpu.emulated import EmulatedBackend
+from psparse.policies.memory import Memory
+from psparse.wire import protocol
 from psparse.xp import array_module, cupy_or_none, from_torch, to_device, to_host, to_torch
 
 cupy = cupy_or_none()
@@ -45,10 +47,10 @@ def _raw_aggregate(indices, values):
 @pytest.mark.parametrize("n,k", list(_cases()))
 def test_cpu_selection_equals_the_reference(n, k):
     x = _data(n, n + k)
-    want = kernels.topk_reference(x, k)
+    want = selection.topk_reference(x, k)
     np.testing.assert_array_equal(Selector(n, exact_below=0).topk(x, k), want)
     np.testing.assert_array_equal(topk_exact(x, k), want)
-    idx, val = kernels.select_any(x, k)
+    idx, val = selection.select_any(x, k)
     np.testing.assert_array_equal(idx, want)
     np.testing.assert_array_equal(val, x[want])
 
@@ -60,7 +62,7 @@ def test_ties_go_to_the_lower_index_on_every_path(n):
     x[1::3] = -2.0  # same magnitude, other sign
     k = n // 2  # cuts through the tied +-2 block
     want = np.flatnonzero(np.abs(x) == 2.0)[:k]
-    np.testing.assert_array_equal(kernels.topk_reference(x, k), want)
+    np.testing.assert_array_equal(selection.topk_reference(x, k), want)
     np.testing.assert_array_equal(Selector(n, exact_below=0).topk(x, k), want)
     np.testing.assert_array_equal(topk_exact(x, k), want)
     # more zeros than the sample expects: the exact-threshold fallback with many ties
@@ -100,15 +102,15 @@ def test_dgc_accumulate_and_take_follow_the_formulas():
 
 def test_policy_state_updates_follow_the_formulas():
     p = np.arange(10, dtype=np.float32)
-    kernels.decay_and_add(p, np.array([1, 4]), np.array([-2.0, 3.0], np.float32), 0.5, 0.25)
+    updates.decay_and_add(p, np.array([1, 4]), np.array([-2.0, 3.0], np.float32), 0.5, 0.25)
     want = np.arange(10, dtype=np.float32) * 0.5
     want[[1, 4]] += [0.5, 0.75]
     np.testing.assert_allclose(p, want)
-    kernels.decay_and_add(p, np.array([1]), np.array([-2.0], np.float32), 1.0, 1.0,
+    updates.decay_and_add(p, np.array([1]), np.array([-2.0], np.float32), 1.0, 1.0,
                           magnitude=False)
     assert p[1] == pytest.approx(want[1] - 2.0)
     c = np.ones(5, np.float32)
-    kernels.decay_and_count(c, np.array([0, 2]), 0.5)
+    updates.decay_and_count(c, np.array([0, 2]), 0.5)
     np.testing.assert_allclose(c, [1.5, 0.5, 1.5, 0.5, 0.5])
 
 
@@ -137,23 +139,23 @@ def test_kernel_launches_are_checked_against_the_c_signatures():
     """Every CUDA parameter type is known, and a launch with a wrong dtype, count, layout or
     scalar type is a TypeError naming the kernel and the parameter (not a silent misread)."""
     import re
-    names = re.findall(r'__global__\s+void\s+(\w+)', kernels.CUDA_SOURCE)
-    assert sorted(names) == sorted(kernels.CUDA_KERNELS)
-    assert all(c in kernels.C_TYPES for sig in kernels.CUDA_KERNELS.values() for c, _ in sig)
-    sig = kernels.CUDA_KERNELS["psparse_take"]
+    names = re.findall(r'__global__\s+void\s+(\w+)', sources.CUDA_SOURCE)
+    assert sorted(names) == sorted(sources.CUDA_KERNELS)
+    assert all(c in sources.C_TYPES for sig in sources.CUDA_KERNELS.values() for c, _ in sig)
+    sig = sources.CUDA_KERNELS["psparse_take"]
     f32, i64 = np.zeros(8, np.float32), np.arange(4, dtype=np.int64)
     good = (i64, np.int64(4), f32, np.int64(8), f32, np.int32(0), np.zeros(4, np.float32))
-    kernels.check_launch("psparse_take", good, sig)
+    sources.check_launch("psparse_take", good, sig)
     bad = {"int32 array": (i64.astype(np.int32),) + good[1:],
            "7 parameters": good[:-1],
            "not contiguous": good[:2] + (np.zeros(16, np.float32)[::2],) + good[3:],
            "numpy int64 scalar": (i64, 4) + good[2:]}
     for expected, args in bad.items():
         with pytest.raises(TypeError, match=f"psparse_take: .*{expected}"):
-            kernels.check_launch("psparse_take", args, sig)
+            sources.check_launch("psparse_take", args, sig)
 
 # ------------------------------------------------------------------------- the device
-# The GPU path's kernels through a backend: emulated on the CPU always (psparse/kernel_emu.py),
+# The GPU path's kernels through a backend: emulated on the CPU always (psparse/gpu/kernel_emu.py),
 # on the GPU too when there is one.
 def _backends():
     out = [pytest.param(lambda: EmulatedBackend(strict=True), id="emulated")]
@@ -176,7 +178,7 @@ def test_device_memory_matches_the_cpu(dev, kind):
         cpu.add(g)
         device.add(dev.upload("gradient", g))
     np.testing.assert_array_equal(dev.read(device.accumulator), cpu.accumulator)
-    idx = kernels.topk_reference(cpu.accumulator, 500)
+    idx = selection.topk_reference(cpu.accumulator, 500)
     np.testing.assert_array_equal(dev.read(device.take(dev.upload("indices", idx))),
                                   cpu.take(idx))
     np.testing.assert_array_equal(dev.read(device.accumulator), cpu.accumulator)

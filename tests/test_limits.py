@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_server import NUMEL, random_push, start_clients
 
-from psparse import protocol
-from psparse.aggregation import ServerLimit
-from psparse.reference import sparse_mean
+from psparse.cpu.reference import sparse_mean
+from psparse.server.aggregation import ServerLimit
+from psparse.wire import protocol
 
 
 @pytest.mark.parametrize("limit", [1, 7, 40, 200])

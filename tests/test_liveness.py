@@ -23,7 +23,7 @@ def start(tmp_path, workers, *server_args, worker_args=("--iterations", "1500"))
         assert server.poll() is None, server.communicate()[0]
         time.sleep(0.05)
     port = (tmp_path / "server.port").read_text().strip()
-    procs = [subprocess.Popen(python_module("psparse.worker", "--rank", str(r), "--workers",
+    procs = [subprocess.Popen(python_module("psparse.training.loop", "--rank", str(r), "--workers",
                                             str(workers), "--model", "mlp", "--dataset",
                                             "digits", *worker_args, "--timeout",
                                             str(TIMEOUT), "--connect", f"127.0.0.1:{port}",

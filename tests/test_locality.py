@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from conftest import python_module, read_jsonl
 
-from psparse.locality import jaccard, recurrence
+from psparse.analysis.locality import jaccard, recurrence
 
 
 def test_recurrence_and_jaccard_on_crafted_sets():
@@ -26,7 +26,8 @@ def test_recurrence_and_jaccard_on_crafted_sets():
 def test_recorder_measures_what_the_push_captured_and_the_backlog(tmp_path):
     import numpy as np
 
-    from psparse.locality import SelectionRecorder, load
+    from psparse.analysis.locality import load
+    from psparse.worker.selections import SelectionRecorder
 
     rec = SelectionRecorder([4], ["w"])
     grad = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
@@ -57,7 +58,7 @@ def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_acc"] > 0.8  # DGC-style training still learns
 
-    r = subprocess.run(python_module("psparse.locality", str(out)), capture_output=True,
+    r = subprocess.run(python_module("psparse.analysis.locality", str(out)), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "locality.json").read_text())
@@ -82,7 +83,7 @@ def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
 
 
 def test_locality_without_recordings_says_what_to_do(tmp_path):
-    r = subprocess.run(python_module("psparse.locality", str(tmp_path)), capture_output=True,
+    r = subprocess.run(python_module("psparse.analysis.locality", str(tmp_path)), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "--record-selections" in r.stderr
 
@@ -92,7 +93,7 @@ def test_random_sets_recur_as_the_stated_baseline():
     the locality figures are compared with (18.2% within 20 iterations at k/n = 1%, not 1%)."""
     import numpy as np
 
-    from psparse.locality import random_recurrence, recurrence
+    from psparse.analysis.locality import random_recurrence, recurrence
 
     rng = np.random.default_rng(0)
     n, k, horizon = 2000, 20, 20

@@ -1,4 +1,4 @@
-"""Who is in the run (psparse/membership.py): admission, agreement, liveness and losses, tested
+"""Who is in the run (psparse/server/membership.py): admission, agreement, liveness and losses, tested
 on decoded messages without sockets. The server's probe of a peer's connection is a callable;
 here it asks a set of the peers that are still "connected"."""
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from psparse import protocol
-from psparse.membership import Membership, RunAborted
-from psparse.protocol import ProtocolError
+from psparse.server.membership import Membership, RunAborted
+from psparse.wire import protocol, run_description
+from psparse.wire.protocol import ProtocolError
 
 TOKEN = "run-secret"
 RUN = {"numel": 100, "iterations": 8, "two_phase": False, "steps": [[0, 10, 10, 0]],
@@ -48,7 +48,7 @@ def register(rank, world_size=2, *, token=TOKEN, nonce=None, run=RUN, **fields):
         header["run"] = run
     if token is not None:
         nonce = nonce or f"{next(_nonces):032x}"
-        header.update(nonce=nonce, proof=protocol.register_proof(token, rank, world_size, nonce))
+        header.update(nonce=nonce, proof=run_description.register_proof(token, rank, world_size, nonce))
     return protocol.decode(protocol.encode("register", **header))
 
 
@@ -309,10 +309,11 @@ def test_without_elastic_a_loss_ends_the_run_saying_why():
 
 
 def test_the_server_layers_below_the_socket_import_no_transport():
-    """aggregation and membership sit below the server: no zmq, no transport, no torch."""
-    code = ("import sys, psparse.aggregation, psparse.membership; "
-            "print(sorted(m for m in ('zmq', 'psparse.transport', 'psparse.server', 'torch') "
-            "if m in sys.modules))")
+    """aggregation and membership sit below the server's socket side (server/endpoint.py,
+    server/server.py): no zmq, no transport, no torch."""
+    code = ("import sys, psparse.server.aggregation, psparse.server.membership; "
+            "print(sorted(m for m in ('zmq', 'psparse.wire.transport', 'psparse.server.server', "
+            "'psparse.server.endpoint', 'torch') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

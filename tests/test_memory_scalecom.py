@@ -1,4 +1,4 @@
-"""ScaleCom's low-pass-filtered error-feedback memory (``--memory scalecom``, psparse/memory.py).
+"""ScaleCom's low-pass-filtered error-feedback memory (``--memory scalecom``, psparse/policies/memory.py).
 
 The update, per worker and round, with s_t = p_t at the sent indices (zero elsewhere):
 p_t = m_t + g_t (selected from), m_{t+1} = (1 - beta) m_t + beta (p_t - s_t).
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import python_module, read_jsonl
 
-from psparse import kernels
-from psparse.backend import CudaBackend
 from psparse.config import ConfigError, RunConfig
-from psparse.emulated import EmulatedBackend
-from psparse.memory import SCALECOM_BETA, Memory
+from psparse.cpu import selection
+from psparse.gpu.backend import CudaBackend
+from psparse.gpu.emulated import EmulatedBackend
+from psparse.policies.memory import SCALECOM_BETA, Memory
 from psparse.xp import cupy_or_none
 
 cupy = cupy_or_none()
@@ -60,7 +60,7 @@ def test_beta_one_is_plain_error_feedback_bit_for_bit():
         g = rng.standard_normal(500).astype(np.float32)
         a, b = plain.add(g), filtered.add(g)
         np.testing.assert_array_equal(a, b)
-        idx = kernels.topk_reference(a, 25)
+        idx = selection.topk_reference(a, 25)
         np.testing.assert_array_equal(plain.take(idx), filtered.take(idx))
         np.testing.assert_array_equal(plain.accumulator, filtered.filtered)
 
@@ -71,7 +71,7 @@ def _run(memory: Memory, grads, k: int):
     sent = np.zeros(memory.accumulator.size)
     for g in grads:
         acc = memory.add(g)
-        idx = kernels.topk_reference(acc, k)
+        idx = selection.topk_reference(acc, k)
         sent[idx] += memory.take(idx)
         computed += g
     return computed, sent
@@ -127,7 +127,7 @@ def test_state_dict_carries_the_filtered_memory_and_restores_it():
     for g in grads[5:]:
         a, b = whole.add(g), resumed.add(g)
         np.testing.assert_array_equal(a, b)
-        idx = kernels.topk_reference(a, 15)
+        idx = selection.topk_reference(a, 15)
         np.testing.assert_array_equal(whole.take(idx), resumed.take(idx))
     np.testing.assert_array_equal(whole.filtered, resumed.filtered)
 
@@ -166,7 +166,7 @@ def test_device_scalecom_memory_matches_the_cpu():
         g = rng.standard_normal(65_537).astype(np.float32)
         a = cpu.add(g)
         np.testing.assert_array_equal(dev.read(device.add(dev.upload("gradient", g))), a)
-        idx = kernels.topk_reference(a, 500)
+        idx = selection.topk_reference(a, 500)
         np.testing.assert_array_equal(dev.read(device.take(dev.upload("indices", idx))),
                                       cpu.take(idx))
         np.testing.assert_array_equal(dev.read(device.filtered), cpu.filtered)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from psparse.data import IN_SHAPES
-from psparse.models import LeNet5, build_model
+from psparse.training.models import LeNet5, build_model
 
 
 def count(model: nn.Module) -> int:

@@ -64,7 +64,7 @@ def test_training_across_two_namespaces_over_a_shaped_link(namespaces, tmp_path)
             assert server.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         port = (tmp_path / "server.port").read_text().strip()
-        workers = [subprocess.Popen(in_ns(f"{name}-wrk", "psparse.worker", "--rank", str(r),
+        workers = [subprocess.Popen(in_ns(f"{name}-wrk", "psparse.training.loop", "--rank", str(r),
                                           "--workers", "2", "--model", "mlp", "--dataset",
                                           "digits", "--iterations", "30", "--connect",
                                           f"{server_ip}:{port}", "--out", str(tmp_path)),

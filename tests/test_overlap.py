@@ -19,10 +19,11 @@ import torch
 import zmq
 from conftest import python_module, read_jsonl
 
-from psparse import buckets, protocol
-from psparse.codec import KeyCache
 from psparse.config import ConfigError, RunConfig
-from psparse.session import Session
+from psparse.training.loop import buckets
+from psparse.wire import protocol
+from psparse.wire.codec import KeyCache
+from psparse.worker.session import Session
 
 # mlp on digits: layers of 2048, 32, 320 and 10 entries; 0.001 MB buckets (250 entries)
 # make each layer its own bucket: 4 parts

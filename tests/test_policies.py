@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psparse.memory import Memory, density_schedule
+from psparse.cpu.sparsify import split_k
 from psparse.policies import (
     REGISTRY,
     Layout,
@@ -17,7 +17,7 @@ from psparse.policies import (
     parse_policy_args,
     policy_class,
 )
-from psparse.sparsify import split_k
+from psparse.policies.memory import Memory, density_schedule
 
 
 def make(name, k, sizes=(10,), granularity="model", rank=0, world=4, **params):

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from policy_reference import REFERENCES
 
-from psparse import jit, kernels, sparsify
-from psparse.kernels import sorted_union
+from psparse.cpu import jit, selection, sparsify, updates
+from psparse.cpu.selection import sorted_union
+from psparse.cpu.sparsify import Selector
 from psparse.policies import REGISTRY, Layout, base, build_policy, ema, frequency
-from psparse.sparsify import Selector
 
 MODEL = [7037]
 LAYERS = [5000, 37, 1200, 1, 799]
@@ -102,7 +102,7 @@ STATE_RTOL = 2e-5
 
 def assert_same_state(fast, ref):
     """Bit-identical state; a ``Decaying`` priority equal within STATE_RTOL (or tiny)."""
-    if isinstance(getattr(fast, "priority", None), kernels.Decaying):
+    if isinstance(getattr(fast, "priority", None), updates.Decaying):
         atol = STATE_RTOL * float(np.abs(ref.priority).max()) if getattr(fast, "signed", False) \
             else np.finfo(np.float32).tiny
         np.testing.assert_allclose(fast.priority.values(), ref.priority, rtol=STATE_RTOL,
@@ -168,7 +168,7 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
 
 @pytest.fixture(params=["exact", "sampled", "compiled"])
 def selection_path(request, monkeypatch):
-    """'compiled': the host's compiled kernels (psparse/select_kernels.py); the others their
+    """'compiled': the host's compiled kernels (psparse/cpu/select_kernels.py); the others their
     numpy references (PSPARSE_CPU_KERNELS=numpy). 'sampled': slices from 1024 entries up take
     the sampled-threshold path (as above 1M), and the block-by-block passes (selection,
     threshold) run on 1000-entry blocks, so the tests' 7037 entries span several blocks as
@@ -176,7 +176,7 @@ def selection_path(request, monkeypatch):
     monkeypatch.setattr(jit, "REFERENCE", request.param != "compiled")
     if request.param == "compiled":
         # numba loaded: jit.compiled's small-call rule then runs the kernels at 7037 entries
-        importlib.import_module("psparse.select_kernels")
+        importlib.import_module("psparse.cpu.select_kernels")
     if request.param == "sampled":
         monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
         monkeypatch.setattr(sparsify, "BLOCK", 1000)
@@ -190,7 +190,7 @@ def renormalisation(request, monkeypatch):
     also across the restore; by default (every 65th at beta = 0.5) the 48 rounds see none,
     except at beta = 0."""
     if request.param == "renormalise-often":
-        monkeypatch.setattr(kernels.Decaying, "RENORMALISE_BELOW", 2.0 ** -3)
+        monkeypatch.setattr(updates.Decaying, "RENORMALISE_BELOW", 2.0 ** -3)
         monkeypatch.setattr(ema, "STORED_LIMIT", 4.0)
     return request.param
 
@@ -267,13 +267,13 @@ def test_state_updates_equal_the_plain_expressions():
     for magnitude in (True, False):
         got, want = state.copy(), state.copy()
         out = np.empty(indices.size, np.float32)
-        kernels.decay_and_add(got, indices, values, 0.9, 0.1, magnitude=magnitude, out=out)
+        updates.decay_and_add(got, indices, values, 0.9, 0.1, magnitude=magnitude, out=out)
         want *= np.float32(0.9)
         want[indices] += np.float32(0.1) * (np.abs(values) if magnitude else values)
         assert got.tobytes() == want.tobytes()
         assert out.tobytes() == want[indices].tobytes()
     got, want = state.copy(), state.copy()
-    kernels.decay_and_count(got, indices, 0.5)
+    updates.decay_and_count(got, indices, 0.5)
     want *= np.float32(0.5)
     want[indices] += np.float32(1.0)
     assert got.tobytes() == want.tobytes()
@@ -287,18 +287,18 @@ def test_lazy_decay_equals_the_eager_update():
     rng = np.random.default_rng(5)
     n, tiny = 5000, np.finfo(np.float32).tiny
     for decay, exact in ((0.5, True), (0.9, False)):
-        lazy, eager, copy = kernels.Decaying(n), np.zeros(n, np.float32), None
+        lazy, eager, copy = updates.Decaying(n), np.zeros(n, np.float32), None
         for it in range(150):  # 0.5: renormalises at rounds 64 and 128
             indices = np.sort(rng.choice(n, 300, replace=False))
             values = rng.standard_normal(300).astype(np.float32)
             if it == 40:
-                copy = kernels.Decaying(n)
+                copy = updates.Decaying(n)
                 copy.load_state_dict(lazy.state_dict())
             for state in (lazy, copy):
                 if state is not None:
                     state.decay(decay)
                     state.add(indices, values, 1 - decay)
-            kernels.decay_and_add(eager, indices, values, decay, 1 - decay)
+            updates.decay_and_add(eager, indices, values, decay, 1 - decay)
         got = lazy.values()
         normal = eager >= tiny
         if exact:
@@ -307,13 +307,13 @@ def test_lazy_decay_equals_the_eager_update():
         assert not np.any((lazy.stored != 0) & (np.abs(lazy.stored) < tiny))
         assert copy.stored.tobytes() == lazy.stored.tobytes()
         assert copy.scale == lazy.scale
-    plain = kernels.Decaying(n)
+    plain = updates.Decaying(n)
     plain.load_state_dict({"priority": eager})
     assert plain.scale == 1.0 and plain.values().tobytes() == eager.tobytes()
 
 
 def test_renormalisation_flushes_below_the_smallest_normal():
-    state = kernels.Decaying(4)
+    state = updates.Decaying(4)
     state.add(np.arange(4), np.array([1e-10, 1e-20, -1e-20, 0.0], np.float32), 1.0,
               magnitude=False)
     for _ in range(65):  # the scale 2^-65 is below 2^-64: stored *= 2^-65, scale = 1
@@ -371,5 +371,5 @@ def test_frequency_refuses_a_non_finite_accumulator(bad):
     for where in (0, 3000, n - 1, slice(0, 1000)):
         acc = np.random.default_rng(1).standard_normal(n).astype(np.float32)
         acc[where] = bad
-        with pytest.raises(kernels.NonFiniteError):
+        with pytest.raises(selection.NonFiniteError):
             policy.select(acc, 0)

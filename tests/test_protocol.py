@@ -8,9 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from psparse import protocol
-from psparse.protocol import ProtocolError, decode, encode
-from psparse.transport import wire_bytes
+from psparse.wire import protocol
+from psparse.wire.protocol import ProtocolError, decode, encode
+from psparse.wire.transport import wire_bytes
 
 
 def _bytes(frames):

@@ -1,7 +1,7 @@
-"""The device selection engine (psparse/radix.py) against its references, on the CPU.
+"""The device selection engine (psparse/gpu/radix.py) against its references, on the CPU.
 
 ``plan_reference`` (the plan in array operations) selects exactly ``topk_reference``'s set on
-adversarial inputs; the CUDA C kernels, run by the emulator (psparse/kernel_emu.py), follow the
+adversarial inputs; the CUDA C kernels, run by the emulator (psparse/gpu/kernel_emu.py), follow the
 plan step by step (mode, candidates, threshold, ties still needed) and write its selection, for
 every key mode, in single and many segments, with the fused accumulation and take. The same
 tests run on a CUDA device when there is one.
@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse import kernels, radix
-from psparse.emulated import EmulatedBackend
-from psparse.radix import RadixSelect, keys_reference, plan_reference
+from psparse.cpu import selection
+from psparse.gpu import radix
+from psparse.gpu.emulated import EmulatedBackend
+from psparse.gpu.radix import RadixSelect, keys_reference, plan_reference
 from psparse.xp import cupy_or_none
 
 # sizes that are not multiples of the block (256) or the tile (4096)
@@ -48,7 +49,7 @@ def test_the_plan_selects_exactly_the_reference_top_k(n):
         assert not bad.any()
         for k in _ks(n):
             got = plan_reference(np, keys, k)["selected"]
-            np.testing.assert_array_equal(got, kernels.topk_reference(x, k),
+            np.testing.assert_array_equal(got, selection.topk_reference(x, k),
                                           err_msg=f"{name} n={n} k={k}")
 
 
@@ -77,7 +78,7 @@ def _backends():
     out = [pytest.param(lambda: EmulatedBackend(strict=False), id="emulated"),
            pytest.param(lambda: EmulatedBackend(strict=False, reverse=True), id="reversed")]
     if cupy_or_none() is not None:
-        from psparse.backend import CudaBackend
+        from psparse.gpu.backend import CudaBackend
         out.append(pytest.param(lambda: CudaBackend(cupy_or_none()), id="cuda"))
     return out
 
@@ -121,7 +122,7 @@ def test_the_kernels_follow_the_plan_and_select_the_reference_set(dev, n):
                 assert state[0, radix.ST_PREFIX] == plan["threshold"], where
                 assert state[0, radix.ST_NEED] == plan["need"], where
             assert report[0].tolist() == [k, 0], where
-            np.testing.assert_array_equal(idx[:k], kernels.topk_reference(x, k), err_msg=where)
+            np.testing.assert_array_equal(idx[:k], selection.topk_reference(x, k), err_msg=where)
             np.testing.assert_array_equal(val[:k], x[idx[:k]], err_msg=where)
 
 
@@ -132,7 +133,7 @@ def test_a_segment_that_overflows_its_candidate_buffer_reads_the_whole_segment(d
     x[::1000] = 1.0
     engine, report, idx, _, state, _ = _run(dev, x, [(0, n)], [500])
     assert state[0, radix.ST_MODE] == radix.MODE_FULL
-    np.testing.assert_array_equal(idx[:500], kernels.topk_reference(x, 500))
+    np.testing.assert_array_equal(idx[:500], selection.topk_reference(x, 500))
 
 
 def test_many_segments_at_once_each_select_their_own(dev):
@@ -146,7 +147,7 @@ def test_many_segments_at_once_each_select_their_own(dev):
     for s, ((lo, hi), k) in enumerate(zip(segments, ks)):
         b = engine.obase[s]
         assert report[s, 0] == k
-        np.testing.assert_array_equal(idx[b:b + k], kernels.topk_reference(x[lo:hi], k) + lo)
+        np.testing.assert_array_equal(idx[b:b + k], selection.topk_reference(x[lo:hi], k) + lo)
 
 
 def test_non_finite_scores_are_counted_per_segment(dev):
@@ -167,7 +168,7 @@ def test_fused_accumulation_and_take(dev):
         want_vel = np.float32(0.9) * vel + grad if mode == radix.ACC_DGC else vel
         want = acc + grad if mode == radix.ACC_RESIDUAL else \
             acc + want_vel if mode == radix.ACC_DGC else filt + grad
-        chosen = kernels.topk_reference(want, k)
+        chosen = selection.topk_reference(want, k)
         a, g, v, f = (_up(dev, z) for z in (acc, grad, vel, filt))
         engine = RadixSelect(dev, [(0, n)], [k], radix.Key(radix.KEY_ABS, a), values=a,
                              take=True, velocity=v, index_dtype=np.int32)

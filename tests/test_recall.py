@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import python_module, read_jsonl
 
-from psparse.recall import measures, truncate
+from psparse.worker.recall import measures, truncate
 
 RUN = ["--model", "mlp", "--dataset", "digits", "--iterations", "60", "--eval-every", "0",
        "--density", "0.05", "--seed", "3", "--quiet", "--probe-recall", "20"]
@@ -43,7 +43,7 @@ def test_rows_of_a_real_run(tmp_path):
         assert row["union"] == metrics[row["iter"]]["broadcast_entries"]
         assert 0 < row["recall"] <= 1 and 0 < row["energy_topk"] <= 1
     assert not list((tmp_path / "run" / "probes").iterdir())  # summed, then deleted
-    report = subprocess.run(python_module("psparse.report", str(tmp_path / "run"), "--out",
+    report = subprocess.run(python_module("psparse.analysis.report", str(tmp_path / "run"), "--out",
                                           str(tmp_path / "rep")),
                             capture_output=True, text=True, timeout=120)
     mean = np.mean([row["recall"] for row in rows])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import python_module
 
-from psparse.costmodel import Setting, predict, setting_from_run
-from psparse.transport import Pacer, parse_rate
+from psparse.analysis.costmodel import Setting, predict, setting_from_run
+from psparse.wire.transport import Pacer, parse_rate
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def two_runs(tmp_path_factory):
 
 def test_report_table_and_plots(two_runs, tmp_path):
     out = tmp_path / "report"
-    r = subprocess.run(python_module("psparse.report", *map(str, two_runs), "--out", str(out)),
+    r = subprocess.run(python_module("psparse.analysis.report", *map(str, two_runs), "--out", str(out)),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "topk (topk)" in r.stdout and "core (core)" in r.stdout and "union/k" in r.stdout
@@ -48,7 +48,7 @@ def test_report_table_and_plots(two_runs, tmp_path):
 
 
 def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
-    r = subprocess.run(python_module("psparse.report", str(tmp_path)), capture_output=True,
+    r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path)), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "no summary.json" in r.stderr
 
@@ -97,13 +97,14 @@ def test_model_cpu_terms_on_cpu_shares():
 
 def test_model_cli_takes_the_cpu_terms_and_powersgd():
     """psparse-model's flags reach the formulas: the same figures as predict() with them."""
-    from psparse.costmodel import WIRE_OVERHEAD, model_shapes, powersgd_sizes
+    from psparse.analysis.costmodel import WIRE_OVERHEAD, model_shapes
+    from psparse.training.ddp import powersgd_sizes
 
     args = ["--numel", "61706", "--k", "617", "--workers", "8", "--compute", "0.025",
             "--bandwidth", "80mbit", "--latency", "0.2", "--cpu-share", "0.25", "--server-cpu",
             "7", "--worker-comm-cpu", "19", "--powersgd-rank", "1", "--model", "lenet",
             "--wire-overhead", "--json"]
-    r = subprocess.run(python_module("psparse.costmodel", *args), capture_output=True,
+    r = subprocess.run(python_module("psparse.analysis.costmodel", *args), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["predicted_s"]["80 Mbit/s"]
@@ -112,10 +113,10 @@ def test_model_cli_takes_the_cpu_terms_and_powersgd():
                 powersgd_entries=sum(powersgd_sizes(model_shapes("lenet"), 1)))
     want = predict(s, 80e6, latency_s=0.0002, wire_overhead=WIRE_OVERHEAD)
     assert got == pytest.approx(want) and "PowerSGD" in got
-    bad = subprocess.run(python_module("psparse.costmodel", *args[:8], "--cpu-share", "2"),
+    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args[:8], "--cpu-share", "2"),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--cpu-share must be in (0, 1]" in bad.stderr
-    bad = subprocess.run(python_module("psparse.costmodel", *args[:8], "--powersgd-rank", "1"),
+    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args[:8], "--powersgd-rank", "1"),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--powersgd-rank needs" in bad.stderr
 
@@ -124,7 +125,7 @@ def test_model_reads_a_run(two_runs):
     s, info = setting_from_run(two_runs[0])
     assert s.workers == 3 and s.numel == 2410 and s.k == 24
     assert 24 <= s.union <= 72 and s.compute_s == pytest.approx(info["measured_s"])
-    r = subprocess.run(python_module("psparse.costmodel", "--run", str(two_runs[0]),
+    r = subprocess.run(python_module("psparse.analysis.costmodel", "--run", str(two_runs[0]),
                                      "--bandwidth", "100Mbit"), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "sparse allgather" in r.stdout and "100 Mbit/s" in r.stdout

@@ -11,12 +11,12 @@ import zmq.auth
 from conftest import python_module
 from test_server import Client
 
-from psparse import protocol
-from psparse.transport import Channel, TransportTimeout
+from psparse.wire import protocol
+from psparse.wire.transport import Channel, TransportTimeout
 
 
 def make_keys(path, workers):
-    r = subprocess.run(python_module("psparse.keys", str(path), "--workers", str(workers)),
+    r = subprocess.run(python_module("psparse.wire.keys", str(path), "--workers", str(workers)),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return path

@@ -1,4 +1,4 @@
-"""The host's compiled selection and policy-state kernels (psparse/select_kernels.py) against
+"""The host's compiled selection and policy-state kernels (psparse/cpu/select_kernels.py) against
 their numpy oracles: ``topk_exact`` of the same score, ``kernels.at_least``,
 ``kernels.scatter_add`` and ``Decaying.renormalise``'s numpy lines. Random, adversarial
 (empty, one entry, ties, all equal, zeros, k = 0 and k = n, a misleading sample) and
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psparse import kernels, select_kernels
-from psparse.kernels import NonFiniteError
-from psparse.sparsify import Selector, topk_exact
+from psparse.cpu import select_kernels, selection, updates
+from psparse.cpu.selection import NonFiniteError
+from psparse.cpu.sparsify import Selector, topk_exact
 
 CORE_SCORE = np.finfo(np.float32).max
 GRID = st.sampled_from([0.0, 0.125, -0.125, 0.5, -1.0, 2.0, 3.0, 1e-30, -1e-39])  # ties
@@ -148,7 +148,7 @@ def test_at_least_equals_the_reference():
             acc[[5, 70 % n, 300 % n]] = [np.nan, np.inf, -np.inf]
             acc[1000 % n] = np.float32(0.7)  # at a lam whose float32 rounds down: selected
         got = select_kernels.at_least(acc, np.float32(0.7))
-        np.testing.assert_array_equal(got, kernels.at_least(acc, 0.7, np.empty(64, np.float32)))
+        np.testing.assert_array_equal(got, selection.at_least(acc, 0.7, np.empty(64, np.float32)))
 
 
 @pytest.mark.parametrize("hits", [0.0, 0.001, 0.06, 0.5, 1.0])
@@ -164,7 +164,7 @@ def test_at_least_at_every_hit_rate(hits):
         acc[:4] = [-0.0, 1e-45, -np.float32(1.0), np.float32(1.0)]
         got = select_kernels.at_least(acc, np.float32(1.0))
         np.testing.assert_array_equal(got, np.flatnonzero(np.abs(acc) >= 1.0))
-        np.testing.assert_array_equal(got, kernels.at_least(acc, 1.0, np.empty(64, np.float32)))
+        np.testing.assert_array_equal(got, selection.at_least(acc, 1.0, np.empty(64, np.float32)))
 
 
 def test_scatter_add_and_renormalise_equal_numpy_bit_for_bit():
@@ -182,7 +182,7 @@ def test_scatter_add_and_renormalise_equal_numpy_bit_for_bit():
             select_kernels.scatter_add(got, indices.astype(dtype),
                                        select_kernels.NO_AUX if vals is None else vals,
                                        np.float32(0.1), mode, old, updated, edges, tops)
-            kernels.scatter_add(want, indices, vals, 0.1, magnitude)
+            updates.scatter_add(want, indices, vals, 0.1, magnitude)
             assert got.tobytes() == want.tobytes()
             assert old.tobytes() == state[indices].tobytes()
             assert updated.tobytes() == want[indices].tobytes()

@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from psparse import protocol
-from psparse.codec import KeyCache
-from psparse.transport import Channel
+from psparse.wire import protocol
+from psparse.wire.codec import KeyCache
+from psparse.wire.transport import Channel
 
 NUMEL = 1000
 

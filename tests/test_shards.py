@@ -19,8 +19,9 @@ import pytest
 import zmq
 from conftest import python_module, read_jsonl
 
-from psparse import cluster, keyranges, protocol
 from psparse.config import RunConfig
+from psparse.launch import cluster
+from psparse.wire import keyranges, protocol
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "40",
        "--eval-every", "10", "--seed", "1", "--quiet"]
@@ -154,7 +155,7 @@ def test_shards_started_by_hand_write_the_merged_run_files(tmp_path):
     try:
         connect = ",".join(f"127.0.0.1:{port}" for _, port in servers)
         workers = [subprocess.Popen(python_module(
-            "psparse.worker", "--rank", str(r), "--workers", "2", "--model", "mlp",
+            "psparse.training.loop", "--rank", str(r), "--workers", "2", "--model", "mlp",
             "--dataset", "digits", "--iterations", "10", "--connect", connect, "--out",
             str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(2)]
@@ -171,7 +172,7 @@ def test_shards_started_by_hand_write_the_merged_run_files(tmp_path):
     # psparse-report shows the per-shard bytes, merging the shards' files itself if needed
     (tmp_path / "summary.json").unlink()
     (tmp_path / "metrics.jsonl").unlink()
-    r = subprocess.run(python_module("psparse.report", str(tmp_path), "--no-plots", "--out",
+    r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path), "--no-plots", "--out",
                                      str(tmp_path / "report")),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -234,7 +235,7 @@ def test_bad_servers_values_are_refused_by_the_launcher(tmp_path, args, message)
 
 
 def test_a_worker_needs_every_shards_address(tmp_path):
-    r = subprocess.run(python_module("psparse.worker", "--rank", "0", "--workers", "1",
+    r = subprocess.run(python_module("psparse.training.loop", "--rank", "0", "--workers", "1",
                                      "--model", "mlp", "--dataset", "digits", "--servers", "2",
                                      "--connect", "127.0.0.1:1"),
                        capture_output=True, text=True, timeout=120)
@@ -262,7 +263,7 @@ def test_hostfile_launch_with_two_server_shards(tmp_path, placed):
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [line.split("\t") for line in (tmp_path / "rsh.log").read_text().splitlines()]
     servers = [c for c in calls if "psparse.server" in c[1]]
-    workers = [c for c in calls if "psparse.worker" in c[1]]
+    workers = [c for c in calls if "psparse.training.loop" in c[1]]
     assert len(workers) == 3
     if placed:
         assert [(h, f"--shard {i}/2" in c) for i, (h, c) in enumerate(servers)] == \
@@ -349,7 +350,7 @@ def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):
         servers = [_start_shard(out, i, 2) for i in range(2)]
         connect = ",".join(f"127.0.0.1:{port}" for _, port in servers)
         real = subprocess.Popen(python_module(
-            "psparse.worker", "--rank", "1", "--workers", "2", "--model", "mlp", "--dataset",
+            "psparse.training.loop", "--rank", "1", "--workers", "2", "--model", "mlp", "--dataset",
             "digits", "--iterations", "12", "--density", "0.05", "--policy", policy,
             "--connect", connect, "--out", str(out), "--servers", "2", "--timeout", "20"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -407,7 +408,7 @@ def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):
 def test_merged_aggregate_is_dense_when_a_shard_went_dense():
     """A shard that sent its part dense covers its whole range: the worker then takes the
     merged aggregate as dense, as from one server that went dense."""
-    from psparse.client import merge_aggregates
+    from psparse.worker.client import merge_aggregates
 
     edges = keyranges.bounds(10, 2)
     sparse = protocol.Message("aggregate", {"iter": 0, "workers": 2, "count": 1},

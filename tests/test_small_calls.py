@@ -1,4 +1,4 @@
-"""A process without numba runs small calls through the numpy references (psparse/jit.py,
+"""A process without numba runs small calls through the numpy references (psparse/cpu/jit.py,
 ``SMALL``) and gets what the kernels give, bytes and dtypes; the launcher's ``prepare`` starts
 numba without loading every kernel when the cache is complete.
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from psparse import codec, jit, protocol
-from psparse.aggregation import Aggregator
-from psparse.codec import CodecError
+from psparse.cpu import jit
+from psparse.server.aggregation import Aggregator
+from psparse.wire import codec, protocol
+from psparse.wire.codec import CodecError
 
 HERE = Path(__file__).resolve().parent
 
@@ -100,7 +101,7 @@ def test_long_varints_are_decoded_by_the_kernel():
         except CodecError as error:
             want.append(str(error))
     done = in_fresh_process(
-        "import json, sys, numpy as np; from psparse import codec; got = []\n"
+        "import json, sys, numpy as np; from psparse.wire import codec; got = []\n"
         f"for data, count in {frames!r}:\n"
         "    try: got.append(codec.decode_delta(np.array(data, np.uint8), count).tolist())\n"
         "    except codec.CodecError as error: got.append(str(error))\n"
@@ -113,8 +114,9 @@ def test_long_varints_are_decoded_by_the_kernel():
 
 def test_prepare_starts_numba_and_loads_only_what_a_child_runs():
     jit.warm_up()  # a complete cache, stamped
-    probe = ("import json, numba, numpy as np; from psparse import jit, agg_kernels, "
-             "codec_kernels, codec; jit.prepare(); kernels = {f.__name__: f for m in "
+    probe = ("import json, numba, numpy as np; from psparse.cpu import jit, agg_kernels; "
+             "from psparse.cpu import codec_kernels; from psparse.wire import codec; "
+             "jit.prepare(); kernels = {f.__name__: f for m in "
              "(agg_kernels, codec_kernels) for f in vars(m).values() "
              "if isinstance(f, numba.core.dispatcher.Dispatcher)}; "
              "loaded = sorted(n for n, f in kernels.items() if f.signatures); "

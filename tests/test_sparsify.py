@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from psparse.cpu.sparsify import Selector, density_to_k, split_k, topk_exact
 from psparse.policies import Layout, TopK
-from psparse.sparsify import Selector, density_to_k, split_k, topk_exact
 
 
 def reference_topk(x, k):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from psparse.config import MODEL_ARGS, ConfigError, RunConfig
-from psparse.models import SYNTHETIC_ARGS, build_model, parse_count
+from psparse.training.models import SYNTHETIC_ARGS, build_model, parse_count
 
 DIGITS = (1, 8, 8)
 

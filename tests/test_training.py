@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import alive, descendants, python_module, read_jsonl
 
-from psparse.models import LeNet5
+from psparse.training.models import LeNet5
 
 TIMING_FIELDS = ("round_s", "time_s")
 
@@ -44,7 +44,7 @@ def test_replicas_stay_bit_identical_across_standalone_processes(tmp_path, data_
                   str(data_root), "--iterations", "50", "--check-every", "1", "--eval-every",
                   "25", "--threads", "1", "--connect", f"127.0.0.1:{port}", "--out",
                   str(tmp_path)]
-        workers = [subprocess.Popen(python_module("psparse.worker", "--rank", str(r),
+        workers = [subprocess.Popen(python_module("psparse.training.loop", "--rank", str(r),
                                                   "--save-weights", str(tmp_path / f"w{r}.pt"),
                                                   *common),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -167,7 +167,7 @@ def test_workers_exit_nonzero_when_the_server_dies(tmp_path):
     while not (tmp_path / "server.port").is_file():
         time.sleep(0.05)
     port = (tmp_path / "server.port").read_text().strip()
-    workers = [subprocess.Popen(python_module("psparse.worker", "--rank", str(r), "--workers", "2",
+    workers = [subprocess.Popen(python_module("psparse.training.loop", "--rank", str(r), "--workers", "2",
                                               "--model", "mlp", "--dataset", "digits",
                                               "--iterations", "1000000", "--timeout", "3",
                                               "--connect", f"127.0.0.1:{port}"),

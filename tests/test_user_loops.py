@@ -19,8 +19,8 @@ from conftest import read_jsonl
 from test_api import HERE, launch, without_timing
 
 import psparse
-from psparse.client import ServerGone, WorkerError
 from psparse.config import ConfigError
+from psparse.worker.client import ServerGone, WorkerError
 
 SCRIPT = str(HERE / "user_loops.py")
 

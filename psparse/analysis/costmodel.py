@@ -52,30 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
-from .transport import parse_rate
+from ..rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
+from ..wire.transport import parse_rate
 
 HEADER_BYTES = 110  # a push/aggregate header with its ZMTP framing, measured
 WIRE_OVERHEAD = 1514 / 1448  # Ethernet+IPv4+TCP (timestamps) headers per full segment
-
-
-def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2.0
-                   ) -> tuple[int, int, int]:
-    """(uncompressed, P, Q) entries that torch's powerSGD_hook allreduces per iteration for
-    parameters of these shapes (its own rule: each tensor viewed as shape[0] x rest is
-    compressed when (rows + cols) r x min_compression_rate < rows x cols)."""
-    u = p = q = 0
-    for shape in shapes:
-        n = shape[0] if shape else 1
-        m = 1
-        for d in shape[1:]:
-            m *= d
-        r = min(n, m, rank)
-        if (n + m) * r * min_compression_rate < n * m:
-            p, q = p + n * r, q + m * r
-        else:
-            u += n * m
-    return u, p, q
 
 
 @dataclass
@@ -157,8 +138,8 @@ def setting_from_run(run_dir: Path) -> tuple[Setting, dict]:
 
 def model_shapes(name: str) -> list[tuple[int, ...]]:
     """Trainable parameter shapes of a built-in model (torch is imported only here)."""
-    from .data import IN_SHAPES
-    from .models import build_model
+    from ..data import IN_SHAPES
+    from ..training.models import build_model
 
     dataset = {"lenet": "mnist", "lenet-cifar": "cifar10", "resnet20": "cifar10",
                "mlp": "digits"}.get(name)
@@ -226,6 +207,7 @@ def main(argv=None) -> int:
         if args.powersgd_rank is not None:
             if args.powersgd_rank < 1 or not args.model:
                 raise ValueError("--powersgd-rank needs a rank >= 1 and --model")
+            from ..training.ddp import powersgd_sizes  # (imports torch: only here)
             s.powersgd_entries = sum(powersgd_sizes(model_shapes(args.model),
                                                     args.powersgd_rank))
     except (OSError, ValueError, KeyError) as exc:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .keyranges import shard_dir
-from .recall import RECALL_FILE, summarise
-from .rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
-from .server.records import merge_run_dir
+from ..rundir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
+from ..server.records import merge_run_dir
+from ..wire.keyranges import shard_dir
+from ..worker.recall import RECALL_FILE, summarise
 
 
 def load_run(run_dir: Path) -> dict:

@@ -1,8 +1,8 @@
-"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/jit.py and
-psparse/numba_jit.py).
+"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/cpu/jit.py and
+psparse/cpu/numba_jit.py).
 
-Each kernel equals its numpy reference (psparse/reference.py) bit for bit; tests/test_cpu_kernels.py
-holds them to it. They import nothing above psparse.jit.
+Each kernel equals its numpy reference (psparse/cpu/reference.py) bit for bit; tests/test_cpu_kernels.py
+holds them to it. They import nothing above psparse.cpu.jit.
 
 * ``sparse_sum``: N sorted pushes (index, value), given as tables of addresses (the received
   frames are read where they lie), summed in rank order at the sorted union of their indices.

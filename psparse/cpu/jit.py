@@ -1,15 +1,15 @@
 """Numba, the project's CPU kernel compiler, configured in one place.
 
-This module is the package's side of them and imports no numba (``psparse/numba_jit.py``
+This module is the package's side of them and imports no numba (``psparse/cpu/numba_jit.py``
 does, and only the kernel modules import that): ``LazyModule`` loads a kernel module on first
 use, ``warm_up`` compiles or loads them all, ``Reusable`` and ``address_table`` serve their
 callers.
 
-The design: one numpy reference per hot step (``psparse/reference.py``: the code the kernels
+The design: one numpy reference per hot step (``psparse/cpu/reference.py``: the code the kernels
 replaced, kept as their test oracle) and one compiled kernel per device -- numba on the CPU
-(``psparse/agg_kernels.py`` for the server's arithmetic, ``psparse/codec_kernels.py`` for the
-index coding and the protocol's checks, ``psparse/select_kernels.py`` for the host's selection
-and the policies' state), CUDA C on the GPU (``psparse/kernels.py``). Every CPU
+(``psparse/cpu/agg_kernels.py`` for the server's arithmetic, ``psparse/cpu/codec_kernels.py`` for the
+index coding and the protocol's checks, ``psparse/cpu/select_kernels.py`` for the host's selection
+and the policies' state), CUDA C on the GPU (``psparse/cpu/selection.py``). Every CPU
 kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
 machine and argument types and then loaded from numba's on-disk cache.
 
@@ -17,7 +17,7 @@ Where the cache lives (docs/architecture.md, "Compiled CPU kernels"): ``NUMBA_CA
 else numba's own choice, ``psparse/__pycache__`` beside the sources when that is writable (an
 editable install: every process of a run or a test session shares it); else, for a read-only
 install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that
-cannot be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.jit`` compiles every kernel
+cannot be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.cpu.jit`` compiles every kernel
 (or loads it) and prints the times, e.g. to fill the cache while building an image.
 
 Compilation is paid once per machine: ``psparse-launch`` calls ``prepare()`` before it forks
@@ -45,7 +45,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,31 +52,6 @@ import numpy as np
 
 REFERENCE = os.environ.get("PSPARSE_CPU_KERNELS", "").strip().lower() == "numpy"
 SMALL = 8192  # entries a call: below this the reference costs less than loading numba
-_PACKAGE_CACHE = Path(__file__).resolve().parent / "__pycache__"
-
-
-def _writable(path: Path) -> bool:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-        return True
-    except OSError:
-        return False
-
-
-def cache_dir_fallback() -> Path | None:
-    """Where the kernels are cached when neither NUMBA_CACHE_DIR is set nor the package's
-    __pycache__ is writable (a read-only install); None when numba's own choice applies."""
-    if os.environ.get("NUMBA_CACHE_DIR") or _writable(_PACKAGE_CACHE):
-        return None
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    for candidate in (home / "psparse" / "numba",
-                      Path(tempfile.gettempdir()) / f"psparse-numba-{os.getuid()}"):
-        if _writable(candidate):
-            return candidate
-    return None  # nothing writable: numba compiles in every process, caching nothing
-
-
 def compiled(entries: int) -> bool:
     """Whether a call over ``entries`` entries runs the kernel (the module docstring's rule):
     always once numba is loaded in this process, else from ``SMALL`` entries on."""
@@ -212,7 +186,7 @@ def _lock_path(module) -> Path:
 
 
 def _module_name(module) -> str:
-    return module.__name__.rsplit(".", 1)[1]  # psparse.agg_kernels -> agg_kernels
+    return module.__name__.rsplit(".", 1)[1]  # psparse.cpu.agg_kernels -> agg_kernels
 
 
 def _stamp_path() -> Path:
@@ -248,7 +222,7 @@ def prepare() -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m psparse.jit``: compile or load every kernel; print where and how long."""
+    """``python -m psparse.cpu.jit``: compile or load every kernel; print where and how long."""
     import numba
     print(f"numba {numba.__version__}, cache {cache_dir()}", flush=True)
     t = time.perf_counter()

@@ -1,5 +1,5 @@
 """Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the
-intrinsics the kernels use, and where numba's cache lives (psparse/jit.py's docstring has the
+intrinsics the kernels use, and where numba's cache lives (psparse/cpu/jit.py's docstring has the
 rules; README, "Compiled CPU kernels"). Imported by the kernel modules only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from numba import types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .jit import _PACKAGE_CACHE, _writable, cache_dir_fallback
+from .cache import PACKAGE_CACHE, cache_dir_fallback, writable
 
 
 def _without_scipy_blas_probe() -> None:
@@ -33,7 +33,7 @@ def _without_scipy_blas_probe() -> None:
         return
 
     def no_blas():
-        raise ImportError("not probed (psparse.numba_jit)")
+        raise ImportError("not probed (psparse.cpu.numba_jit)")
     linalg.ensure_blas = no_blas
     try:
         import numba.np.arraymath  # noqa: F401
@@ -45,7 +45,7 @@ _without_scipy_blas_probe()
 _fallback = cache_dir_fallback()
 if _fallback is not None:
     config.CACHE_DIR = str(_fallback)
-CACHING = bool(config.CACHE_DIR) or _writable(_PACKAGE_CACHE)
+CACHING = bool(config.CACHE_DIR) or writable(PACKAGE_CACHE)
 
 
 def kernel(fn):
@@ -63,7 +63,7 @@ def inlined(fn):
 
 def cache_dir() -> str:
     """Where numba writes this package's compiled kernels."""
-    return config.CACHE_DIR or (str(_PACKAGE_CACHE) if CACHING else "(not cached)")
+    return config.CACHE_DIR or (str(PACKAGE_CACHE) if CACHING else "(not cached)")
 
 
 @intrinsic

@@ -1,9 +1,9 @@
 """The numpy references of the compiled CPU kernels: each hot step as it was written before the
-kernels (psparse/agg_kernels.py, psparse/codec_kernels.py), kept verbatim in behaviour.
+kernels (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py), kept verbatim in behaviour.
 
 They are the kernels' test oracle (tests/test_cpu_kernels.py holds every kernel to its
 reference, bit for bit) and nowhere on a large round's path: the package runs them when
-``PSPARSE_CPU_KERNELS=numpy`` asks for them (psparse/jit.py), to check a whole run against the
+``PSPARSE_CPU_KERNELS=numpy`` asks for them (psparse/cpu/jit.py), to check a whole run against the
 reference, and for small calls in a process that has not loaded numba (jit.SMALL: the codec,
 the frame checks and the server's mean; tests/test_small_calls.py). Each function says which kernel it is the reference of. Two deliberate differences,
 both at the edge of the number range: ``decode_delta`` here bounds the indices by a float64
@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec import CodecError
 from .sparsify import topk_exact
 
 _MAX_VARINT_BYTES = 10
+
+
+class CodecError(ValueError):
+    """An encoded index frame is malformed; the text says how (raised by the numpy references
+    here and by psparse/wire/codec.py, which the rest of the package imports it from)."""
 
 
 # ------------------------------------------------------------------------- aggregation

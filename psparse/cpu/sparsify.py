@@ -10,11 +10,11 @@ Two algorithms, one answer (the k indices of largest |x|, ties to the lower inde
   ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th
   magnitude is used, so the result is always exact.
 
-On the host both run compiled (``psparse/select_kernels.py``, numba: the sample, one pass that
+On the host both run compiled (``psparse/cpu/select_kernels.py``, numba: the sample, one pass that
 looks at |acc| 128 and then 16 entries at a time, the trim, in one call), the numpy code above
-their test oracle, run only with ``PSPARSE_CPU_KERNELS=numpy`` (``psparse/jit.py``) or for an
+their test oracle, run only with ``PSPARSE_CPU_KERNELS=numpy`` (``psparse/cpu/jit.py``) or for an
 array the kernels do not take (not contiguous float32: a user policy's score).
-On the GPU (``--device cuda``) selection is the radix engine (``psparse.radix``): the same set.
+On the GPU (``--device cuda``) selection is the radix engine (``psparse.gpu.radix``): the same set.
 ``torch.topk`` on large 1-D CPU tensors is several times slower than either (see ``make bench``).
 """
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import jit, kernels
+from . import jit, selection
 from .jit import host_compiled
-from .kernels import NonFiniteError
+from .selection import NonFiniteError
 
-select_kernels = jit.LazyModule("psparse.select_kernels")
+select_kernels = jit.LazyModule("psparse.cpu.select_kernels")
 
 __all__ = ["EXACT_BELOW", "NonFiniteError", "Selector", "density_to_k", "host_compiled",
            "positions", "split_k", "topk_exact"]
@@ -74,7 +74,7 @@ class Selector:
         if self.exact or k <= 0 or k >= x.size:
             return topk_exact(x, k)
         self._passes = 0
-        indices, _ = kernels.select(x, k, self._compact)
+        indices, _ = selection.select(x, k, self._compact)
         self.fallbacks += self._passes > 1
         return indices
 
@@ -100,7 +100,7 @@ class Selector:
 
     def _compact(self, x, threshold, capacity):
         self._passes += 1
-        return kernels.compact_numpy(x, threshold, capacity, BLOCK, self._abs)
+        return selection.compact_numpy(x, threshold, capacity, BLOCK, self._abs)
 
     def topk_scored(self, score, k: int, full):
         """``topk`` of a non-negative score that ``score(sl, out)`` writes, score[sl] into out.
@@ -114,16 +114,16 @@ class Selector:
         if self.exact or k <= 0 or k >= n:
             score(slice(0, n), full)
             return topk_exact(full, k, nonnegative=True) if self.exact else self.topk(full, k)
-        sample = np.empty(len(range(0, n, kernels.SAMPLE_STRIDE)), np.float32)
-        score(slice(0, n, kernels.SAMPLE_STRIDE), sample)
+        sample = np.empty(len(range(0, n, selection.SAMPLE_STRIDE)), np.float32)
+        score(slice(0, n, selection.SAMPLE_STRIDE), sample)
         capacity = 2 * k + 1024
-        idx, val, count = kernels.compact_scored(
-            score, n, kernels.sample_threshold(sample, k, n), capacity, self._abs)
+        idx, val, count = selection.compact_scored(
+            score, n, selection.sample_threshold(sample, k, n), capacity, self._abs)
         if count < k or count > capacity:
             self.fallbacks += 1
             score(slice(0, n), full)
             return self.topk(full, k)
-        return kernels.trim(idx, val, k)[0]
+        return selection.trim(idx, val, k)[0]
 
 
 def positions(indices, sl: slice, n: int):

@@ -1,7 +1,7 @@
 """Where the GPU path's kernels run, and the one door between device and host memory.
 
 A *backend* owns a worker's device work: its array module (``xp``), its compiled kernels (both
-CUDA C sources: ``kernels.CUDA_SOURCE`` and ``psparse/radix.cu``), its stream, and the
+CUDA C sources: ``kernels.CUDA_SOURCE`` and ``psparse/gpu/radix.cu``), its stream, and the
 only two crossings the GPU exchange makes per round (docs/architecture.md, "The GPU
 exchange"): ``copy_back`` (device to pinned host memory, then the round's one synchronisation)
 and ``upload`` (pinned host memory to the device, asynchronous). Everything else a round does
@@ -9,8 +9,8 @@ is launched and never waited for.
 
 * ``CudaBackend``: CuPy on a CUDA device, on a stream of its own that follows torch's stream
   through events (``follow_torch`` / ``lead_torch``).
-* ``EmulatedBackend`` (``psparse/emulated.py``): the same kernels compiled for the CPU
-  (``psparse.kernel_emu``) over host memory, with strict device arrays that refuse every
+* ``EmulatedBackend`` (``psparse/gpu/emulated.py``): the same kernels compiled for the CPU
+  (``psparse.gpu.kernel_emu``) over host memory, with strict device arrays that refuse every
   implicit trip to the host (``HostSync``): how the tests prove the GPU exchange's
   synchronisation discipline without a GPU. ``PSPARSE_EMULATE_GPU=strict`` (or ``1``: not
   strict) makes a ``--device cpu`` worker run the GPU exchange this way.
@@ -18,14 +18,12 @@ is launched and never waited for.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from . import kernels, radix_source
+from . import sources
 
 THREADS = 256
-SOURCES = (kernels.CUDA_SOURCE, radix_source.RADIX_SOURCE)
+SOURCES = (sources.CUDA_SOURCE, sources.RADIX_SOURCE)
 
 
 class HostSync(RuntimeError):
@@ -36,7 +34,7 @@ class HostSync(RuntimeError):
 def signatures() -> dict:
     out = {}
     for source in SOURCES:
-        out.update(kernels.kernel_signatures(source))
+        out.update(sources.kernel_signatures(source))
     return out
 
 
@@ -68,7 +66,7 @@ class Backend:
 
     # --------------------------------------------------------------------------- kernels
     def check(self, name: str, args: tuple) -> None:
-        kernels.check_launch(name, args, self.signatures[name])
+        sources.check_launch(name, args, self.signatures[name])
 
     def launch(self, name: str, grid: int, args: tuple, checked: bool = False) -> None:
         raise NotImplementedError
@@ -181,8 +179,8 @@ class CudaBackend(Backend):
         self.sm_count = cupy.cuda.Device(self.device_index).attributes["MultiProcessorCount"]
         self.functions = {}
         for source in SOURCES:
-            self.functions.update(kernels.build_cupy_kernels(
-                cupy, source, tuple(kernels.kernel_signatures(source))))
+            self.functions.update(sources.build_cupy_kernels(
+                cupy, source, tuple(sources.kernel_signatures(source))))
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
         self._staged: dict = {}  # pinned buffer name -> the event after its last upload
@@ -290,35 +288,3 @@ class CudaBackend(Backend):
         if (self.copy_backs, self.uploads, self.reads) != crossings:
             raise CaptureFailed("the captured work crossed to the host")
         return Graph(lambda: graph.launch(stream))
-
-
-def device_backend(device, log=print):
-    """The backend for a worker on ``device`` (a torch.device): the emulated one when
-    ``PSPARSE_EMULATE_GPU`` asks for it, CUDA with CuPy on a CUDA device, else None (the host
-    path; on a CUDA device without CuPy the gradient crosses to the host once per round)."""
-    emulated = emulated_from_env()
-    if emulated is not None:
-        return emulated
-    if device.type != "cuda":
-        return None
-    if os.environ.get("PSPARSE_GPU_PATH") == "host":  # the fallback, for comparisons
-        log("PSPARSE_GPU_PATH=host: selection runs on the host (one gradient copy per "
-            "iteration)")
-        return None
-    from .xp import CUPY_HINT, cupy_or_none
-    cupy = cupy_or_none()
-    if cupy is None:
-        log("CuPy not found: selection runs on the host (one gradient copy per iteration; "
-            f"{CUPY_HINT} for the GPU kernels)")
-        return None
-    cupy.cuda.Device(device.index or 0).use()
-    return CudaBackend(cupy, device.index or 0)
-
-
-def emulated_from_env():
-    """The backend ``PSPARSE_EMULATE_GPU`` asks for (strict / 1), or None."""
-    mode = os.environ.get("PSPARSE_EMULATE_GPU", "")
-    if mode in ("", "0"):
-        return None
-    from .emulated import EmulatedBackend
-    return EmulatedBackend(strict=mode == "strict")

@@ -22,7 +22,7 @@ from . import radix
 
 
 class DeviceAggregator:
-    """Sums of pushes at their union on a device backend (``psparse.backend``)."""
+    """Sums of pushes at their union on a device backend (``psparse.gpu.backend``)."""
 
     def __init__(self, numel: int, dev):
         self.numel, self.dev = numel, dev

@@ -1,6 +1,6 @@
 """What a selection policy uses on the device: the engine's selections and lazily decayed state.
 
-On the GPU (``--device cuda``) a policy's ``select`` runs the radix engine (``psparse.radix``)
+On the GPU (``--device cuda``) a policy's ``select`` runs the radix engine (``psparse.gpu.radix``)
 instead of the host's partitions: ``DeviceEngines.select`` ranks a ``radix.Key`` (the policy's
 score, made on the fly in every pass: no model-sized temporary) in every slice at once and
 returns a ``DeviceSelection``, whose size is the sum of the slices' k and whose counts, if they
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cpu.updates import Decaying
 from . import radix
-from .kernels import Decaying
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The GPU path's backend on the CPU: the CUDA C kernels emulated, host memory as device memory.
 
-``EmulatedBackend`` is ``psparse.backend.CudaBackend``'s interface over ``psparse.kernel_emu``
+``EmulatedBackend`` is ``psparse.gpu.backend.CudaBackend``'s interface over ``psparse.gpu.kernel_emu``
 (the kernels compiled for the CPU, blocks one after another, threads as fibers). With
 ``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit trip to the host
 that would synchronise a GPU -- ``bool()``, ``int()``, ``float()``, ``.item()``, ``.get()``,
@@ -17,12 +17,12 @@ import functools
 
 import numpy as np
 
-from . import kernels
+from . import sources
 from .backend import SOURCES, THREADS, Backend, CaptureFailed, Graph, HostSync
 
 
 class EmulatedBackend(Backend):
-    """The same kernels on the CPU (``psparse.kernel_emu``), host memory as device memory."""
+    """The same kernels on the CPU (``psparse.gpu.kernel_emu``), host memory as device memory."""
 
     def __init__(self, strict: bool = True, sm_count: int = 2, reverse: bool = False):
         super().__init__()
@@ -77,7 +77,7 @@ class EmulatedBackend(Backend):
 
     def check(self, name, args):
         raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
-        kernels.check_launch(name, raw, self.signatures[name])
+        sources.check_launch(name, raw, self.signatures[name])
 
     def constant(self, host):
         if self.capturing:
@@ -271,7 +271,7 @@ class StrictXP:
     """numpy's namespace for DeviceArrays: the functions CuPy has, results on the "device";
     host inputs (numpy arrays, lists) refused as CuPy refuses them or synchronises on them."""
 
-    __name__ = "psparse.backend.StrictXP"
+    __name__ = "psparse.gpu.backend.StrictXP"
 
     def asarray(self, a, dtype=None):
         if isinstance(a, DeviceArray):

@@ -15,7 +15,7 @@ a run. This gate finds such faults on a machine with no GPU and no driver (CI):
 
 Errors name the kernel (an NVRTC message is mapped to the kernel whose body holds the line).
 
-    python -m psparse.kernel_check          # or: make check-kernels (installs CuPy and NVRTC)
+    python -m psparse.gpu.kernel_check          # or: make check-kernels (installs CuPy and NVRTC)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import kernels
+from . import sources
 
 # compute_90: the H100/H200 machines; compute_75 (Turing): the oldest CUDA 13 supports
 ARCHS = ("compute_75", "compute_90")
@@ -72,12 +72,12 @@ class Report:
 
 def package_sources() -> list[CudaSource]:
     """Every CUDA C source in the package with the kernels the runtime launches from it (the
-    backends build exactly these: psparse.backend.SOURCES)."""
-    from .radix_source import RADIX_SOURCE
-    return [CudaSource("psparse/kernels.py:CUDA_SOURCE", kernels.CUDA_SOURCE,
-                       tuple(kernels.CUDA_KERNELS)),
-            CudaSource("psparse/radix.cu", RADIX_SOURCE,
-                       tuple(kernels.kernel_signatures(RADIX_SOURCE)))]
+    backends build exactly these: psparse.gpu.backend.SOURCES)."""
+    from .sources import RADIX_SOURCE
+    return [CudaSource("psparse/gpu/elementwise.cu", sources.CUDA_SOURCE,
+                       tuple(sources.CUDA_KERNELS)),
+            CudaSource("psparse/gpu/radix.cu", RADIX_SOURCE,
+                       tuple(sources.kernel_signatures(RADIX_SOURCE)))]
 
 
 def package_elementwise() -> list[ElementwiseSpec]:
@@ -126,17 +126,17 @@ def compile_ptx(code: str, arch: str, filename: str = "psparse_kernels.cu") -> t
 
 def check_source(source: CudaSource, report: Report, archs=ARCHS) -> None:
     import cupy
-    signatures = kernels.kernel_signatures(source.code)
+    signatures = sources.kernel_signatures(source.code)
     for name in source.kernels:
         if name not in signatures:
             report.fail(f"{name}: no extern \"C\" __global__ function of that name in "
                         f"{source.name}")
     for name, signature in signatures.items():
-        unknown = [f"{ctype} {pname}" for ctype, pname in signature if ctype not in kernels.C_TYPES]
+        unknown = [f"{ctype} {pname}" for ctype, pname in signature if ctype not in sources.C_TYPES]
         if unknown:  # launches are checked against these types (kernels.check_launch)
             report.fail(f"{name}: parameter type not in kernels.C_TYPES: {', '.join(unknown)}")
     try:
-        kernels.build_cupy_kernels(cupy, source.code, source.kernels)
+        sources.build_cupy_kernels(cupy, source.code, source.kernels)
         report.ok(f"{source.name}: constructed {', '.join(source.kernels)}")
     except Exception as exc:  # CuPy's checks at construction
         report.fail(f"{source.name}: constructing the kernels failed: {exc}")
@@ -212,7 +212,7 @@ def run(sources=None, elementwise=None, archs=ARCHS, root: Path = PACKAGE) -> Re
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m psparse.kernel_check",
+        prog="python -m psparse.gpu.kernel_check",
         description="Build every CuPy kernel psparse defines and compile its CUDA C to PTX "
                     "with NVRTC (no GPU or driver needed). Exit status 1 on any fault.")
     parser.add_argument("--arch", action="append", metavar="compute_XY",

@@ -46,10 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
+from . import sources
 
 EMU_HEADER = r"""
-// ---- psparse CUDA emulation header (psparse/kernel_emu.py) ------------------------------
+// ---- psparse CUDA emulation header (psparse/gpu/kernel_emu.py) ------------------------------
 #include <cstdint>
 #include <cstring>
 #include <cstdio>
@@ -284,7 +284,7 @@ def wrapper_source(source: str) -> str:
     """The launch wrappers: ``emu_launch_NAME(grid, block, reverse, args)`` per kernel, each
     unpacking ``args`` (pointers to each argument's value) by the kernel's C signature."""
     out = []
-    for name, params in kernels.kernel_signatures(source).items():
+    for name, params in sources.kernel_signatures(source).items():
         unpack = ", ".join(f"*({ctype}*)a[{i}]" for i, (ctype, _) in enumerate(params))
         out.append(f'extern "C" int emu_launch_{name}(unsigned g, unsigned b, int r, void** a) '
                    f'{{ return emu_run("{name}", g, b, r, [=] {{ {name}({unpack}); }}); }}')
@@ -318,16 +318,16 @@ def compile_library(source: str, compiler: str | None = None) -> Path:
 class EmulatedKernels:
     """The kernels of a CUDA C source, launched on the CPU (see the module docstring)."""
 
-    def __init__(self, source: str = kernels.CUDA_SOURCE, reverse: bool = False):
+    def __init__(self, source: str = sources.CUDA_SOURCE, reverse: bool = False):
         self.source = source
-        self.signatures = kernels.kernel_signatures(source)
+        self.signatures = sources.kernel_signatures(source)
         self.lib = ctypes.CDLL(str(compile_library(source)))
         self.lib.emu_last_error.restype = ctypes.c_char_p
         self.reverse = reverse
         self.launches: list[str] = []  # every kernel launched, in order (tests read it)
 
     def launch(self, name: str, grid: int, block: int, args: tuple) -> None:
-        kernels.check_launch(name, args, self.signatures[name])
+        sources.check_launch(name, args, self.signatures[name])
         arrays = [a for a in args if isinstance(a, np.ndarray)]
         regions = _Region.cover(arrays)
         values = []

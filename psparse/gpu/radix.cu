@@ -1,6 +1,6 @@
-// The device selection engine's CUDA C (psparse/radix.py drives it; psparse/radix_source.py
+// The device selection engine's CUDA C (psparse/gpu/radix.py drives it; psparse/gpu/sources.py
 // loads it). Compiled by CuPy/NVRTC on a GPU, by `make check-kernels` without one, and run on
-// the CPU by psparse/kernel_emu.py in the tests.
+// the CPU by psparse/gpu/kernel_emu.py in the tests.
 #define RS_THREADS 256
 #define RS_ITEMS 16
 #define RS_TILE (RS_THREADS * RS_ITEMS)

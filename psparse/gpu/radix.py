@@ -25,7 +25,7 @@ Segments are the policy's slices (the whole model, or one per layer with ``--gra
 layer``): every launch covers all of them at once, so a 65-layer model costs the launches of
 one. ``plan_reference`` is the same plan written in array operations (numpy or CuPy), the
 oracle the kernels are tested against; ``keys_reference`` computes every key mode's keys on the
-host. The CUDA C is ``psparse/radix.cu`` (loaded by ``psparse/radix_source.py``).
+host. The CUDA C is ``psparse/gpu/radix.cu`` (loaded by ``psparse/gpu/sources.py``).
 
 Tables (int64): ``segs`` per segment [lo, hi, k, candidate base, candidate capacity, output
 base, first tile, tiles, first chunk, chunks]; ``tiles`` [segment, lo, hi] per tile of at most

@@ -20,13 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-from .. import cluster, jit, keyranges, plugin
+from .. import plugin
 from ..config import ConfigError, RunConfig
+from ..cpu import jit
 from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
 from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
 from ..server.records import merge_run_dir
+from ..wire import keyranges
+from . import cluster
 from .plan import Plan, StartFailure, Topology
 from .processes import free_port, port_taken
 from .progress import Progress
@@ -121,9 +124,9 @@ def check_policy(cfg: RunConfig) -> None:
     policy_class(cfg.policy)  # an unknown name is told before torch is imported (~2 s)
     import torch
 
+    from ..cpu.sparsify import density_to_k
     from ..data import IN_SHAPES
-    from ..models import build_model, check_factory
-    from ..sparsify import density_to_k
+    from ..training.models import build_model, check_factory
 
     if not cfg.script and ":" in cfg.model:
         check_factory(cfg.model, cfg.model_kwargs())  # takes the --model-arg keywords?
@@ -182,9 +185,9 @@ def check_start(plan: Plan) -> None:
 def warm_up() -> None:
     """Before forking local children: import the worker (and torch, and torch.optim's lazy
     torch._dynamo) once, and start numba, compiling the CPU kernels if the cache lacks them
-    (psparse/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
+    (psparse/cpu/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
     of start-up for 8 workers on 2 cores."""
-    importlib.import_module("psparse.worker")
+    importlib.import_module("psparse.training.loop")
     importlib.import_module("torch._dynamo")
     jit.prepare()
 

@@ -1,4 +1,5 @@
-"""Starting workers on other hosts: hostfiles and ssh, SLURM, and the environment of torchrun.
+"""Starting workers on other hosts: hostfiles and ssh, SLURM (what a worker reads from torchrun's,
+SLURM's or MPI's environment is ``psparse/worker/environment.py``).
 
 Pure helpers (parsing, rank placement, command lines) used by ``psparse-launch --hostfile`` and
 ``--slurm``; every worker gets its whole configuration on its command line, so no shared
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields
 
-from .config import SERVER_CONFIG, RunConfig
+from ..config import SERVER_CONFIG, RunConfig
 
 # Forwarded to remote workers when set here (the rest of the environment stays on this host).
 # The float-kernel caps too (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, MKL_CBWR, ...): a run
@@ -90,7 +91,7 @@ def config_flags(cfg: RunConfig, only: tuple[str, ...] | None = None) -> list[st
 
 def worker_argv(cfg: RunConfig, server: str, out: str, rank: int | None = None,
                 python: str = sys.executable) -> list[str]:
-    argv = [python, "-m", "psparse.worker", *config_flags(cfg), "--connect", server,
+    argv = [python, "-m", "psparse.training.loop", *config_flags(cfg), "--connect", server,
             "--out", out]
     return argv + (["--rank", str(rank)] if rank is not None else [])
 
@@ -145,40 +146,3 @@ def srun_command(cfg: RunConfig, server: str, out: str,
                  python: str = sys.executable) -> list[str]:
     """One srun for all workers; each takes its rank from SLURM_PROCID."""
     return [*srun_prefix(cfg), *worker_argv(cfg, server, out, python=python)]
-
-
-def parse_servers(text: str) -> list[tuple[str, int]]:
-    """``HOST:PORT`` or, for key-range server shards, ``HOST:PORT,HOST:PORT,...`` in shard
-    order -> [(host, port), ...] (brackets around an IPv6 host are dropped)."""
-    out = []
-    for item in str(text).split(","):
-        host, sep, port = item.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"server must be HOST:PORT (several, comma-separated, for server "
-                             f"shards), got {text!r}")
-        out.append((host.strip("[]"), int(port)))
-    return out
-
-
-def rank_from_env(environ=os.environ) -> int | None:
-    """This process's rank from torchrun, SLURM, PMI or Open MPI variables."""
-    for var in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if environ.get(var, "").isdigit():
-            return int(environ[var])
-    return None
-
-
-def world_size_from_env(environ=os.environ) -> int | None:
-    for var in ("WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if environ.get(var, "").isdigit():
-            return int(environ[var])
-    return None
-
-
-def server_from_env(environ=os.environ) -> str | None:
-    """PSPARSE_SERVER=host:port, else MASTER_ADDR with PSPARSE_PORT (default 5555)."""
-    if environ.get("PSPARSE_SERVER"):
-        return environ["PSPARSE_SERVER"]
-    if environ.get("MASTER_ADDR"):
-        return f"{environ['MASTER_ADDR']}:{environ.get('PSPARSE_PORT', '5555')}"
-    return None

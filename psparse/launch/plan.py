@@ -22,9 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import cluster, keyranges
 from ..config import RunConfig
 from ..rundir import PORT_FILE
+from ..wire import keyranges
+from . import cluster
 
 
 class StartFailure(RuntimeError):
@@ -159,7 +160,7 @@ class Plan:
                 return [Spec(f"rank-{r}", "script", self.script,
                              self.script_env(r, r, server, config)) for r in self.worker_ranks]
             return [Spec(f"rank-{r}", "fork", [
-                "psparse.worker", "--config", str(self.config_path), "--rank", str(r),
+                "psparse.training.loop", "--config", str(self.config_path), "--rank", str(r),
                 "--connect", server, "--out", str(self.out), *self._again()])
                 for r in self.worker_ranks]
         out = str(self.out.resolve())
@@ -208,7 +209,7 @@ class Plan:
         cfg, t = self.cfg, self.topology
         if t.mode == "local":
             return [Spec(f"rank-{r}", "fork", [
-                "psparse.ddp", "--config", str(self.config_path), "--rank", str(r), "--port",
+                "psparse.training.ddp", "--config", str(self.config_path), "--rank", str(r), "--port",
                 str(self.rendezvous_port), "--out", str(self.out), *self._baseline_flags()])
                 for r in range(cfg.workers)]
         if t.mode != "hostfile":
@@ -219,7 +220,7 @@ class Plan:
         specs = []
         for rank, host, local in placed:
             env = {**cluster.forwarded_env(), "LOCAL_RANK": str(local)}
-            argv = [t.python, "-m", "psparse.ddp", *cluster.config_flags(cfg), "--rank",
+            argv = [t.python, "-m", "psparse.training.ddp", *cluster.config_flags(cfg), "--rank",
                     str(rank), "--port", str(t.port), "--master-addr", master, "--out", out,
                     *self._baseline_flags()]
             specs.append(Spec(f"rank-{rank}", "command", cluster.remote_command(

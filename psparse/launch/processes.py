@@ -159,9 +159,9 @@ def run_script(argv: list[str]) -> int:
 
 
 def _sessions_left_open(cause):
-    """psparse.lifecycle.end_of_script for a script that used psparse (the fork exits with
+    """psparse.worker.lifecycle.end_of_script for a script that used psparse (the fork exits with
     os._exit, which skips the atexit hook that does it otherwise)."""
-    lifecycle = sys.modules.get("psparse.lifecycle")
+    lifecycle = sys.modules.get("psparse.worker.lifecycle")
     return lifecycle.end_of_script(cause) if lifecycle is not None else None
 
 

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from .. import keyranges
 from ..rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, JsonlTail
 from ..server.records import merge_records
+from ..wire import keyranges
 
 
 class Progress:

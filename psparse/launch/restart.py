@@ -30,9 +30,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import checkpoint, keyranges
-from ..membership import BEFORE_TRAINING
+from .. import checkpoint
 from ..rundir import METRICS_FILE, SUMMARY_FILE, read_jsonl, write_json
+from ..server.membership import BEFORE_TRAINING
+from ..wire import keyranges
 from .supervisor import is_server
 
 BACKOFF_S = 2.0  # default wait before a restart: ports and sockets of the stopped run close

@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import radix
-from ..device_policy import DeviceEngines, Fusion
-from ..jit import host_compiled
-from ..sparsify import Selector, split_k
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import Selector, split_k
+from ..gpu import radix
+from ..gpu.device_policy import DeviceEngines, Fusion
 from ..xp import to_host
 
 
@@ -110,7 +110,7 @@ class SelectionPolicy:
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, xp=np, dev=None, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
-        # dev: the device backend of a GPU worker (psparse.backend), else None (the host)
+        # dev: the device backend of a GPU worker (psparse.gpu.backend), else None (the host)
         self.dev = dev
         if dev is not None and not self.device_path:
             raise PolicyError(f"policy {self.name!r} runs on the host path only (its threshold "
@@ -145,7 +145,7 @@ class SelectionPolicy:
 
     # ------------------------------------------------------------------------ the device
     # On a GPU worker ``select`` runs ``select_device``: the radix engine ranks ``device_key``
-    # in every slice at once (psparse/device_policy.py), with no host round trip. A policy
+    # in every slice at once (psparse/gpu/device_policy.py), with no host round trip. A policy
     # that changes ``score`` or ``select_slice`` without saying how on the device keeps the
     # host-style path there (its own array code on the device's arrays).
     fuses_accumulation = True  # select_device's first pass reads the accumulator first

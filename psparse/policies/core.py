@@ -43,10 +43,11 @@ leaves out zero keys, marked in a byte mask, then one engine over the combined k
 
 import numpy as np
 
-from .. import kernels, radix
-from ..device_policy import DeviceDecaying
-from ..jit import host_compiled
-from ..sparsify import positions, select_kernels, topk_exact
+from ..cpu import selection, updates
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import positions, select_kernels, topk_exact
+from ..gpu import radix
+from ..gpu.device_policy import DeviceDecaying
 from .base import Param, SelectionPolicy
 
 CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|
@@ -73,7 +74,7 @@ class SharedCore(SelectionPolicy):
             self.priority = DeviceDecaying(layout.numel, self.dev)
             self.in_core = self.xp.zeros(layout.numel, dtype=self.xp.uint8)
             return
-        self.priority = kernels.Decaying(layout.numel, self.xp)
+        self.priority = updates.Decaying(layout.numel, self.xp)
         self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
         self._forget()
 
@@ -190,7 +191,7 @@ class SharedCore(SelectionPolicy):
             updated = xp.empty(indices.size, dtype=xp.float32)  # stored[indices]
             self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed,
                               out=updated)
-        for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
+        for s, (lo, hi) in enumerate(selection.slice_bounds(indices, self.layout.slices)):
             if self._candidates[s] is None or hi == lo:
                 continue
             floor = self._floor[s]
@@ -205,7 +206,7 @@ class SharedCore(SelectionPolicy):
                 # below it, so these are they): the entries at or above floor are those grown
                 self._candidates[s] = grown
             else:
-                self._candidates[s] = kernels.sorted_union([self._candidates[s], grown])
+                self._candidates[s] = selection.sorted_union([self._candidates[s], grown])
 
     def _magnitude(self, stored):
         """|stored priority| (unsigned: it is >= 0 already)."""

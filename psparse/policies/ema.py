@@ -21,10 +21,11 @@ was measured slower at 0.1% density (``compiled_update``).
 
 import numpy as np
 
-from .. import kernels, radix
-from ..device_policy import DeviceDecaying, layout_bounds
-from ..jit import host_compiled
-from ..sparsify import select_kernels
+from ..cpu import selection, updates
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import select_kernels
+from ..gpu import radix
+from ..gpu.device_policy import DeviceDecaying, layout_bounds
 from .base import Param, ScoredPolicy
 
 STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum exceeds this
@@ -48,7 +49,7 @@ class EMA(ScoredPolicy):
         if self.dev is not None:  # max(stored) per slice kept on the device (priority.top)
             self.priority = DeviceDecaying(layout.numel, self.dev, layout_bounds(layout))
             return
-        self.priority = kernels.Decaying(layout.numel, self.xp)
+        self.priority = updates.Decaying(layout.numel, self.xp)
         self._score = self.xp.empty(layout.numel, dtype=self.xp.float32)
         self._top = np.zeros(len(layout.slices), np.float32)  # max(stored priority) per slice
         self._edges = np.array([o for o, _ in layout.slices] + [layout.numel], np.int64)
@@ -121,7 +122,7 @@ class EMA(ScoredPolicy):
         else:
             updated = xp.empty(indices.size, dtype=xp.float32)  # stored[indices]
             priority.add(indices, values, 1.0 - self.beta, out=updated)
-        for s, (lo, hi) in enumerate(kernels.slice_bounds(indices, self.layout.slices)):
+        for s, (lo, hi) in enumerate(selection.slice_bounds(indices, self.layout.slices)):
             if hi > lo:
                 self._top[s] = max(self._top[s], np.float32(float(updated[lo:hi].max())))
 

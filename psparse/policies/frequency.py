@@ -27,10 +27,11 @@ import sys
 
 import numpy as np
 
-from .. import kernels, radix, sparsify
-from ..device_policy import DeviceDecaying
-from ..jit import host_compiled
-from ..sparsify import select_kernels
+from ..cpu import selection, sparsify, updates
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import select_kernels
+from ..gpu import radix
+from ..gpu.device_policy import DeviceDecaying
 from .base import Param, SelectionPolicy
 
 # A large host slice's pool is streamed when it is over this fraction of the slice, else listed
@@ -53,7 +54,7 @@ class Frequency(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = kernels.Decaying(layout.numel, self.xp) if self.dev is None else \
+        self.priority = updates.Decaying(layout.numel, self.xp) if self.dev is None else \
             DeviceDecaying(layout.numel, self.dev)
         self._scratch = None  # the streamed pass's block buffers (host, large slices)
         self._mag = None  # |acc| of a small host slice
@@ -101,7 +102,7 @@ class Frequency(SelectionPolicy):
         out = np.empty(k, np.int64)
         status = select_kernels.frequency_top_k(acc, stored, pool, k, out)
         if status < 0:
-            raise kernels.NonFiniteError("the accumulator holds NaN or inf (first at index "
+            raise selection.NonFiniteError("the accumulator holds NaN or inf (first at index "
                                          f"{-1 - status})")
         self._selectors[0].fallbacks += status
         return out
@@ -125,7 +126,7 @@ class Frequency(SelectionPolicy):
         np.take(mag.view(np.uint32), candidates, out=low, mode="clip")
         in_pool = low.view(np.float32)  # the pool's magnitudes
         if not math.isfinite(in_pool.max()):  # NaN if any is, else inf if any is
-            raise kernels.NonFiniteError("the accumulator holds NaN or inf")
+            raise selection.NonFiniteError("the accumulator holds NaN or inf")
         if mag[order[n - pool - 1]] == in_pool.min():  # ties across the pool's edge
             candidates = sparsify.topk_exact(mag, pool, nonnegative=True)  # the lowest indices
             np.take(mag.view(np.uint32), candidates, out=low, mode="clip")
@@ -212,8 +213,8 @@ class Frequency(SelectionPolicy):
         """(a_lo, a_hi, the key, its priority p_w and magnitude m_w) from the strided sample,
         or None when the sample cannot bound the pool."""
         n = acc.size
-        mag_s = np.abs(acc[::kernels.SAMPLE_STRIDE])
-        prio_s = stored[::kernels.SAMPLE_STRIDE]
+        mag_s = np.abs(acc[::selection.SAMPLE_STRIDE])
+        prio_s = stored[::selection.SAMPLE_STRIDE]
         m = mag_s.size
         expect, expect_k = pool * m / n, k * m / n
         lo_rank = int(expect + 3 * np.sqrt(expect)) + 1  # sample entries at or above a_lo
@@ -249,7 +250,7 @@ class Frequency(SelectionPolicy):
             size = min(block, n - start)
             mag = np.abs(acc[start:start + size], out=mag_buf[:size])
             if not np.isfinite(mag.max()):  # in cache; NaN and inf propagate through max
-                raise kernels.NonFiniteError("the accumulator holds NaN or inf (first near "
+                raise selection.NonFiniteError("the accumulator holds NaN or inf (first near "
                                              f"index {start})")
             lo = np.greater_equal(mag, a_lo, out=lo_buf[:size])
             n_lo += int(np.count_nonzero(lo))

@@ -53,12 +53,10 @@ import math
 
 import numpy as np
 
-from . import kernels
-from .radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
-from .xp import array_module
-
-MEMORIES = ("residual", "dgc", "scalecom")
-SCALECOM_BETA = 0.1  # the low-pass filter's default beta (see the module docstring)
+from ..config import MEMORIES, SCALECOM_BETA  # noqa: F401 (the names live in config)
+from ..cpu import updates
+from ..gpu.radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
+from ..xp import array_module
 
 
 class Memory:
@@ -72,7 +70,7 @@ class Memory:
 
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
                  clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA, dev=None):
-        self.dev = dev  # a device backend (psparse.backend): kernels launched through it
+        self.dev = dev  # a device backend (psparse.gpu.backend): kernels launched through it
         if dev is not None:
             xp = dev.xp
         if kind not in MEMORIES:
@@ -91,7 +89,7 @@ class Memory:
             return self.add_clipped(grad)
         if self.filtered is not None:  # scalecom: p_t = m_t + g_t
             return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
-        return kernels.accumulate(self.accumulator, grad, self.velocity, self.momentum)
+        return updates.accumulate(self.accumulator, grad, self.velocity, self.momentum)
 
     def add_clipped(self, grad):
         """``add`` on the device of a gradient already clipped (``clipped``)."""
@@ -124,7 +122,7 @@ class Memory:
 
     def accumulate_spec(self, grad) -> tuple:
         """The device accumulation of ``grad`` as the radix engine folds it into its first pass
-        (psparse/radix.py: ``RadixSelect.run``); ``grad`` already clipped."""
+        (psparse/gpu/radix.py: ``RadixSelect.run``); ``grad`` already clipped."""
         if self.filtered is not None:
             return (ACC_FILTERED, self.accumulator, grad, None, self.filtered, 0.0)
         if self.velocity is not None:
@@ -139,7 +137,7 @@ class Memory:
             raise ValueError("a gradient in buckets cannot be clipped or folded into the "
                              "scalecom memory bucket by bucket")
         velocity = None if self.velocity is None else self.velocity[lo:hi]
-        kernels.accumulate(self.accumulator[lo:hi], grad, velocity, self.momentum)
+        updates.accumulate(self.accumulator[lo:hi], grad, velocity, self.momentum)
         return self.accumulator
 
     def take(self, indices):
@@ -148,7 +146,7 @@ class Memory:
         For ``scalecom`` the zeroed accumulator is r_t, and the memory becomes
         m_{t+1} = (1 - beta) m_t + beta r_t (the accumulator is left as scratch)."""
         if self.dev is None:
-            values = kernels.take(self.accumulator, indices, self.velocity)
+            values = updates.take(self.accumulator, indices, self.velocity)
         else:
             values = self.dev.xp.empty(indices.size, dtype=self.dev.xp.float32)
             if indices.size:

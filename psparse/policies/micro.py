@@ -45,9 +45,9 @@ import math
 
 import numpy as np
 
-from .. import kernels, sparsify
-from ..jit import host_compiled
-from ..sparsify import Selector, select_kernels
+from ..cpu import selection, sparsify
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import Selector, select_kernels
 from .base import Param, PolicyError, SelectionPolicy
 
 
@@ -116,7 +116,7 @@ class Micro(SelectionPolicy):
         if self.dev is None and host_compiled(part):  # threshold's kernel: the same indices
             chosen = select_kernels.at_least(part, np.float32(self.threshold))
         else:
-            chosen = kernels.at_least(part, self.threshold,
+            chosen = selection.at_least(part, self.threshold,
                                       self._scratch if self.dev is None else None)
         cap = self.max_propose
         if chosen.size > cap:  # the largest go; the rest waits in the accumulator

@@ -16,8 +16,8 @@ while it is in cache. The same indices either way.
 
 import numpy as np
 
-from .. import radix
-from ..sparsify import positions, select_kernels
+from ..cpu.sparsify import positions, select_kernels
+from ..gpu import radix
 from ..xp import to_host
 from .base import Param, ScoredPolicy
 

@@ -17,9 +17,10 @@ compiled kernels are off; the same indices either way.
 
 import numpy as np
 
-from .. import kernels, radix, sparsify
-from ..jit import host_compiled
-from ..sparsify import select_kernels
+from ..cpu import selection, sparsify
+from ..cpu.jit import host_compiled
+from ..cpu.sparsify import select_kernels
+from ..gpu import radix
 from .base import Param, SelectionPolicy
 
 
@@ -58,9 +59,9 @@ class Threshold(SelectionPolicy):
         if self.compiled_selection and host_compiled(accumulator):
             chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
         else:
-            chosen = kernels.at_least(accumulator, self.lam, self._scratch)
+            chosen = selection.at_least(accumulator, self.lam, self._scratch)
         slices = self.layout.slices
-        bounds = kernels.slice_bounds(chosen, slices)
+        bounds = selection.slice_bounds(chosen, slices)
         if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):
             return chosen
         parts = []  # keep each slice's largest: the rest waits in the accumulator

@@ -7,8 +7,8 @@
 * ``records.py``: metrics.jsonl, eval.jsonl, summary.json, and the shards' merge;
 * ``cli.py``: the command line.
 
-Who is in the run is ``psparse.membership``; the round arithmetic (sparse mean, vote, budgets,
-dense switch, size limit) is ``psparse.aggregation``. ``Server``, ``build_parser`` and
+Who is in the run is ``psparse.server.membership``; the round arithmetic (sparse mean, vote, budgets,
+dense switch, size limit) is ``psparse.server.aggregation``. ``Server``, ``build_parser`` and
 ``main`` are imported on first use, so reading records (``psparse.server.records``, the report
 and the launcher's progress) needs no socket library.
 """

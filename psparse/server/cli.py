@@ -9,11 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
-from .. import keyranges
 from ..config import SERVER_CONFIG
-from ..membership import RunAborted
 from ..options import add_config_arguments, parse_with_config
-from ..transport import Pacer, is_loopback, parse_rate, warn
+from ..wire import keyranges
+from ..wire.transport import Pacer, is_loopback, parse_rate, warn
+from .membership import RunAborted
 from .server import Server
 
 

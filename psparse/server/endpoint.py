@@ -3,18 +3,18 @@ decoded and authenticated before anyone reads it, answers to bad messages, sends
 broadcasts (with each connection's key cache), the emulated link's pacing.
 
 Nothing here knows rounds or files: ``psparse.server.rounds`` asks for messages and sends
-through an ``Endpoint``; who is in the run is ``psparse.membership.Membership``'s.
+through an ``Endpoint``; who is in the run is ``psparse.server.membership.Membership``'s.
 """
 
 from __future__ import annotations
 
 import time
 
-from .. import protocol
-from ..codec import KeyCache
-from ..membership import RunAborted
-from ..protocol import ProtocolError
-from ..transport import Channel, Pacer, PeerGone, TransportTimeout, wire_bytes
+from ..wire import protocol
+from ..wire.codec import KeyCache
+from ..wire.protocol import ProtocolError
+from ..wire.transport import Channel, Pacer, PeerGone, TransportTimeout, wire_bytes
+from .membership import RunAborted
 
 
 class Endpoint:

@@ -22,8 +22,8 @@ import secrets
 import time
 from collections.abc import Callable, Hashable
 
-from . import protocol
-from .protocol import ProtocolError
+from ..wire import protocol, run_description
+from ..wire.protocol import ProtocolError
 
 __all__ = ["Membership", "RunAborted", "BEFORE_TRAINING"]
 
@@ -97,7 +97,7 @@ class Membership:
                                 f"{sorted(self.expected)})")
         self._check_proof(msg)
         if "run" in msg.header:
-            protocol.check_run(msg["run"])
+            run_description.check_run(msg["run"])
         if peer in self.peers and self.peers[peer] != rank:
             raise ProtocolError(f"this peer already registered as rank {self.peers[peer]}")
         if rank in self.rank_peer and self.rank_peer[rank] != peer:
@@ -132,7 +132,7 @@ class Membership:
         if self.run_token is None:
             return
         what = "register" if msg.type == "register" else "error before training"
-        if not protocol.proof_is_valid(self.run_token, msg.header):
+        if not run_description.proof_is_valid(self.run_token, msg.header):
             raise ProtocolError(f"{what} does not prove the run token (fields nonce and "
                                 "proof; docs/protocol.md, Admission)")
         if msg["nonce"] in self._nonces:
@@ -169,12 +169,12 @@ class Membership:
             raise RunAborted("no worker described the run (every register lacks 'run')")
         first, reference = next(iter(described.items()))
         for r, run in described.items():
-            field = protocol.run_difference(reference, run)
+            field = run_description.run_difference(reference, run)
             if field is not None:
                 mine, theirs = _lookup(reference, field), _lookup(run, field)
                 if isinstance(mine, list) and isinstance(theirs, list):  # e.g. config.layers
                     at = next((i for i, (x, y) in enumerate(zip(mine, theirs))
-                               if not protocol.same_value(x, y)), min(len(mine), len(theirs)))
+                               if not run_description.same_value(x, y)), min(len(mine), len(theirs)))
                     mine, theirs = _item(mine, at), _item(theirs, at)
                     field = f"{field}[{at}]"
                 raise RunAborted(f"workers disagree on {field}: rank {first}={mine!r}, "

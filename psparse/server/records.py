@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..keyranges import shard_dir
 from ..rundir import (
     EVAL_FILE,
     EVAL_VALUES,
@@ -27,6 +26,7 @@ from ..rundir import (
     write_atomic,
     write_json,
 )
+from ..wire.keyranges import shard_dir
 
 # Per-iteration fields of the merged metrics.jsonl that are the shards' sum; the rest:
 # iter, workers, budget, loss (the same on every shard), k (per worker: summed over shards),

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from .. import protocol
-from ..aggregation import BudgetError
-from ..membership import RunAborted
-from ..protocol import ProtocolError
+from ..wire import protocol, run_description
+from ..wire.protocol import ProtocolError
+from .aggregation import BudgetError
+from .membership import RunAborted
 
 
 class Rounds:
@@ -41,7 +41,7 @@ class Rounds:
         """Serve round ``it``; the ranks that asked to end the run with it (docs/protocol.md,
         Stopping): none, or the round was the last."""
         t_start = time.perf_counter()
-        step = protocol.step_at(self.run, it)  # (budget, push cap, proposal cap), once
+        step = run_description.step_at(self.run, it)  # (budget, push cap, proposal cap), once
         upload = broadcast = 0
         proposed = proposal_counts = None
         if self.run["two_phase"]:

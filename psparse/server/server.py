@@ -9,7 +9,7 @@ checksum, write summary.json (``Records``), tell the workers to stop.
 Every wait is bounded by ``timeout``; a bad message is answered with an ``error`` message and
 otherwise ignored, so a misbehaving peer cannot stop or corrupt the run of well-behaved workers.
 
-With ``shard=(I, S)`` the server is one of S key-range shards (psparse/keyranges.py): it serves
+With ``shard=(I, S)`` the server is one of S key-range shards (psparse/wire/keyranges.py): it serves
 keys [I*numel//S, (I+1)*numel//S) in shard-relative indices, answers proposals with
 ``candidates`` instead of ``indices``, and keeps its files in RUN_DIR/shard-I/; the last shard
 to finish merges the run's files.
@@ -23,14 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, keyranges, protocol
-from ..aggregation import Aggregator, ServerLimit, array_module_for
+from .. import checkpoint
 from ..config import bucket_refusal, parse_limit
-from ..membership import Membership, RunAborted
-from ..protocol import ProtocolError
 from ..rundir import PORT_FILE, SUMMARY_FILE, write_atomic
-from ..transport import Channel
+from ..wire import keyranges, protocol
+from ..wire.protocol import ProtocolError
+from ..wire.transport import Channel
+from .aggregation import Aggregator, ServerLimit, array_module_for
 from .endpoint import Endpoint
+from .membership import Membership, RunAborted
 from .records import Records, merge_run_dir
 from .rounds import Rounds, check_checksums
 
@@ -44,7 +45,7 @@ class Server:
                  resume: bool = False, device: str = "cpu", run_token: str | None = None,
                  shard: tuple[int, int] = (0, 1), log=None):
         self.world_size = world_size
-        # key-range shard I of S (psparse/keyranges.py): this server holds [lo, hi) of the flat
+        # key-range shard I of S (psparse/wire/keyranges.py): this server holds [lo, hi) of the flat
         # vector, speaks in shard-relative indices, and keeps its files in RUN_DIR/shard-I/
         self.shard = shard
         self.sharded = shard[1] > 1

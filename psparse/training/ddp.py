@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import RunConfig
-from .costmodel import powersgd_sizes
-from .options import add_config_arguments, parse_with_config
-from .rundir import (
+from ..config import RunConfig
+from ..options import add_config_arguments, parse_with_config
+from ..rundir import (
     EVAL_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
@@ -43,8 +42,27 @@ from .rundir import (
     ring_allreduce_bytes,
     write_json,
 )
-from .worker import setup
-from .worker import train as train_loop
+from .loop import setup
+from .loop import train as train_loop
+
+
+def powersgd_sizes(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2.0
+                   ) -> tuple[int, int, int]:
+    """(uncompressed, P, Q) entries that torch's powerSGD_hook allreduces per iteration for
+    parameters of these shapes (its own rule: each tensor viewed as shape[0] x rest is
+    compressed when (rows + cols) r x min_compression_rate < rows x cols)."""
+    u = p = q = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p, q = p + n * r, q + m * r
+        else:
+            u += n * m
+    return u, p, q
 
 
 class TimedHook:
@@ -68,7 +86,7 @@ class TimedHook:
 
 
 class AllreduceExchange:
-    """The DDP baseline's side of the training loop (psparse.worker.train): DDP has already
+    """The DDP baseline's side of the training loop (psparse.training.loop.train): DDP has already
     averaged the gradients during backward (ring allreduce), so ``exchange`` only averages the
     loss and records the round; rank 0 writes the run directory's files."""
 
@@ -207,7 +225,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m psparse.ddp",
+    p = argparse.ArgumentParser(prog="python -m psparse.training.ddp",
                                 description="One rank of the DistributedDataParallel baseline "
                                             "(started by psparse-launch --baseline ddp).")
     p.add_argument("--rank", type=int, required=True)

@@ -1,4 +1,4 @@
-"""psparse-worker: the built-in training loop, the first user of ``psparse.session``.
+"""psparse-worker: the built-in training loop, the first user of ``psparse.worker.session``.
 
 Per iteration (``train``):
   1. forward/backward on this rank's next minibatch (the gradient lands in one flat buffer);
@@ -10,7 +10,7 @@ Per iteration (``train``):
 Every replica applies the same bytes with the same optimizer from the same seeded weights, so all
 replicas stay bit-identical; workers send a weight checksum every ``check_every`` iterations and
 at the end, and the server stops the run if they differ. The same loop trains the DDP baseline
-(``psparse.ddp``), with an exchange that is DDP's allreduce.
+(``psparse.training.ddp``), with an exchange that is DDP's allreduce.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cluster
-from .client import ServerGone, WorkerError, report_failure
-from .config import ConfigError, RunConfig
-from .data import DataError, Shard, load_dataset, test_batches
-from .device import pick_device
+from ..config import ConfigError, RunConfig
+from ..data import DataError, Shard, load_dataset, test_batches
+from ..options import add_config_arguments, resolve_config
+from ..policies import PolicyError
+from ..worker import environment
+from ..worker.client import ServerGone, WorkerError, report_failure
+from ..worker.flat_model import pick_device
+from ..worker.session import Session, failure_cause
 from .models import build_model
-from .options import add_config_arguments, resolve_config
-from .policies import PolicyError
-from .session import Session, failure_cause
 
 __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 
@@ -141,7 +141,7 @@ def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
 def parse_endpoint(text: str) -> tuple[str, int] | list[tuple[str, int]]:
     """``--connect``: one HOST:PORT, or a list of them (key-range server shards, in order)."""
     try:
-        servers = cluster.parse_servers(text)
+        servers = environment.parse_servers(text)
     except ValueError:
         raise ValueError(f"--connect must be HOST:PORT (or HOST:PORT,HOST:PORT,... for server "
                          f"shards, in shard order), got {text!r}") from None
@@ -181,14 +181,14 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.rank is None:
-        args.rank = cluster.rank_from_env()
+        args.rank = environment.rank_from_env()
         if args.rank is None:
             p.error("--rank is required (or set RANK / SLURM_PROCID)")
     if args.workers is None and args.config is None:
-        args.workers = cluster.world_size_from_env()
+        args.workers = environment.world_size_from_env()
     try:
         cfg = resolve_config(args)
-        server = parse_endpoint(args.connect or cluster.server_from_env() or
+        server = parse_endpoint(args.connect or environment.server_from_env() or
                                 "127.0.0.1:5555")
     except (ConfigError, ValueError) as exc:
         p.error(str(exc))

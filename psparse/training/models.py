@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import plugin
-from .config import MODEL_ARGS, ConfigError
+from .. import plugin
+from ..config import MODEL_ARGS, ConfigError
 
 
 class LeNet5(nn.Module):

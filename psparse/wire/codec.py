@@ -20,9 +20,14 @@ import sys
 
 import numpy as np
 
-from .jit import REFERENCE, LazyModule, Reusable, compiled
+from ..cpu import reference
+from ..cpu.jit import REFERENCE, LazyModule, Reusable, compiled
 
-codec_kernels = LazyModule("psparse.codec_kernels")
+# CodecError is defined with the codec's numpy reference (psparse/cpu/reference.py, which
+# raises it too), the lowest layer that raises it; the package imports it from here
+from ..cpu.reference import CodecError  # noqa: F401, I001
+
+codec_kernels = LazyModule("psparse.cpu.codec_kernels")
 
 FORMATS = ("raw", "delta", "bitmap", "cached")
 _MAX_VARINT_BYTES = 10  # a 64-bit gap needs at most 10 groups of 7 bits
@@ -31,12 +36,6 @@ assert sys.byteorder == "little", "the bitmap kernels read frames as little-endi
 # key cache), so about two per rank are in use at once
 _DECODED = Reusable(keep=48)
 
-
-class CodecError(ValueError):
-    """An encoded index frame is malformed; the text says how."""
-
-
-from . import reference  # noqa: E402 (it imports CodecError: the small calls' numpy path)
 
 
 def set_key(indices: np.ndarray) -> bytes:
@@ -121,7 +120,7 @@ def _decode_delta_small(data: np.ndarray, count: int, dtype) -> np.ndarray | Non
     """decode_delta by the numpy reference, in the header's dtype as the kernel's; None (the
     kernel decides) for a frame with a varint of more than 7 bytes: only there can a small
     frame's indices reach 2^62, near where the reference's float64 bound on the sum of the
-    gaps differs from the kernel's exact one (psparse/reference.py)."""
+    gaps differs from the kernel's exact one (psparse/cpu/reference.py)."""
     ends = np.flatnonzero(data < 0x80)
     if ends.size and int(np.diff(ends, prepend=-1).max()) > 7:
         return None
@@ -272,7 +271,7 @@ class KeyCache:
 
 
 if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
-    from . import reference as _reference
+    from ..cpu import reference as _reference
 
     delta_size, encode_delta = _reference.delta_size, _reference.encode_delta
 

@@ -10,17 +10,15 @@ callers answer with an ``error`` message and otherwise ignore the bad message.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import math
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
-from . import codec, reference
+from ..cpu import reference
+from ..cpu.jit import REFERENCE, compiled
+from . import codec
 from .codec import CodecError, KeyCache, codec_kernels
-from .jit import REFERENCE, compiled
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -102,16 +100,6 @@ SPARSE_TYPES = frozenset({"push", "aggregate", "propose", "candidates"})
 INDEX_TYPES = frozenset({"indices"})  # frames: header, indices
 FRAME_COUNTS = {t: 3 if t in SPARSE_TYPES else 2 if t in INDEX_TYPES else 1 for t in SCHEMAS}
 
-# The run description a worker registers with (docs/protocol.md, "The run"): what every rank
-# must agree on, in a form any language can build and compare.
-RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": _LIST,
-              "config": _MAP}
-# parts: the boundaries of the key ranges a round is exchanged in (buckets of layers,
-# --bucket-mb / --overlap); absent: one part, the whole vector.
-RUN_OPTIONAL = {"parts": _LIST}
-CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
-REGISTER_PROOF_PREFIX = "psparse-register-v2"
-ERROR_PROOF_PREFIX = "psparse-error-v2"
 
 
 class ProtocolError(ValueError):
@@ -259,13 +247,13 @@ def _check_fields(msg_type: str, header: dict) -> None:
     for name, types in schema.items():
         if name not in header:
             raise ProtocolError(f"{msg_type} header lacks field {name!r}")
-        _check_type(msg_type, name, header[name], types)
+        check_type(msg_type, name, header[name], types)
     for name, value in header.items():
         if name in ("v", "type") or name in schema:
             continue
         if name not in optional:
             raise ProtocolError(f"{msg_type} header has unknown field {name!r}")
-        _check_type(msg_type, name, value, optional[name])
+        check_type(msg_type, name, value, optional[name])
     for name in ("iter", "rank", "count", "start", "workers", "part"):
         if name in header and header[name] < 0:
             raise ProtocolError(f"{msg_type} field {name!r} is negative ({header[name]})")
@@ -282,7 +270,7 @@ def _check_fields(msg_type: str, header: dict) -> None:
                                 "0 <= I < S")
 
 
-def _check_type(msg_type: str, name: str, value, types: tuple) -> None:
+def check_type(msg_type: str, name: str, value, types: tuple) -> None:
     # bool is a subclass of int in Python; a true/false where a number belongs is a bug upstream.
     if isinstance(value, bool) and bool not in types:
         ok = False
@@ -417,122 +405,7 @@ def _buffer(frame) -> memoryview:
     return memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else memoryview(buf)
 
 
-# ------------------------------------------------------------------------------ the run
-def check_run(run: dict) -> dict:
-    """Validate a ``run`` map (docs/protocol.md, "The run"); returns it, or raises naming the
-    problem."""
-    for name, types in RUN_FIELDS.items():
-        if name not in run:
-            raise ProtocolError(f"run lacks field {name!r}")
-        _check_type("run", name, run[name], types)
-    unknown = sorted(set(run) - set(RUN_FIELDS) - set(RUN_OPTIONAL))
-    if unknown:
-        raise ProtocolError(f"run has unknown field {unknown[0]!r}")
-    numel, iterations = run["numel"], run["iterations"]
-    if numel < 1 or iterations < 0:  # iterations 0: open-ended, until a rank asks to stop
-        raise ProtocolError("run field 'numel' must be >= 1 and 'iterations' >= 0 (0: "
-                            "open-ended)")
-    if "parts" in run:
-        parts = run["parts"]
-        _check_type("run", "parts", parts, RUN_OPTIONAL["parts"])
-        if not (len(parts) >= 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                        for x in parts)
-                and parts[0] == 0 and parts[-1] == numel
-                and all(a < b for a, b in zip(parts, parts[1:]))):
-            raise ProtocolError("run field 'parts' must be strictly increasing ints from 0 to "
-                                f"numel ({numel}): the boundaries of the key ranges")
-    steps = run["steps"]
-    if not steps:
-        raise ProtocolError("run field 'steps' is empty")
-    previous = -1
-    for n, step in enumerate(steps):
-        if not (isinstance(step, list) and len(step) == 4 and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in step)):
-            raise ProtocolError(f"run step {n} must be [from_iter, budget, push_max, "
-                                f"propose_max], non-negative ints")
-        start, budget, push_max, propose_max = step
-        if (n == 0) != (start == 0) or start <= previous:
-            raise ProtocolError("run steps must start at iteration 0, in increasing order")
-        if budget < 1 or push_max > numel or propose_max > numel:
-            raise ProtocolError(f"run step {n}: budget must be >= 1 and push_max, "
-                                f"propose_max <= numel ({numel})")
-        if run["two_phase"] and push_max < 1:
-            raise ProtocolError(f"run step {n}: a two-phase run keeps push_max >= 1 indices")
-        previous = start
-    for key, value in run["config"].items():
-        items = value if isinstance(value, list) else [value]
-        if not isinstance(key, str) or not all(isinstance(v, CONFIG_VALUE_TYPES) for v in items):
-            raise ProtocolError(f"run config entry {key!r}: values must be nil, bool, int, "
-                                "float, str or a list of those")
-        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
-            raise ProtocolError(f"run config entry {key!r} is not finite")
-    return run
-
-
-def step_at(run: dict, iteration: int) -> tuple[int, int, int]:
-    """(budget, push_max, propose_max) in force at ``iteration``: the last step starting at or
-    before it."""
-    current = run["steps"][0]
-    for step in run["steps"]:
-        if step[0] > iteration:
-            break
-        current = step
-    return current[1], current[2], current[3]
-
-
-def run_difference(a: dict, b: dict) -> str | None:
-    """The first field where two run maps differ (type-strict: 1 and 1.0 differ), or None."""
-    for key in sorted(set(a) | set(b)):
-        if key not in a or key not in b:
-            return key
-        if key == "config":
-            inner = run_difference(a[key], b[key])
-            if inner is not None:
-                return f"config.{inner}"
-        elif not same_value(a[key], b[key]):
-            return key
-    return None
-
-
-def same_value(a, b) -> bool:
-    """Equality that also compares types, as a decoded msgpack value (1 != 1.0 != true)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    return a == b
-
-
-def register_proof(token: str, rank: int, world_size: int, nonce: str) -> str:
-    """HMAC-SHA256 (key: the token's UTF-8 bytes) of "psparse-register-v2\n<rank>\n<world_size>
-    \n<nonce>", as lowercase hex: what a register proves the run token with."""
-    return _hmac(token, f"{REGISTER_PROOF_PREFIX}\n{rank}\n{world_size}\n{nonce}")
-
-
-def error_proof(token: str, rank: int, nonce: str) -> str:
-    """The same for a worker's ``error`` before its register was accepted, of
-    "psparse-error-v2\n<rank>\n<nonce>" (no world size: it may be what the server refused)."""
-    return _hmac(token, f"{ERROR_PROOF_PREFIX}\n{rank}\n{nonce}")
-
-
-def _hmac(token: str, text: str) -> str:
-    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
-
-
-def proof_is_valid(token: str, header: dict) -> bool:
-    """Whether a register's (or, without ``world_size``, an error's) nonce and proof prove
-    the run token."""
-    nonce, proof = header.get("nonce"), header.get("proof")
-    if not nonce or not proof or "rank" not in header:
-        return False
-    expected = register_proof(token, header["rank"], header["world_size"], nonce) \
-        if "world_size" in header else error_proof(token, header["rank"], nonce)
-    return hmac.compare_digest(expected, proof)
-
-
 if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
-    from . import reference as _reference
+    from ..cpu import reference as _reference
 
     sparse_frame_problem, all_finite = _reference.sparse_frame_problem, _reference.all_finite  # noqa: F811

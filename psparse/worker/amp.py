@@ -33,9 +33,9 @@ import math
 import numpy as np
 import torch
 
+from ..config import ConfigError
+from ..xp import INDEX_DTYPE
 from .client import WorkerError
-from .config import ConfigError
-from .xp import INDEX_DTYPE
 
 __all__ = ["GradScaling", "scaling_for"]
 

@@ -4,7 +4,7 @@
 registration (with the run token's proof), heartbeats on their own connection, the messages of
 a round (``propose`` → ``indices``, ``push`` → ``aggregate``), evaluation reports, the final
 report and the error report of a worker that gives up. It knows nothing of models, policies or
-training: ``psparse.session`` drives it (``psparse.sharded_client.ShardedClient`` with the same
+training: ``psparse.worker.session`` drives it (``psparse.worker.sharded_client.ShardedClient`` with the same
 interface when the run has S key-range server shards). Transport failures arrive here as ``TransportTimeout``
 / ``PeerGone`` and leave as ``ServerGone``; nothing above this module sees ZeroMQ.
 """
@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from . import protocol
-from .aggregation import agg_kernels
-from .codec import KeyCache
-from .protocol import ProtocolError
-from .transport import Channel, PeerGone, TransportTimeout
+from ..server.aggregation import agg_kernels
+from ..wire import protocol, run_description
+from ..wire.codec import KeyCache
+from ..wire.protocol import ProtocolError
+from ..wire.transport import Channel, PeerGone, TransportTimeout
 
 
 class WorkerError(RuntimeError):
@@ -183,7 +183,7 @@ class PSClient:
         proof = {}
         if self.run_token:
             nonce = secrets.token_hex(16)
-            proof = {"nonce": nonce, "proof": protocol.register_proof(
+            proof = {"nonce": nonce, "proof": run_description.register_proof(
                 self.run_token, self.rank, self.world_size, nonce)}
         if self.shard is not None:
             proof["shard"] = list(self.shard)
@@ -223,7 +223,7 @@ class PSClient:
              overflow: bool = False) -> protocol.Message:
         """Send this round's (index, value) pairs, dense when that is smaller (SparCML's
         switch, into ``dense_buffer``); returns the aggregate. ``overflow``: this worker's
-        gradient is not finite (nothing sent; every worker skips the step, psparse.amp)."""
+        gradient is not finite (nothing sent; every worker skips the step, psparse.worker.amp)."""
         self.send_push(it, indices, values, loss, checksum, dense_buffer, overflow)
         return self.await_aggregate(it)
 
@@ -285,7 +285,7 @@ class PSClient:
         proof = {}
         if not self.ready and self.run_token:  # before ready: the run token proves the rank
             nonce = secrets.token_hex(16)
-            proof = {"nonce": nonce, "proof": protocol.error_proof(self.run_token, self.rank,
+            proof = {"nonce": nonce, "proof": run_description.error_proof(self.run_token, self.rank,
                                                                    nonce)}
         try:
             self.channel.send(protocol.encode("error", message=cause, rank=self.rank, **proof))

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from . import cluster
+from ..config import LAUNCHER_OPTIONS, ConfigError, RunConfig
+from ..options import config_from_json, load_config_file
+from . import environment
 from .client import report_failure
-from .config import LAUNCHER_OPTIONS, ConfigError, RunConfig
-from .options import config_from_json, load_config_file
 from .session import Session, failure_cause
 
 __all__ = ["connect"]
@@ -51,13 +51,13 @@ def connect(model: torch.nn.Module, optimizer=None, *,
     same on every rank before building the model, or load the same weights.
     """
     if rank is None:
-        rank = cluster.rank_from_env()
+        rank = environment.rank_from_env()
         if rank is None:
             raise ConfigError("psparse.connect: no rank (pass rank=..., or run under "
                               "psparse-launch / torchrun, which set RANK)")
-    address = server or cluster.server_from_env() or "127.0.0.1:5555"
+    address = server or environment.server_from_env() or "127.0.0.1:5555"
     try:
-        servers = cluster.parse_servers(address)
+        servers = environment.parse_servers(address)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     run_token = run_token or os.environ.get("PSPARSE_TOKEN") or None
@@ -67,7 +67,7 @@ def connect(model: torch.nn.Module, optimizer=None, *,
         session = _open_session(model, optimizer, cfg, rank, servers, iterations,
                                 batches_per_epoch, out, run_token, resume)
     except Exception as exc:  # not registered: tell the server why, for summary.json
-        world = cfg.workers if cfg else world_size or cluster.world_size_from_env()
+        world = cfg.workers if cfg else world_size or environment.world_size_from_env()
         if world is not None:
             report_failure(servers, rank, world, failure_cause(exc), run_token=run_token,
                            curve_keys=cfg.curve_keys if cfg else options.get("curve_keys"))
@@ -132,7 +132,7 @@ def _resolve_options(options: dict, world_size: int | None) -> RunConfig:
     if world_size is not None:
         values["workers"] = world_size
     elif not launched:
-        env_world = cluster.world_size_from_env()
+        env_world = environment.world_size_from_env()
         if env_world is None:
             raise ConfigError("psparse.connect: no world size (pass world_size=..., or run "
                               "under psparse-launch / torchrun, which set WORLD_SIZE)")

@@ -5,14 +5,14 @@
 
 1. psparse's stream waits for torch's (the backward pass that wrote the flat gradient);
    the loss tensor is copied into a device slot (no ``.item()``);
-2. the policy selects on the device (``psparse.device_policy``): error feedback folded into the
+2. the policy selects on the device (``psparse.gpu.device_policy``): error feedback folded into the
    engine's first pass, the selected values gathered and zeroed in its last one; a policy
    that returns plain device indices gets a check kernel (range, order) and a take kernel;
 3. **one copy back**: the selection's indices and values, its report (counts, non-finite
    entries), the check flags, the loss, and on checksum rounds the weights, into pinned host
    memory, then one wait: the round's only synchronisation (two-phase policies: one more, for
    the proposal);
-4. the push and the aggregate (the host's business: ``psparse.client``);
+4. the push and the aggregate (the host's business: ``psparse.worker.client``);
 5. the aggregate goes up once, asynchronously from pinned memory; the policy observes it
    there, the gradient is zeroed and the aggregate scattered into it by one kernel (a dense
    one copied), and torch's stream waits for that before ``optimizer.step()``.
@@ -30,12 +30,12 @@ import time
 import numpy as np
 import torch
 
-from .backend import CaptureFailed
+from ..gpu.backend import CaptureFailed
+from ..gpu.device_policy import DeviceSelection, Fusion
+from ..gpu.radix import RP_W
+from ..policies import PolicyError, check_output
 from .client import WorkerError
-from .device_policy import DeviceSelection, Fusion
 from .exchange import RoundContext
-from .policies import PolicyError, check_output
-from .radix import RP_W
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
 GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
@@ -45,7 +45,7 @@ class DeviceRound:
     """The device side of one worker's rounds (see the module docstring)."""
 
     def __init__(self, ctx: RoundContext, dev, whole: bool):
-        self.s, self.dev = ctx, dev  # s: the round context (psparse.exchange)
+        self.s, self.dev = ctx, dev  # s: the round context (psparse.worker.exchange)
         self.whole = whole  # the budget is the whole model: no selection (a dense round)
         xp = dev.xp
         net = ctx.net

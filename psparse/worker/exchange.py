@@ -6,8 +6,8 @@ the gradient into the error-feedback accumulator, let the policy choose, push, r
 aggregate, let the policy observe it, write it into ``.grad``. Three things decide what it
 sends, one class each (a *round shape*): ``OnePhase`` (the policy selects), ``TwoPhase`` (a
 proposal round first: ``cltk``, ``vote``) and ``WholeModel`` (the budget is the whole model:
-nothing to select). ``HostRound`` runs them on the host; ``psparse.device_round.DeviceRound``
-is the same round on a GPU; ``psparse.parts.Parts`` the same round in buckets of layers.
+nothing to select). ``HostRound`` runs them on the host; ``psparse.worker.device_round.DeviceRound``
+is the same round on a GPU; ``psparse.worker.parts.Parts`` the same round in buckets of layers.
 
 Rounds see the worker through a ``RoundContext`` (its parts and a few callbacks), never the
 ``Session`` itself, and keep time on one ``RoundClock``.
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cpu.sparsify import NonFiniteError, topk_exact
+from ..policies import check_output
+from ..xp import INDEX_DTYPE, to_device, to_host
 from .client import WorkerError
-from .policies import check_output
-from .sparsify import NonFiniteError, topk_exact
-from .xp import INDEX_DTYPE, to_device, to_host
 
 
 class RoundClock:
@@ -77,8 +77,8 @@ class RoundContext:
     iteration: Callable[[], int]
     say: Callable[[str], None] = print
     recorder: object = None
-    probe: object = None  # --probe-recall (psparse.recall.RecallProbe), or None
-    scaling: object = None  # this step's GradScaler handling (psparse.amp), or None
+    probe: object = None  # --probe-recall (psparse.worker.recall.RecallProbe), or None
+    scaling: object = None  # this step's GradScaler handling (psparse.worker.amp), or None
     clock: RoundClock = field(default_factory=RoundClock)
     _dense: np.ndarray | None = None
     _arange: np.ndarray | None = None
@@ -188,7 +188,7 @@ class HostRound:
 
     def exchange(self, it: int, loss) -> None:
         ctx = self.ctx
-        scaling = ctx.scaling  # a GradScaler's step (psparse.amp), or None
+        scaling = ctx.scaling  # a GradScaler's step (psparse.worker.amp), or None
         loss, overflow = scaling.loss(loss, it) if scaling else (host_loss(loss, it), False)
         t1 = ctx.clock.begin()
         k = ctx.set_budget(it)

@@ -1,8 +1,8 @@
 """Where a worker's arrays live: the model's flat buffers and the device.
 
 ``FlatModel`` makes a model's parameters and gradients views of two flat float32 buffers (what
-``psparse.session`` exchanges; on the GPU path ``psparse.device_round`` works on them in place);
-``pick_device`` chooses the device (the backend that runs on it: ``psparse.backend``).
+``psparse.worker.session`` exchanges; on the GPU path ``psparse.worker.device_round`` works on them in place);
+``pick_device`` chooses the device (the backend that runs on it: ``psparse.gpu.backend``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class FlatModel:
         self.params = torch.empty(self.numel, dtype=torch.float32, device=device)
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         # Without CuPy a GPU gradient crosses to the host once per iteration, into pinned memory
-        # (allocated on first use); with CuPy it stays on the device (psparse.device_round).
+        # (allocated on first use); with CuPy it stays on the device (psparse.worker.device_round).
         self.host_grad = self.grad if device.type == "cpu" else None
         self.grad_views = []
         offset = 0

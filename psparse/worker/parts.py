@@ -1,7 +1,7 @@
 """A round in buckets of layers (``--bucket-mb``), optionally overlapped with backward
 (``--overlap``): docs/api.md, Overlap; the wire side is docs/protocol.md, Parts.
 
-Buckets are contiguous groups of layers in reverse registration order (``psparse.buckets``),
+Buckets are contiguous groups of layers in reverse registration order (``psparse.worker.buckets``),
 each a contiguous key range (a *part*). For each bucket the worker folds its gradient into the
 accumulator, lets the policy select per layer (``select_slice``, with each layer's k as in an
 ordinary ``--granularity layer`` round; on a GPU the engine over the bucket's layers) and
@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
+from ..config import DEFAULT_BUCKET_MB, ConfigError, bucket_refusal
+from ..cpu.sparsify import NonFiniteError
+from ..policies import PolicyError, SelectionPolicy, check_output
+from ..xp import INDEX_DTYPE
 from . import buckets
 from .client import WorkerError
-from .config import DEFAULT_BUCKET_MB, ConfigError, bucket_refusal
 from .exchange import RoundContext, host_loss
-from .policies import PolicyError, SelectionPolicy, check_output
-from .sparsify import NonFiniteError
-from .xp import INDEX_DTYPE
 
 
 class Parts:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .rundir import open_truncated
+from ..rundir import open_truncated
 
 RECALL_FILE = "recall.jsonl"
 PROBE_DIR = "probes"

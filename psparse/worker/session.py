@@ -13,7 +13,7 @@ A user keeps their own loop and adds a handful of lines::
         ps.close()                            # final report; the server writes summary.json
 
 ``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection
-policy pick this round's entries, sends them to the server (``psparse.client``) and writes the
+policy pick this round's entries, sends them to the server (``psparse.worker.client``) and writes the
 aggregate into every parameter's ``.grad``, so any ``torch.optim`` optimizer then applies the
 same update on every replica. The built-in ``psparse-worker`` loop is a user of this class too.
 
@@ -21,7 +21,7 @@ The session builds a worker's parts (flat model, device backend, memory, policy,
 its round: ``exchange.HostRound`` on the host, ``device_round.DeviceRound`` on a GPU, either
 in buckets through ``parts.Parts``; they see it only through a ``RoundContext``. The session
 keeps what is the user's: registration, the run's length and evaluator, the end of the run,
-checkpoints (their state: psparse/session_state.py).
+checkpoints (their state: psparse/worker/session_state.py).
 """
 
 from __future__ import annotations
@@ -34,23 +34,23 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError, RunConfig
+from ..cpu.sparsify import density_to_k
+from ..gpu.devices import device_backend
+from ..policies import Layout, PolicyError, build_policy
+from ..policies.memory import SCALECOM_BETA, Memory, density_schedule
+from ..rundir import EVAL_VALUES, rank_file
 from . import amp, lifecycle
-from .backend import device_backend
 from .client import ServerGone, WorkerError
-from .config import ConfigError, RunConfig
-from .device import FlatModel
 from .device_round import DeviceRound
 from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
-from .locality import SelectionRecorder
-from .memory import SCALECOM_BETA, Memory, density_schedule
+from .flat_model import FlatModel
 from .optimizers import as_optimizer
 from .parts import Parts
-from .policies import Layout, PolicyError, build_policy
 from .recall import RecallProbe
-from .rundir import EVAL_VALUES, rank_file
+from .selections import SelectionRecorder
 from .session_state import Checkpointed
 from .sharded_client import open_client
-from .sparsify import density_to_k
 
 __all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
 
@@ -85,7 +85,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.device = self.net.device
         self.optimizer = as_optimizer(optimizer)  # several: one object with their state
         # the GPU path: accumulator, selection and policy state on the device (a backend,
-        # psparse.backend); None: the host path
+        # psparse.gpu.backend); None: the host path
         self.dev = device_backend(self.device, self.say)
         check_options(cfg, batches_per_epoch, on_device=self.dev is not None)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
@@ -221,7 +221,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         (the mean over workers) into every parameter's ``.grad``, ready for
         ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
         ``scaler``: the ``torch.amp.GradScaler`` whose scaled gradients these are; then
-        ``scaler.step(optimizer)`` and ``scaler.update()`` follow (psparse.amp).
+        ``scaler.step(optimizer)`` and ``scaler.update()`` follow (psparse.worker.amp).
         """
         self.ctx.scaling = amp.scaling_for(scaler, self.optimizer, in_parts=self.parts
                                            is not None, on_device=self.dev is not None)

@@ -1,5 +1,5 @@
 """What a worker's checkpoint holds and how a resumed worker takes it back: ``Checkpointed``,
-the part of ``Session`` (psparse/session.py) that ``--checkpoint-every`` and ``--resume`` use.
+the part of ``Session`` (psparse/worker/session.py) that ``--checkpoint-every`` and ``--resume`` use.
 
 A checkpoint is written at an iteration boundary (psparse/checkpoint.py): the parameters and
 optimizer state after the last update, the model's buffers as they were after that
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import checkpoint
+from .. import checkpoint
 from .client import WorkerError
 
 

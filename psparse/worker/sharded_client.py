@@ -1,6 +1,6 @@
 """One worker's connections to S key-range server shards, with ``PSClient``'s interface.
 
-``ShardedClient`` splits every push and proposal by key range (``psparse.keyranges``), sends
+``ShardedClient`` splits every push and proposal by key range (``psparse.wire.keyranges``), sends
 each shard its part through a ``PSClient`` of its own, and merges the shards' answers into one
 message over the whole vector (``client.merge_aggregates``), so the session above
 sees one server (docs/cli.md, "Server shards"). ``open_client`` picks the one or the other.
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import keyranges, protocol
-from .aggregation import agg_kernels, top_k
+from ..config import ConfigError, RunConfig
+from ..server.aggregation import agg_kernels, top_k
+from ..wire import keyranges, protocol, run_description
 from .client import PSClient, global_indices, merge_aggregates
-from .config import ConfigError, RunConfig
 
 
 class ShardedClient:
-    """One worker's connections to S key-range server shards (``psparse.keyranges``), with
+    """One worker's connections to S key-range server shards (``psparse.wire.keyranges``), with
     ``PSClient``'s interface: the session sees one server and the whole flat vector.
 
     A push is split by range (one searchsorted of the sorted indices), each part sent to its
@@ -91,7 +91,7 @@ class ShardedClient:
         got = [c.await_candidates(it) for c in self.shards]
         keys = global_indices([m.indices for m in got], self.edges)
         scores = np.concatenate([m.values for m in got])
-        keep = protocol.step_at(self.run, it)[1]  # the push cap: what the group keeps
+        keep = run_description.step_at(self.run, it)[1]  # the push cap: what the group keeps
         if keep >= keys.size:
             return keys
         return keys[top_k(scores, keep, nonnegative=True)]
