@@ -21,8 +21,8 @@ top-k, vote keep=1.5, micro, exdyna.
 
 Per run, beside accuracy, union/k and bytes (experiments.run.run_row):
   * recall: the share of the top-k of the sum of all workers' accumulators that the round's
-    aggregate holds, mean over the probed rounds (psparse.worker.recall), and ``energy``, the share of
-    that sum's squared norm at the aggregate's indices, beside ``energy_topk``, the share the
+    aggregate holds, mean over the probed rounds (psparse.worker.recall), and ``energy``, the share
+    of that sum's squared norm at the aggregate's indices, beside ``energy_topk``, the share the
     sum's own top-k carries (the most any k entries can);
   * density error of a threshold controller: sum of the workers' selections (their
     proposals) / the round's budget k, minus 1, mean (signed) and mean |.| over rounds (micro

@@ -7,16 +7,11 @@ In your own training loop (README.md and docs/api.md)::
     ...  loss.backward(); ps.exchange(loss); optimizer.step()  ...
     ps.close()
 
-Layers, bottom to top (each imports only those below it):
-  transport (sockets, pacing, CurveZMQ) -> codec, protocol (messages, index encodings)
-  -> rundir (run directory files); aggregation (round arithmetic on plain arrays, over
-     kernels and sparsify); membership (admission, agreement, liveness; sends nothing) -> server
-  kernels, sparsify (top-k), memory (error feedback), policies (selection), models, data,
-  checkpoint -> client (the worker's protocol side) -> device (flat buffers, device choice)
-  -> exchange (a round's shapes, its clock and context), device_round (the GPU's round),
-     parts (a round in buckets) -> session (the user's object), connection (connect)
-  -> worker (the built-in loop), ddp -> cluster, launch (processes, hosts)
-Tools on top: report, costmodel, locality, keys, kernel_check.
+The folders are the layers, bottom to top (each imports only its own and lower ones;
+psparse/layers.py, docs/architecture.md): cpu/ (numba kernels and their numpy references),
+gpu/ (CUDA C, the radix engine, backends), wire/ (transport, codecs, messages), config and
+options, server/, policies/, worker/ (the PS client, a round, the session), training/ and
+data/, launch/, analysis/; this module and ddp_hook.py are what a user's script imports.
 """
 
 from .provenance import __version__

@@ -1,7 +1,7 @@
 """Straightforward versions of the built-in policies: what each selects, written the plain way.
 
 These are the policies as they were before their selection was made fast (issue 18, item 3),
-with top-k done by ``kernels.topk_reference`` (a full lexsort) and state updates as dense numpy
+with top-k done by ``selection.topk_reference`` (a full lexsort) and state updates as dense numpy
 expressions. ``tests/test_policy_equivalence.py`` runs every built-in policy against its
 reference over many rounds and asserts the same indices and the same state. numpy only.
 """

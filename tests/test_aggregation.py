@@ -1,4 +1,4 @@
-"""The server's round arithmetic (psparse/server/aggregation.py) on plain numpy arrays, no sockets."""
+"""The server's round arithmetic (psparse/server/aggregation.py) on numpy arrays, no sockets."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from conftest import alive, descendants, python_module, read_jsonl
 
 from psparse.config import RunConfig
 from psparse.launch import cluster
-from psparse.training.loop import environment
+from psparse.worker import environment
 
 FAKE_RSH = Path(__file__).resolve().parent / "fake_rsh.sh"
 

@@ -1,6 +1,6 @@
-"""Every compiled CPU kernel (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py) equals its numpy
-reference (psparse/cpu/reference.py) bit for bit, on random and adversarial inputs, and the kernels
-load from numba's cache in the processes the runs start instead of compiling again."""
+"""Every compiled CPU kernel (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py) equals its
+numpy reference (psparse/cpu/reference.py) bit for bit, on random and adversarial inputs, and the
+kernels load from numba's cache in the processes the runs start instead of compiling again."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The GPU exchange's synchronisation discipline, proven on the CPU.
 
-``PSPARSE_EMULATE_GPU=strict`` makes a worker run the GPU path (psparse/worker/device_round.py) on the
-strict emulated backend: the CUDA C kernels on the CPU and device arrays that raise
-``HostSync`` on every implicit read to the host (``float()``, ``int()``, ``bool()``,
-``.item()``, ``.get()``, ``np.asarray``, boolean masks, ``nonzero``...). A run that finishes
-under it made only the crossings it counts (the session's ``device`` report, rank-R.json): one
-copy back per iteration (two-phase policies one more per proposal they send, one per bucket of
-a round in parts), and no other read. And it ends bit-identical to the host path's run.
+``PSPARSE_EMULATE_GPU=strict`` makes a worker run the GPU path (psparse/worker/device_round.py) on
+the strict emulated backend: the CUDA C kernels on the CPU and device arrays that raise ``HostSync``
+on every implicit read to the host (``float()``, ``int()``, ``bool()``, ``.item()``, ``.get()``,
+``np.asarray``, boolean masks, ``nonzero``...). A run that finishes under it made only the crossings
+it counts (the session's ``device`` report, rank-R.json): one copy back per iteration (two-phase
+policies one more per proposal they send, one per bucket of a round in parts), and no other read.
+And it ends bit-identical to the host path's run.
 
 Most runs here are two ``psparse.connect`` sessions in threads of the test process against a
 real server process (a user's loop, as docs/api.md shows it); the launcher's own path, a

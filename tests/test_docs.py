@@ -312,3 +312,30 @@ def test_every_file_the_docs_name_exists():
         missing = sorted(n for n in named if not (ROOT / n).exists()
                          and not any(part.split(".")[0].isupper() for part in n.split("/")))
         assert not missing, f"{doc.relative_to(ROOT)} names missing files: {missing}"
+
+
+def test_every_psparse_name_the_docs_give_exists():
+    """`psparse.module.name` in the docs (an import path, a `python -m` module, a class a user
+    subclasses) is a module or an attribute there: a move in the package's layout moves the
+    docs too."""
+    import importlib
+    import re
+
+    readmes = [ROOT / d / "README.md" for d in ("", "experiments", "benchmarks", "launch")]
+    missing = []
+    for doc in [*readmes, *(ROOT / "docs").glob("*.md")]:
+        for name in sorted(set(re.findall(r"(?<![\w/.-])psparse(?:\.[A-Za-z_]\w*)+",
+                                          doc.read_text()))):
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):  # the longest importable prefix
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                    break
+                except ImportError:
+                    continue
+            for attribute in parts[i:]:
+                if not hasattr(obj, attribute):
+                    missing.append(f"{doc.relative_to(ROOT)}: {name}")
+                    break
+                obj = getattr(obj, attribute)
+    assert not missing, "\n".join(missing)

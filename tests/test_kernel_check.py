@@ -86,7 +86,7 @@ def test_a_kernel_missing_from_its_source_is_caught():
 def test_kernels_constructed_outside_the_registry_are_found(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
-    (package / "kernels.py").write_text(
+    (package / "sources.py").write_text(
         "def build_cupy_kernels(cupy, source, names):\n"
         "    return {n: cupy.RawKernel(source, n) for n in names}\n")
     (package / "rogue.py").write_text(

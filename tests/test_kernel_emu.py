@@ -1,7 +1,7 @@
 """The kernel emulator (psparse/gpu/kernel_emu.py) is faithful where the kernels' logic needs it:
 barriers really wait, warp collectives exchange values, a missing barrier or a divergent one
 shows, and a write past an array's end is caught. Then every element kernel of
-``kernels.CUDA_SOURCE`` against its numpy formula, in both fiber orders.
+``sources.CUDA_SOURCE`` against its numpy formula, in both fiber orders.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def test_scatter_and_the_output_checks(emu):
 
 
 def test_the_decayed_state_kernels_follow_decaying(emu):
-    """decay, renormalise, add and the per-slice maxima against kernels.Decaying itself."""
+    """decay, renormalise, add and the per-slice maxima against updates.Decaying itself."""
     rng = np.random.default_rng(2)
     n, bounds = 3000, np.array([0, 1000, 1001, 3000], np.int64)
     host = updates.Decaying(n)

@@ -83,8 +83,8 @@ def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
 
 
 def test_locality_without_recordings_says_what_to_do(tmp_path):
-    r = subprocess.run(python_module("psparse.analysis.locality", str(tmp_path)), capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(python_module("psparse.analysis.locality", str(tmp_path)),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--record-selections" in r.stderr
 
 

@@ -1,5 +1,5 @@
-"""Who is in the run (psparse/server/membership.py): admission, agreement, liveness and losses, tested
-on decoded messages without sockets. The server's probe of a peer's connection is a callable;
+"""Who is in the run (psparse/server/membership.py): admission, agreement, liveness and losses,
+tested on decoded messages without sockets. The server's probe of a peer's connection is a callable;
 here it asks a set of the peers that are still "connected"."""
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def register(rank, world_size=2, *, token=TOKEN, nonce=None, run=RUN, **fields):
         header["run"] = run
     if token is not None:
         nonce = nonce or f"{next(_nonces):032x}"
-        header.update(nonce=nonce, proof=run_description.register_proof(token, rank, world_size, nonce))
+        header.update(nonce=nonce,
+                      proof=run_description.register_proof(token, rank, world_size, nonce))
     return protocol.decode(protocol.encode("register", **header))
 
 

@@ -1,4 +1,5 @@
-"""ScaleCom's low-pass-filtered error-feedback memory (``--memory scalecom``, psparse/policies/memory.py).
+"""ScaleCom's low-pass-filtered error-feedback memory (``--memory scalecom``,
+psparse/policies/memory.py).
 
 The update, per worker and round, with s_t = p_t at the sent indices (zero elsewhere):
 p_t = m_t + g_t (selected from), m_{t+1} = (1 - beta) m_t + beta (p_t - s_t).

@@ -20,9 +20,9 @@ import zmq
 from conftest import python_module, read_jsonl
 
 from psparse.config import ConfigError, RunConfig
-from psparse.training.loop import buckets
 from psparse.wire import protocol
 from psparse.wire.codec import KeyCache
+from psparse.worker import buckets
 from psparse.worker.session import Session
 
 # mlp on digits: layers of 2048, 32, 320 and 10 entries; 0.001 MB buckets (250 entries)

@@ -91,7 +91,7 @@ def group_for(rng, policy, proposals, n, it):
     return np.sort(rng.choice(offered, keep, replace=False)).astype(np.int64)
 
 
-# A lazily decayed state (``kernels.Decaying``: core, ema, frequency) is rounded once per add
+# A lazily decayed state (``updates.Decaying``: core, ema, frequency) is rounded once per add
 # where the reference rounds once per round as well: after 48 rounds of two roundings of at most
 # 2^-24 each, a relative difference below 6e-6 (3x margin). Values that decayed below float32's
 # smallest normal are flushed to 0 at a renormalisation (the reference keeps subnormals). A
@@ -280,7 +280,7 @@ def test_state_updates_equal_the_plain_expressions():
 
 
 def test_lazy_decay_equals_the_eager_update():
-    """``kernels.Decaying`` against decaying every entry every round: bit-identical for a
+    """``updates.Decaying`` against decaying every entry every round: bit-identical for a
     power-of-two decay while values stay normal, within rounding otherwise; a renormalisation
     flushes what fell below float32's smallest normal; a restored copy continues bit-identically;
     a plain (eager) state loads as its values."""

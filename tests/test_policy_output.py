@@ -84,8 +84,8 @@ def test_fewer_than_k_is_allowed_counted_and_reported(tmp_path):
     assert summary["k"] == K and summary["pushed_k_mean"] == K // 2
     assert all(m["k"] == [K // 2] and m["budget"] == K
                for m in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
-    report = subprocess.run(python_module("psparse.analysis.report", str(tmp_path / "run"), "--no-plots",
-                                          "--out", str(tmp_path / "report")),
+    report = subprocess.run(python_module("psparse.analysis.report", str(tmp_path / "run"),
+                                          "--no-plots", "--out", str(tmp_path / "report")),
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "k sent" in report.stdout
     assert f"{K // 2:>8}" in report.stdout.splitlines()[2]

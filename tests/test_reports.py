@@ -32,8 +32,8 @@ def two_runs(tmp_path_factory):
 
 def test_report_table_and_plots(two_runs, tmp_path):
     out = tmp_path / "report"
-    r = subprocess.run(python_module("psparse.analysis.report", *map(str, two_runs), "--out", str(out)),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(python_module("psparse.analysis.report", *map(str, two_runs), "--out",
+                                     str(out)), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "topk (topk)" in r.stdout and "core (core)" in r.stdout and "union/k" in r.stdout
     rows = json.loads((out / "report.json").read_text())
@@ -116,7 +116,8 @@ def test_model_cli_takes_the_cpu_terms_and_powersgd():
     bad = subprocess.run(python_module("psparse.analysis.costmodel", *args[:8], "--cpu-share", "2"),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--cpu-share must be in (0, 1]" in bad.stderr
-    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args[:8], "--powersgd-rank", "1"),
+    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args[:8],
+                                       "--powersgd-rank", "1"),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--powersgd-rank needs" in bad.stderr
 

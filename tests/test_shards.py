@@ -172,8 +172,8 @@ def test_shards_started_by_hand_write_the_merged_run_files(tmp_path):
     # psparse-report shows the per-shard bytes, merging the shards' files itself if needed
     (tmp_path / "summary.json").unlink()
     (tmp_path / "metrics.jsonl").unlink()
-    r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path), "--no-plots", "--out",
-                                     str(tmp_path / "report")),
+    r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path), "--no-plots",
+                                     "--out", str(tmp_path / "report")),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "per server shard" in r.stdout and "#1 [" in r.stdout

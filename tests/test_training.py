@@ -167,8 +167,9 @@ def test_workers_exit_nonzero_when_the_server_dies(tmp_path):
     while not (tmp_path / "server.port").is_file():
         time.sleep(0.05)
     port = (tmp_path / "server.port").read_text().strip()
-    workers = [subprocess.Popen(python_module("psparse.training.loop", "--rank", str(r), "--workers", "2",
-                                              "--model", "mlp", "--dataset", "digits",
+    workers = [subprocess.Popen(python_module("psparse.training.loop", "--rank", str(r),
+                                              "--workers", "2", "--model", "mlp",
+                                              "--dataset", "digits",
                                               "--iterations", "1000000", "--timeout", "3",
                                               "--connect", f"127.0.0.1:{port}"),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

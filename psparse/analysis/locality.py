@@ -1,11 +1,12 @@
 """Locality of large gradient entries (the thesis's section 6.2 observation), measured on a run.
 
-Recording (``psparse/worker/selections.py``): with ``--record-selections``, every worker saves, per iteration, the top-k indices of
-its raw gradient |g| and the indices it actually sent, to RUN_DIR/selections-rank-R.npz, and
-two measures of its error-feedback accumulator a (before the push): ``captured``, the squared
-norm of a at the sent indices over that of a's own k largest entries (1 for top-k: how much of
-what is most due a policy sends), and ``backlog``, ||a|| / ||g|| (the residual carried, in units
-of one gradient: it grows when a policy leaves large entries waiting).
+Recording (``psparse/worker/selections.py``): with ``--record-selections``, every worker saves, per
+iteration, the top-k indices of its raw gradient |g| and the indices it actually sent, to
+RUN_DIR/selections-rank-R.npz, and two measures of its error-feedback accumulator a (before the
+push): ``captured``, the squared norm of a at the sent indices over that of a's own k largest
+entries (1 for top-k: how much of what is most due a policy sends), and ``backlog``, ||a|| / ||g||
+(the residual carried, in units of one gradient: it grows when a policy leaves large entries
+waiting).
 
 Analysis: ``psparse-locality RUN_DIR`` reads them and reports
   * recurrence: of the top-k gradient indices at iteration t, the fraction that are in the top-k

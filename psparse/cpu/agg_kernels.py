@@ -1,8 +1,10 @@
-"""Compiled CPU kernels of the server's round arithmetic (numba; see psparse/cpu/jit.py and
+"""The server's round arithmetic compiled for the CPU: sums, size-limit merge, vote, shard split.
+
+Compiled CPU kernels of the server's round arithmetic (numba; see psparse/cpu/jit.py and
 psparse/cpu/numba_jit.py).
 
-Each kernel equals its numpy reference (psparse/cpu/reference.py) bit for bit; tests/test_cpu_kernels.py
-holds them to it. They import nothing above psparse.cpu.jit.
+Each kernel equals its numpy reference (psparse/cpu/reference.py) bit for bit;
+tests/test_cpu_kernels.py holds them to it. They import nothing above psparse.cpu.jit.
 
 * ``sparse_sum``: N sorted pushes (index, value), given as tables of addresses (the received
   frames are read where they lie), summed in rank order at the sorted union of their indices.

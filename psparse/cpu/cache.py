@@ -1,4 +1,6 @@
-"""Where numba keeps the compiled kernels (docs/architecture.md, "Compiled CPU kernels"):
+"""Where numba keeps the compiled kernels: NUMBA_CACHE_DIR, the package's cache, or the user's.
+
+Where numba keeps the compiled kernels (docs/architecture.md, "Compiled CPU kernels"):
 ``NUMBA_CACHE_DIR`` when it is set; else numba's own choice, ``psparse/cpu/__pycache__`` beside
 the kernel sources when that is writable (an editable install: every process of a run or a test
 session shares it); else, for a read-only install, ``$XDG_CACHE_HOME/psparse/numba``, and

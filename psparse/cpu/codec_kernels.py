@@ -1,6 +1,9 @@
-"""Compiled CPU kernels of the index coding and the protocol's frame checks (numba; see
-psparse/cpu/jit.py, psparse/cpu/numba_jit.py). One pass each over the indices or the frame; each equals its numpy reference
-in psparse/cpu/reference.py (tests/test_cpu_kernels.py). They import nothing above psparse.cpu.jit.
+"""Index coding and the protocol's frame checks, compiled for the CPU.
+
+Compiled CPU kernels of the index coding and the protocol's frame checks (numba; see
+psparse/cpu/jit.py, psparse/cpu/numba_jit.py). One pass each over the indices or the frame; each
+equals its numpy reference in psparse/cpu/reference.py (tests/test_cpu_kernels.py). They import
+nothing above psparse.cpu.jit.
 
 The arrays they take are C-contiguous (several read whole cache lines from an array's start:
 the callers in psparse/wire/codec.py and psparse/wire/protocol.py make them so). Their loops avoid

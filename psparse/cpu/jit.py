@@ -1,4 +1,4 @@
-"""Numba, the project's CPU kernel compiler, configured in one place.
+"""The CPU kernels' loader: modules loaded on first use, the warm-up, the cache's stamp.
 
 This module is the package's side of them and imports no numba (``psparse/cpu/numba_jit.py``
 does, and only the kernel modules import that): ``LazyModule`` loads a kernel module on first
@@ -7,18 +7,18 @@ callers.
 
 The design: one numpy reference per hot step (``psparse/cpu/reference.py``: the code the kernels
 replaced, kept as their test oracle) and one compiled kernel per device -- numba on the CPU
-(``psparse/cpu/agg_kernels.py`` for the server's arithmetic, ``psparse/cpu/codec_kernels.py`` for the
-index coding and the protocol's checks, ``psparse/cpu/select_kernels.py`` for the host's selection
-and the policies' state), CUDA C on the GPU (``psparse/cpu/selection.py``). Every CPU
-kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per
-machine and argument types and then loaded from numba's on-disk cache.
+(``psparse/cpu/agg_kernels.py`` for the server's arithmetic, ``psparse/cpu/codec_kernels.py`` for
+the index coding and the protocol's checks, ``psparse/cpu/select_kernels.py`` for the host's
+selection and the policies' state), CUDA C on the GPU (``psparse/gpu/*.cu``). Every CPU
+kernel is ``@kernel``: ``numba.njit(cache=True, nogil=True)``, so it is compiled once per machine
+and argument types and then loaded from numba's on-disk cache.
 
-Where the cache lives (docs/architecture.md, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is set;
-else numba's own choice, ``psparse/__pycache__`` beside the sources when that is writable (an
-editable install: every process of a run or a test session shares it); else, for a read-only
-install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that
-cannot be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.cpu.jit`` compiles every kernel
-(or loads it) and prints the times, e.g. to fill the cache while building an image.
+Where the cache lives (docs/architecture.md, "Compiled CPU kernels"): ``NUMBA_CACHE_DIR`` when it is
+set; else numba's own choice, ``psparse/cpu/__pycache__`` beside the sources when that is writable
+(an editable install: every process of a run or a test session shares it); else, for a read-only
+install, ``$XDG_CACHE_HOME/psparse/numba`` (``~/.cache/psparse/numba``), and where even that cannot
+be written, ``<tmp>/psparse-numba-<uid>``. ``python -m psparse.cpu.jit`` compiles every kernel (or
+loads it) and prints the times, e.g. to fill the cache while building an image.
 
 Compilation is paid once per machine: ``psparse-launch`` calls ``prepare()`` before it forks
 the server and the workers. That compiles every kernel when the cache lacks them (``warm_up``,
@@ -35,7 +35,8 @@ CPU-seconds a process: import, initialisation and cache loads). The first call a
 
 ``PSPARSE_CPU_KERNELS=numpy`` runs the numpy references instead of the kernels for the
 server's arithmetic (aggregation.py), the index coding (codec.py), the frame checks
-(protocol.py) and the host's selection and policy state (sparsify.py, kernels.py, policies/) -- slow; for checking a result against the reference, as
+(wire/protocol.py) and the host's selection and policy state (sparsify.py, selection.py,
+updates.py, policies/) -- slow; for checking a result against the reference, as
 tests/test_identical_runs.py does. (The shards' split and merge in client.py, plain integer
 copies, always run compiled; tests/test_cpu_kernels.py holds them to their reference.)
 """

@@ -1,4 +1,6 @@
-"""Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the
+"""Numba configured before any kernel is defined: the ``@kernel`` decorator and its vector compares.
+
+Numba itself, configured before any kernel is defined: the ``@kernel`` decorator, the
 intrinsics the kernels use, and where numba's cache lives (psparse/cpu/jit.py's docstring has the
 rules; README, "Compiled CPU kernels"). Imported by the kernel modules only."""
 

@@ -1,4 +1,6 @@
-"""The numpy references of the compiled CPU kernels: each hot step as it was written before the
+"""The numpy references of the server's and the codec's compiled kernels: their test oracle.
+
+The numpy references of the compiled CPU kernels: each hot step as it was written before the
 kernels (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py), kept verbatim in behaviour.
 
 They are the kernels' test oracle (tests/test_cpu_kernels.py holds every kernel to its

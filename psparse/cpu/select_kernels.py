@@ -1,12 +1,14 @@
-"""Compiled CPU kernels of the host's selection and the policies' state (numba; see
+"""The host's top-k and the policies' scores and state, compiled for the CPU.
+
+Compiled CPU kernels of the host's selection and the policies' state (numba; see
 psparse/cpu/jit.py and psparse/cpu/numba_jit.py).
 
 Each kernel gives what its numpy reference gives (the same indices, the same state bits):
-``kernels.select`` / ``sparsify.topk_exact`` and the policies' block-by-block scores for the
-selections, ``kernels.scatter_add`` and ``Decaying.renormalise`` for the state;
+``selection.select`` / ``sparsify.topk_exact`` and the policies' block-by-block scores for the
+selections, ``updates.scatter_add`` and ``Decaying.renormalise`` for the state;
 tests/test_select_kernels.py holds them to it. Loaded on first use (``LazyModule`` in
-psparse/cpu/sparsify.py and psparse/cpu/selection.py): a process that never selects on the host never
-imports numba.
+psparse/cpu/sparsify.py and psparse/cpu/selection.py): a process that never selects on the host
+never imports numba.
 
 * ``top_k``: the sorted indices of the k largest scores, ties to the lower index, where the
   score is one of ``ABS`` (|acc|), ``EMA`` (|acc| * (stored + floor), ema's ranking),

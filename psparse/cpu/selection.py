@@ -1,4 +1,6 @@
-"""Top-k on the host in numpy (xp): a sampled threshold, a blockwise compaction and a trim to
+"""Top-k on the host in numpy (the compiled selection's reference) and index-set helpers.
+
+Top-k on the host in numpy (xp): a sampled threshold, a blockwise compaction and a trim to
 exactly k; the exact reference; and the index-set helpers the rounds share.
 
 These are the numpy references of the compiled selection (``psparse/cpu/select_kernels.py``,

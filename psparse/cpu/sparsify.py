@@ -4,7 +4,7 @@ Two algorithms, one answer (the k indices of largest |x|, ties to the lower inde
 
 * ``topk_exact``: ``numpy.partition`` for the k-th magnitude, then the entries above it and the
   lowest-index ties. Used for small tensors (below ``EXACT_BELOW``).
-* ``Selector.topk`` on large tensors: ``kernels.select`` -- estimate the k-th magnitude from a
+* ``Selector.topk`` on large tensors: ``selection.select`` -- estimate the k-th magnitude from a
   strided ~1% sample, lowered by a margin, one streaming pass collects the candidates at or above
   it (block by block so the |x| scratch stays in cache), then the
   ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th

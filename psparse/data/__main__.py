@@ -1,4 +1,6 @@
-"""``python -m psparse.data fetch-mnist --dest DIR [--from FOLDER]``: put verified MNIST files in
+"""``python -m psparse.data fetch-mnist``: put verified MNIST files in a folder.
+
+``python -m psparse.data fetch-mnist --dest DIR [--from FOLDER]``: put verified MNIST files in
 DIR (``make data`` runs it)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""What a training loop draws from a data set: one worker's shard and its seeded minibatches
+"""A worker's shard of the training set, its seeded minibatches, and the test set in batches.
+
+What a training loop draws from a data set: one worker's shard and its seeded minibatches
 (CIFAR's augmentation included), and the test set in batches."""
 
 from __future__ import annotations

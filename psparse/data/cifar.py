@@ -1,4 +1,6 @@
-"""CIFAR-10 from the official python batches or an image-folder tree or archive of JPEGs, the
+"""CIFAR-10 from the official python batches or a tree or archive of JPEGs, decoded once and cached.
+
+CIFAR-10 from the official python batches or an image-folder tree or archive of JPEGs, the
 decoded JPEGs cached once per archive (keyed by its bytes)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The data set a run trains on (``Dataset``), the error a missing or damaged one raises, the
+"""The ``Dataset`` a run trains on, the ``DataError`` a missing one raises, the built-in names.
+
+The data set a run trains on (``Dataset``), the error a missing or damaged one raises, the
 built-in names and their input shapes, and where data and caches live by default."""
 
 from __future__ import annotations

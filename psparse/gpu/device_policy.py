@@ -8,7 +8,7 @@ can vary, come back with the round's one copy (``report``). The session's ``Fusi
 first pass fold the gradient into the accumulator and the last one take the selected values
 out of it (gather and zero), so error feedback costs no pass of its own.
 
-``DeviceDecaying`` is ``kernels.Decaying`` (value = scale * stored) with its scale on the device
+``DeviceDecaying`` is ``updates.Decaying`` (value = scale * stored) with its scale on the device
 and its renormalisations decided there, bit-identical to the host's.
 """
 

@@ -1,4 +1,6 @@
-"""Which backend a worker or a server gets: CUDA through CuPy on a CUDA device, the strict
+"""Which backend a process gets: CUDA through CuPy, the strict emulated device, or none (the host).
+
+Which backend a worker or a server gets: CUDA through CuPy on a CUDA device, the strict
 emulated device when ``PSPARSE_EMULATE_GPU`` asks for it (tests, ``make gpu-check-cpu``), or none
 (the host path). Kept apart from both backends so that each imports only what it runs on."""
 

@@ -1,14 +1,14 @@
 """The GPU path's backend on the CPU: the CUDA C kernels emulated, host memory as device memory.
 
-``EmulatedBackend`` is ``psparse.gpu.backend.CudaBackend``'s interface over ``psparse.gpu.kernel_emu``
-(the kernels compiled for the CPU, blocks one after another, threads as fibers). With
-``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit trip to the host
-that would synchronise a GPU -- ``bool()``, ``int()``, ``float()``, ``.item()``, ``.get()``,
-``np.asarray``, iterating, boolean masks, ``nonzero``, ``unique``, ``partition``, host arrays
-mixed in -- with ``HostSync``, while arithmetic, reductions to device scalars, gathers and
-metadata work: a round that runs under it makes exactly the crossings it counts
-(``copy_backs``, ``uploads``, ``reads``). Graph capture is emulated too: launches are recorded
-and replayed, and any other array work inside a capture refuses (a graph would not replay it).
+``EmulatedBackend`` is ``psparse.gpu.backend.CudaBackend``'s interface over
+``psparse.gpu.kernel_emu`` (the kernels compiled for the CPU, blocks one after another, threads as
+fibers). With ``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit trip to
+the host that would synchronise a GPU -- ``bool()``, ``int()``, ``float()``, ``.item()``,
+``.get()``, ``np.asarray``, iterating, boolean masks, ``nonzero``, ``unique``, ``partition``, host
+arrays mixed in -- with ``HostSync``, while arithmetic, reductions to device scalars, gathers and
+metadata work: a round that runs under it makes exactly the crossings it counts (``copy_backs``,
+``uploads``, ``reads``). Graph capture is emulated too: launches are recorded and replayed, and any
+other array work inside a capture refuses (a graph would not replay it).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from . import sources
 
 # compute_90: the H100/H200 machines; compute_75 (Turing): the oldest CUDA 13 supports
 ARCHS = ("compute_75", "compute_90")
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # psparse/: the gate scans the whole package
 # the one place a CuPy kernel object may be constructed (see step 3)
-REGISTRY = ("kernels.py", "build_cupy_kernels")
+REGISTRY = ("sources.py", "build_cupy_kernels")
 _CONSTRUCTOR = re.compile(r"\b(ElementwiseKernel|ReductionKernel|RawKernel|RawModule)\s*\(")
 _KERNEL_START = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
 
@@ -133,8 +133,8 @@ def check_source(source: CudaSource, report: Report, archs=ARCHS) -> None:
                         f"{source.name}")
     for name, signature in signatures.items():
         unknown = [f"{ctype} {pname}" for ctype, pname in signature if ctype not in sources.C_TYPES]
-        if unknown:  # launches are checked against these types (kernels.check_launch)
-            report.fail(f"{name}: parameter type not in kernels.C_TYPES: {', '.join(unknown)}")
+        if unknown:  # launches are checked against these types (sources.check_launch)
+            report.fail(f"{name}: parameter type not in sources.C_TYPES: {', '.join(unknown)}")
     try:
         sources.build_cupy_kernels(cupy, source.code, source.kernels)
         report.ok(f"{source.name}: constructed {', '.join(source.kernels)}")

@@ -26,10 +26,10 @@ between guard bytes for the launch and names the argument whose guard a kernel w
 
 Arrays are numpy arrays (host memory standing in for device memory); ``launch`` takes the
 arguments a CuPy ``RawKernel`` call would, checked against the C signature the same way
-(``kernels.check_launch``). The compiled library is cached under ``PSPARSE_CACHE`` (default
+(``sources.check_launch``). The compiled library is cached under ``PSPARSE_CACHE`` (default
 ``~/.cache/psparse``) by a hash of the source.
 
-    emu = EmulatedKernels(kernels.CUDA_SOURCE)
+    emu = EmulatedKernels(sources.CUDA_SOURCE)
     emu.launch("psparse_take", grid, block, (indices, n, acc, numel, velocity, flag, out))
 """
 

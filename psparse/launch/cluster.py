@@ -1,4 +1,6 @@
-"""Starting workers on other hosts: hostfiles and ssh, SLURM (what a worker reads from torchrun's,
+"""Command lines for other hosts: hostfiles and ssh, SLURM's srun, the forwarded environment.
+
+Starting workers on other hosts: hostfiles and ssh, SLURM (what a worker reads from torchrun's,
 SLURM's or MPI's environment is ``psparse/worker/environment.py``).
 
 Pure helpers (parsing, rank placement, command lines) used by ``psparse-launch --hostfile`` and

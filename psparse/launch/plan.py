@@ -209,8 +209,9 @@ class Plan:
         cfg, t = self.cfg, self.topology
         if t.mode == "local":
             return [Spec(f"rank-{r}", "fork", [
-                "psparse.training.ddp", "--config", str(self.config_path), "--rank", str(r), "--port",
-                str(self.rendezvous_port), "--out", str(self.out), *self._baseline_flags()])
+                "psparse.training.ddp", "--config", str(self.config_path), "--rank", str(r),
+                "--port", str(self.rendezvous_port), "--out", str(self.out),
+                *self._baseline_flags()])
                 for r in range(cfg.workers)]
         if t.mode != "hostfile":
             raise RuntimeError("--baseline with --slurm is not supported; use --hostfile")

@@ -1,4 +1,6 @@
-"""The launcher's processes: children forked from it (torch already imported: a fresh
+"""The launcher's child processes: forked ones (torch already imported) and piped ones (ssh, srun).
+
+The launcher's processes: children forked from it (torch already imported: a fresh
 interpreter spends ~6 CPU-seconds importing torch, which for 8 workers on 2 cores is ~25 s of
 start-up) and local client processes (ssh, srun) whose output is piped. Every child dies with
 the launcher, even a launcher killed with SIGKILL."""

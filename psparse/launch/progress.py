@@ -1,4 +1,6 @@
-"""The launcher's view of a running run: a progress line from the records the servers write
+"""The launcher's view of a running run: the progress line and the summary table.
+
+The launcher's view of a running run: a progress line from the records the servers write
 (a sharded run's by the servers' own merge rule, psparse/server/records.py), and the summary
 table at the end."""
 

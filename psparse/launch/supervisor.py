@@ -1,4 +1,6 @@
-"""The launcher's watch over a run's processes: start them from their specs, wait for the
+"""The launcher's watch over a run: start the processes, name the first failure, stop the rest.
+
+The launcher's watch over a run's processes: start them from their specs, wait for the
 servers to listen, notice the first failure (its cause, not its echoes), stop everything
 cleanly (SIGTERM, then SIGKILL after a grace), and report the progress as the run goes.
 

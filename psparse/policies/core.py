@@ -20,7 +20,7 @@ magnitude is concentrated on few indices over short periods), and error feedback
 entry not yet sent, so nothing is dropped.
 
 Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the selection of the
-rule above. The priority decays lazily (``kernels.Decaying``: one scale factor, so ``observe``
+rule above. The priority decays lazily (``updates.Decaying``: one scale factor, so ``observe``
 touches only the aggregate's entries, and no subnormal is multiplied every round). The core is
 searched among candidates only (a partition of the whole priority vector, mostly zeros, was 60x
 slower than of as many distinct values): the entries at or above the last core's smallest

@@ -7,7 +7,7 @@ and the k largest scores are sent. An index the group has recently found large g
 (1 + lam) times the weight, so workers lean toward the same indices while a locally huge entry
 still wins. (This is the blended-score variant; the candidate scheme is ``frequency``.)
 
-Cost (issue 18, item 3): the priority decays lazily (``kernels.Decaying``: one scale factor,
+Cost (issue 18, item 3): the priority decays lazily (``updates.Decaying``: one scale factor,
 so ``observe`` touches only the aggregate's entries), and max(priority) is kept up to date there
 (only the aggregated entries grow). The selection ranks by the score divided by the positive
 constant lam / max(priority), |acc_i| * (stored_i + max(stored) / lam), the same order (up to

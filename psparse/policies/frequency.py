@@ -7,7 +7,7 @@ c*k entries of largest |accumulator|; of those, the k with the highest priority 
 ties broken by magnitude. Error feedback zeroes what was just sent, so recently aggregated
 indices often drop out of the candidate pool: a larger c keeps them reachable.
 
-Cost (issue 18, item 3): the counts decay lazily (``kernels.Decaying``: one scale factor, so
+Cost (issue 18, item 3): the counts decay lazily (``updates.Decaying``: one scale factor, so
 ``observe`` touches only the aggregate's entries); the ranking reads the stored counts, which
 order as the counts do. On a large host slice with a large pool (density 1%: 4.4% of the slice)
 the pool is not listed: one pass collects only the entries that can be sent (in the pool by a

@@ -11,7 +11,7 @@ layer's share), and each layer keeps its own share's largest (the GPU selects ev
 once, so the rule is per layer there and here alike).
 
 On the host |accumulator| >= lam is found by the compiled ``select_kernels.at_least`` (64 entries
-per vector compare), or block by block in numpy (``kernels.at_least``, its oracle) where the
+per vector compare), or block by block in numpy (``selection.at_least``, its oracle) where the
 compiled kernels are off; the same indices either way.
 """
 
@@ -55,7 +55,7 @@ class Threshold(SelectionPolicy):
             return self.engines.select("select", radix.Key(radix.KEY_THRESHOLD, accumulator,
                                                            p0=self.lam), shares, self.fusion,
                                        exclude_zero=True)
-        # on the host block by block: no model-sized |accumulator| or mask (kernels.at_least)
+        # on the host block by block: no model-sized |accumulator| or mask (selection.at_least)
         if self.compiled_selection and host_compiled(accumulator):
             chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
         else:

@@ -5,12 +5,13 @@
   refusals, sends and broadcasts with each connection's key cache, the link's pacing;
 * ``rounds.py``: one round engine for whole-model rounds and rounds in parts;
 * ``records.py``: metrics.jsonl, eval.jsonl, summary.json, and the shards' merge;
-* ``cli.py``: the command line.
+* ``cli.py``: the command line;
+* ``membership.py``: who is in the run (admission, the agreed run, liveness; sends nothing);
+* ``aggregation.py``: the round arithmetic on plain arrays (the sparse mean in rank order,
+  vote, budgets, dense switch, size limit), compiled in ``psparse/cpu/agg_kernels.py``.
 
-Who is in the run is ``psparse.server.membership``; the round arithmetic (sparse mean, vote, budgets,
-dense switch, size limit) is ``psparse.server.aggregation``. ``Server``, ``build_parser`` and
-``main`` are imported on first use, so reading records (``psparse.server.records``, the report
-and the launcher's progress) needs no socket library.
+``Server``, ``build_parser`` and ``main`` are imported on first use, so reading records
+(``psparse.server.records``, the report and the launcher's progress) needs no socket library.
 """
 
 __all__ = ["Server", "build_parser", "main"]

@@ -1,4 +1,6 @@
-"""psparse-server's command line: ``psparse-server --workers N --port P --out DIR`` (every flag:
+"""``psparse-server``'s command line: one server (or one key-range shard) for N workers.
+
+psparse-server's command line: ``psparse-server --workers N --port P --out DIR`` (every flag:
 docs/cli.md)."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The server's socket and what it says on it: bounded waits with heartbeats, every message
+"""The server's socket: bounded waits, heartbeats, decoding, refusals, sends and broadcasts.
+
+The server's socket and what it says on it: bounded waits with heartbeats, every message
 decoded and authenticated before anyone reads it, answers to bad messages, sends and
 broadcasts (with each connection's key cache), the emulated link's pacing.
 

@@ -174,7 +174,8 @@ class Membership:
                 mine, theirs = _lookup(reference, field), _lookup(run, field)
                 if isinstance(mine, list) and isinstance(theirs, list):  # e.g. config.layers
                     at = next((i for i, (x, y) in enumerate(zip(mine, theirs))
-                               if not run_description.same_value(x, y)), min(len(mine), len(theirs)))
+                               if not run_description.same_value(x, y)),
+                              min(len(mine), len(theirs)))
                     mine, theirs = _item(mine, at), _item(theirs, at)
                     field = f"{field}[{at}]"
                 raise RunAborted(f"workers disagree on {field}: rank {first}={mine!r}, "

@@ -1,4 +1,6 @@
-"""What a server writes about a run: metrics.jsonl (one record per iteration), eval.jsonl (the
+"""What a server writes about a run: metrics.jsonl, eval.jsonl, summary.json, and the shards' merge.
+
+What a server writes about a run: metrics.jsonl (one record per iteration), eval.jsonl (the
 evaluator's reports), summary.json, and for S key-range shards the merge of their files into
 the run directory's own (docs/run-directory.md).
 

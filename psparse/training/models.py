@@ -1,4 +1,6 @@
-"""Models: LeNet-5 (MNIST, CIFAR-10), ResNet-20 (CIFAR-10), a tiny MLP for fast tests, and
+"""Models by name: LeNet-5, ResNet-20, a small MLP, ``synthetic`` of any size, or a user's factory.
+
+Models: LeNet-5 (MNIST, CIFAR-10), ResNet-20 (CIFAR-10), a tiny MLP for fast tests, and
 ``synthetic``: a model of any size for load tests of the communication system."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The run a worker registers with (docs/protocol.md, "The run"): its fields and their checks,
+"""The run a worker registers with: its checks, its steps, the comparison, the token's proofs.
+
+The run a worker registers with (docs/protocol.md, "The run"): its fields and their checks,
 the step in force at an iteration, the type-strict comparison that tells two workers' runs
 apart, and the HMAC proofs of the run token (docs/protocol.md, "Admission")."""
 

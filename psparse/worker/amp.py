@@ -1,4 +1,6 @@
-"""Mixed precision through the exchange: a ``torch.amp.GradScaler``'s scaled gradients
+"""Mixed precision through the exchange: a GradScaler's unscaling and an overflowed step's skip.
+
+Mixed precision through the exchange: a ``torch.amp.GradScaler``'s scaled gradients
 (docs/api.md, "Mixed precision"; the wire side is docs/protocol.md, Overflow).
 
 ``torch.autocast`` (bf16 or fp16) needs nothing here: parameters stay float32, so their

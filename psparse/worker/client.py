@@ -1,12 +1,13 @@
 """The worker's side of the wire: a parameter-server client (docs/protocol.md).
 
 ``PSClient`` holds one worker's connection to the server and speaks the protocol for it:
-registration (with the run token's proof), heartbeats on their own connection, the messages of
-a round (``propose`` → ``indices``, ``push`` → ``aggregate``), evaluation reports, the final
-report and the error report of a worker that gives up. It knows nothing of models, policies or
-training: ``psparse.worker.session`` drives it (``psparse.worker.sharded_client.ShardedClient`` with the same
-interface when the run has S key-range server shards). Transport failures arrive here as ``TransportTimeout``
-/ ``PeerGone`` and leave as ``ServerGone``; nothing above this module sees ZeroMQ.
+registration (with the run token's proof), heartbeats on their own connection, the messages of a
+round (``propose`` → ``indices``, ``push`` → ``aggregate``), evaluation reports, the final report
+and the error report of a worker that gives up. It knows nothing of models, policies or training:
+``psparse.worker.session`` drives it (``psparse.worker.sharded_client.ShardedClient`` with the same
+interface when the run has S key-range server shards). Transport failures arrive here as
+``TransportTimeout`` / ``PeerGone`` and leave as ``ServerGone``; nothing above this module sees
+ZeroMQ.
 """
 
 from __future__ import annotations

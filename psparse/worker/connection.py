@@ -1,4 +1,6 @@
-"""``psparse.connect``: join a run from any training script (the launcher's, torchrun's or one's
+"""``psparse.connect``: join a run from any training script and get its ``Session``.
+
+``psparse.connect``: join a run from any training script (the launcher's, torchrun's or one's
 own environment) and get its ``Session``: where the rank, the world size, the server, the run
 directory and the options come from."""
 

@@ -1,4 +1,6 @@
-"""What a worker reads from its environment: its rank and the world size (torchrun, SLURM, PMI or
+"""A worker's rank, world size and server address, read from torchrun's, SLURM's or MPI's variables.
+
+What a worker reads from its environment: its rank and the world size (torchrun, SLURM, PMI or
 Open MPI variables) and the server's address (``PSPARSE_SERVER``, or ``MASTER_ADDR`` with
 ``PSPARSE_PORT``), and the ``HOST:PORT[,HOST:PORT...]`` form of server shards."""
 

@@ -1,4 +1,6 @@
-"""One worker's round on the host: what a round sends, the clock every round shares, and the
+"""One worker's round on the host (``HostRound``): its shapes, its clock and its context.
+
+One worker's round on the host: what a round sends, the clock every round shares, and the
 context rounds work in (docs/architecture.md, "One iteration").
 
 A round runs between a training loop's ``loss.backward()`` and its ``optimizer.step()``: fold

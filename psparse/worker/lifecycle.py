@@ -1,4 +1,6 @@
-"""A session's life as the user's loop sees it: how long the run is (a fixed number of
+"""A session's life as a training loop sees it: the run's length, ``stop()``, the misuses it names.
+
+A session's life as the user's loop sees it: how long the run is (a fixed number of
 iterations, or open-ended until a rank asks to stop), and the misuses a loop can make that
 would otherwise fail far from their cause (docs/api.md, "The end of a run").
 

@@ -1,4 +1,6 @@
-"""Several optimizers for one model (``connect(model, [opt_a, opt_b])``): one object that a
+"""Several optimizers for one model, as one object a session checkpoints and checks.
+
+Several optimizers for one model (``connect(model, [opt_a, opt_b])``): one object that a
 session saves in checkpoints, restores and checks, as it does a single ``torch.optim``
 optimizer. Stepping them stays the loop's business."""
 

@@ -1,4 +1,6 @@
-"""A round in buckets of layers (``--bucket-mb``), optionally overlapped with backward
+"""A round in buckets of layers (``--bucket-mb``), overlapped with backward with ``--overlap``.
+
+A round in buckets of layers (``--bucket-mb``), optionally overlapped with backward
 (``--overlap``): docs/api.md, Overlap; the wire side is docs/protocol.md, Parts.
 
 Buckets are contiguous groups of layers in reverse registration order (``psparse.worker.buckets``),

@@ -1,6 +1,8 @@
-"""``--record-selections``: what a worker records, per iteration, for ``psparse-locality``: the
-top-k indices of its raw gradient, the indices it sent, and two measures of its accumulator
-(``captured``, ``backlog``; their definitions and the analysis are ``psparse/analysis/locality.py``).
+"""``--record-selections``: the index sets and accumulator measures a worker records for analysis.
+
+``--record-selections``: what a worker records, per iteration, for ``psparse-locality``: the top-k
+indices of its raw gradient, the indices it sent, and two measures of its accumulator (``captured``,
+``backlog``; their definitions and the analysis are ``psparse/analysis/locality.py``).
 """
 
 from __future__ import annotations

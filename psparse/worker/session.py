@@ -1,4 +1,6 @@
-"""A worker's side of a psparse run, for any training loop: ``Session`` (``psparse.connect``
+"""A worker's side of a run for any training loop: ``Session``, where the loop meets the exchange.
+
+A worker's side of a psparse run, for any training loop: ``Session`` (``psparse.connect``
 makes one, psparse/connect.py).
 
 A user keeps their own loop and adds a handful of lines::
@@ -12,10 +14,10 @@ A user keeps their own loop and adds a handful of lines::
             optimizer.zero_grad()
         ps.close()                            # final report; the server writes summary.json
 
-``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection
-policy pick this round's entries, sends them to the server (``psparse.worker.client``) and writes the
-aggregate into every parameter's ``.grad``, so any ``torch.optim`` optimizer then applies the
-same update on every replica. The built-in ``psparse-worker`` loop is a user of this class too.
+``exchange`` folds the local gradient into the error-feedback accumulator, lets the selection policy
+pick this round's entries, sends them to the server (``psparse.worker.client``) and writes the
+aggregate into every parameter's ``.grad``, so any ``torch.optim`` optimizer then applies the same
+update on every replica. The built-in ``psparse-worker`` loop is a user of this class too.
 
 The session builds a worker's parts (flat model, device backend, memory, policy, client) and
 its round: ``exchange.HostRound`` on the host, ``device_round.DeviceRound`` on a GPU, either

@@ -1,5 +1,7 @@
-"""What a worker's checkpoint holds and how a resumed worker takes it back: ``Checkpointed``,
-the part of ``Session`` (psparse/worker/session.py) that ``--checkpoint-every`` and ``--resume`` use.
+"""What a worker's checkpoint holds and how a resumed worker takes it back (``Checkpointed``).
+
+What a worker's checkpoint holds and how a resumed worker takes it back: ``Checkpointed``, the part
+of ``Session`` (psparse/worker/session.py) that ``--checkpoint-every`` and ``--resume`` use.
 
 A checkpoint is written at an iteration boundary (psparse/checkpoint.py): the parameters and
 optimizer state after the last update, the model's buffers as they were after that
