@@ -2,6 +2,7 @@
 one, a small CNN on scikit-learn's digits (docs/api.md, Mixed precision).
 
     psparse-launch --workers 2 examples/mixed_precision.py --precision fp16
+    psparse-launch --workers 2 --granularity layer --overlap examples/mixed_precision.py
 
 For tests/test_amp.py: --overflow-at R:T puts an inf into rank R's gradient at iteration T (an
 fp16 overflow, forced); --dump DIR saves, per rank, the accumulator, the parameters and the
@@ -42,7 +43,9 @@ def main():
     dtype = torch.float16 if args.precision == "fp16" else torch.bfloat16
     bad_rank, bad_it = map(int, args.overflow_at.split(":")) if args.overflow_at else (-1, -1)
     dump = {}
-    with psparse.connect(model, optimizer, iterations=args.iterations) as ps:
+    # the scaler goes to connect: with --overlap (and the DDP hook) buckets leave during
+    # backward, so psparse must know the scale before exchange()
+    with psparse.connect(model, optimizer, iterations=args.iterations, scaler=scaler) as ps:
         for it in range(ps.iterations):
             b = slice((it * 32) % (per - 32), (it * 32) % (per - 32) + 32)
             with torch.autocast("cpu", dtype=dtype):
@@ -52,14 +55,14 @@ def main():
                 ps.exchange(loss)
                 optimizer.step()
             else:
-                scaler.scale(loss).backward()
-                if it == bad_it and rank == bad_rank:
-                    model[0].weight.grad[0, 0, 0, 0] = float("inf")
-                if it == bad_it:
+                if it == bad_it:  # before backward: with --overlap it already pushes buckets
                     dump.update(acc_before=ps.memory.accumulator.copy(),
                                 params_before=ps.net.params.clone().numpy(),
                                 scale_before=scaler.get_scale())
-                ps.exchange(loss, scaler=scaler)
+                scaler.scale(loss).backward()
+                if it == bad_it and rank == bad_rank:  # the first layer: pushed by exchange()
+                    model[0].weight.grad[0, 0, 0, 0] = float("inf")
+                ps.exchange(loss)  # unscaled, exchanged; .grad as scaler.step expects it
                 scaler.step(optimizer)
                 scaler.update()
                 if it == bad_it:

@@ -18,6 +18,8 @@ MODELS = ("lenet", "mlp", "resnet20", "synthetic")
 MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the models that take
 # --model-arg, and their keys (models.SYNTHETIC_ARGS holds the defaults; a test keeps them equal)
 DATASETS = ("mnist", "cifar10", "digits")
+# The built-in loop's (and the DDP baseline's) length without --epochs or --iterations
+DEFAULT_EPOCHS = 8.0
 # The error-feedback memories (psparse/policies/memory.py takes both from here)
 MEMORIES = ("residual", "dgc", "scalecom")
 SCALECOM_BETA = 0.1  # ScaleCom's low-pass filter's default beta (policies/memory.py's docstring)
@@ -110,8 +112,11 @@ class RunConfig:
         "DGC warm-up: density 25% in epoch 1, 6.25% in epoch 2, 1.56% in epoch 3, ... "
         "for this many epochs, never below --density")
     # How long and how.
-    epochs: float = option(8.0,
-        "training length in passes over the data (ignored when --iterations is given)")
+    epochs: float | None = option(None,
+        "training length in passes over the data (ignored when --iterations is given; "
+        f"default: {DEFAULT_EPOCHS:g} for the built-in loop; a script's run is as long as "
+        "connect() says: iterations, or epochs x its batches_per_epoch when --epochs is given, "
+        "else open-ended)")
     iterations: int | None = option(None,
         "training length in synchronous iterations (default: from --epochs)")
     batch_size: int = option(32, "minibatch size per worker")
@@ -226,7 +231,7 @@ class RunConfig:
 
     def _check_training(self) -> None:
         """The built-in loop's length and optimizer, evaluation and checks."""
-        need(self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
+        need(self.epochs is None or self.epochs > 0, f"epochs must be > 0, got {self.epochs}")
         need(self.iterations is None or self.iterations >= 1, "iterations must be >= 1")
         need(self.batch_size >= 1, "batch-size must be >= 1")
         need(self.lr > 0, "lr must be > 0")
@@ -315,6 +320,10 @@ class RunConfig:
         """--model-arg as {key: value} (strings; the last of a repeated key wins)."""
         return dict((k.strip(), v.strip()) for k, _, v in
                     (item.partition("=") for item in self.model_args or []))
+
+    def epochs_or_default(self) -> float:
+        """The built-in loop's length in epochs: --epochs, else DEFAULT_EPOCHS."""
+        return DEFAULT_EPOCHS if self.epochs is None else self.epochs
 
     def lr_step_epochs(self) -> list[float]:
         return [float(s) for s in self.lr_steps.split(",")] if self.lr_steps else []

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import python_module, read_jsonl
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mixed_precision.py"
@@ -29,15 +30,26 @@ def test_bf16_autocast_trains(tmp_path):
     assert rows[-1]["loss"] < 0.6 * rows[0]["loss"] and summary["test_acc"] > 0.5
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+FORMS = {"whole": (), "buckets": ("--granularity", "layer", "--bucket-mb", "0.001"),
+         "overlap": ("--granularity", "layer", "--bucket-mb", "0.001", "--overlap")}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, form):
     """Rank 1's gradient is inf at iteration 3: the round is flagged, nobody applies
     anything, every accumulator is as before the step, every scale halves, the run goes on
-    (the server's final checksum comparison passes: status ok)."""
-    summary = launch(tmp_path / "run", "--overflow-at", "1:3", "--dump", str(tmp_path))
+    (the server's final checksum comparison passes: status ok). In a round in buckets of
+    layers (with --overlap, pushed during backward) only the overflowing bucket is empty;
+    the others travel and are dropped by every rank, as the flag of one part skips the step."""
+    summary = launch(tmp_path / "run", "--overflow-at", "1:3", "--dump", str(tmp_path),
+                     policy=FORMS[form])
     assert summary["status"] == "ok", summary["error"]
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["overflow"] for r in rows] == [it == 3 for it in range(12)]
-    assert rows[3]["k"] == [52, 0] and rows[3]["union"] == 0
+    if form == "whole":
+        assert rows[3]["k"] == [52, 0] and rows[3]["union"] == 0
+    else:  # rank 1 sent its other buckets; the first layer's (where the inf is) is empty
+        assert 0 < rows[3]["k"][1] < rows[3]["k"][0]
     assert rows[4]["union"] > 0  # the next round is an ordinary one
     for rank in (0, 1):
         d = np.load(tmp_path / f"amp-rank-{rank}.npz")
@@ -51,7 +63,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     # The exchange sees unscaled gradients: the same run with the scale 1 makes the same
     # updates up to fp16 rounding in the scaled backward (fed scaled gradients, the run above
     # would step 2^16 times further and its loss leave this one's at iteration 1)
-    launch(tmp_path / "scale-1", "--init-scale", "1", "--iterations", "4")
+    launch(tmp_path / "scale-1", "--init-scale", "1", "--iterations", "4", policy=FORMS[form])
     unscaled = [r["loss"] for r in read_jsonl(tmp_path / "scale-1" / "metrics.jsonl")]
     assert np.allclose([r["loss"] for r in rows[:4]], unscaled, rtol=2e-3)
 

@@ -91,3 +91,30 @@ def test_the_hook_inside_lightning_under_the_launcher(tmp_path):
     summary = launch(tmp_path / "run", REPO / "tests" / "user_lightning.py")
     assert summary["status"] == "ok" and summary["iterations"] == 20
     assert len(set(checksums(tmp_path / "run"))) == 1 and summary["upload_mb"] > 0
+
+
+def test_the_hook_with_a_grad_scaler_skips_overflowed_steps_as_ddp_does(tmp_path):
+    """fp16 under DDP with a GradScaler whose scale overflows, backs off and grows again
+    (first scale 2^22, growth every 4 steps), psparse as the comm hook given the scaler: the
+    run keeps training; every rank skips the same steps (its scaler's records, and the
+    server's overflow flag of those rounds), its replicas end identical; and the run equals,
+    bit for bit, its replay that never takes the skipped steps and sets each other step's
+    scale to the recorded one: an overflowed step leaves nothing behind (weights, momentum,
+    error-feedback memory) but the scale's back-off, as a GradScaler's skip without psparse."""
+    script = REPO / "tests" / "user_ddp_amp.py"
+    recorded = launch(tmp_path / "run", script, "--record", str(tmp_path / "run"))
+    assert recorded["status"] == "ok" and recorded["iterations"] == 40
+    records = [json.loads((tmp_path / "run" / f"scales-rank-{r}.json").read_text())
+               for r in (0, 1)]
+    assert records[0] == records[1]
+    skipped = [t for t, s in enumerate(records[0]["skipped"]) if s]
+    flagged = [t for t, r in enumerate(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+               if r["overflow"]]
+    assert flagged == skipped and 3 <= len(skipped) < 30  # overflows, and training between
+    scales = records[0]["scales"]
+    assert any(b > a for a, b in zip(scales, scales[1:]))  # the scale grew again, too
+    assert len(set(checksums(tmp_path / "run"))) == 1
+    replay = launch(tmp_path / "replay", script, "--replay", str(tmp_path / "run"))
+    assert replay["status"] == "ok" and replay["iterations"] == 40 - len(skipped)
+    assert not any(r["overflow"] for r in read_jsonl(tmp_path / "replay" / "metrics.jsonl"))
+    assert checksums(tmp_path / "replay") == checksums(tmp_path / "run")

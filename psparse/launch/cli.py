@@ -343,6 +343,8 @@ def main(argv=None) -> int:
     # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
     token = args.run_token or os.environ.get("PSPARSE_TOKEN") or secrets.token_hex(32)
     os.environ["PSPARSE_TOKEN"] = token
+    if cfg.data_dir:  # a script's loaders (psparse.data.load_dataset's default) read it too
+        os.environ["PSPARSE_DATA"] = str(Path(cfg.data_dir).resolve())
     name = Path(args.script).stem if args.script else f"{cfg.model}-{cfg.dataset}"
     out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     plan = Plan(cfg, out, out / "config.json", topology, token,

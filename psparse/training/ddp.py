@@ -209,7 +209,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
+    iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,
                                  backend)
     exchange.timer = timer

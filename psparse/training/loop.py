@@ -118,7 +118,7 @@ def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
                run_token: str | None = None) -> int:
     try:
         data, shard, model, optimizer, device = setup(cfg, rank)
-        iterations = cfg.iterations or math.ceil(cfg.epochs * shard.batches_per_epoch)
+        iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
         session = Session(model, optimizer, cfg, rank=rank, server=server,
                           iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
                           out_dir=out_dir, run_token=run_token, resume=resume, device=device)

@@ -42,14 +42,11 @@ from .client import WorkerError
 __all__ = ["GradScaling", "scaling_for"]
 
 
-def scaling_for(scaler, optimizer, *, in_parts: bool, on_device: bool):
+def scaling_for(scaler, optimizer, *, on_device: bool):
     """The exchange's handling of ``scaler`` for one step (None: no scaler, or a disabled one:
     the exchange is the ordinary one)."""
     if scaler is None or not scaler.is_enabled():
         return None
-    if in_parts:
-        raise ConfigError("exchange(scaler=...) with --bucket-mb / --overlap is not supported "
-                          "(the overflow would have to travel per bucket); run without them")
     if on_device:
         raise ConfigError("exchange(scaler=...) runs on the host path for now: --device cpu, "
                           "or PSPARSE_GPU_PATH=host on a GPU")
@@ -89,12 +86,18 @@ class GradScaling:
         value = float(loss.item() if hasattr(loss, "item") else loss)
         return (value, False) if math.isfinite(value) else (None, True)
 
-    def unscale(self, grad: torch.Tensor, memory) -> bool:
-        """Unscale the flat gradient in place and keep the memory's state; True when the
-        gradient is not finite (this worker overflowed)."""
-        grad.mul_(self.inv_scale)
+    def save(self, memory) -> None:
+        """Keep the memory's state as it is before the step (restored if the step is skipped)."""
         self.saved = {name: a.copy() for name, a in memory.state_dict().items()}
-        return not bool(torch.isfinite(grad).all())
+
+    def unscale(self, grad) -> bool:
+        """Unscale a gradient (the flat one, or one part's range: a tensor or a numpy view)
+        in place; True when it is not finite (this worker overflowed)."""
+        if isinstance(grad, torch.Tensor):
+            grad.mul_(self.inv_scale)
+            return not bool(torch.isfinite(grad).all())
+        grad *= np.float32(self.inv_scale)
+        return not bool(np.isfinite(grad).all())
 
     def nothing(self, ctx, it: int):
         """An overflowing worker's selection: nothing (its proposal too, in a two-phase

@@ -151,14 +151,17 @@ class PSClient:
         return int(self.parts[part + 1] - self.parts[part]), self.part_caches[part]
 
     def send_part(self, it: int, part: int, indices: np.ndarray, values: np.ndarray,
-                  loss: float | None = None, checksum: str | None = None) -> None:
-        """Push part ``part`` of iteration ``it``: ``indices`` are global keys in its range."""
+                  loss: float | None = None, checksum: str | None = None,
+                  overflow: bool = False) -> None:
+        """Push part ``part`` of iteration ``it``: ``indices`` are global keys in its range.
+        ``overflow``: this part's gradient is not finite (no entries; docs/protocol.md,
+        Overflow): the server flags the part's aggregate, and every rank skips the step."""
         lo, hi = int(self.parts[part]), int(self.parts[part + 1])
         size = hi - lo
         local = np.asarray(indices, dtype=np.int64) - lo
         self.sent_bytes += self.send(push_frames(
             it, self.rank, local, values, size, self.part_caches[part], loss, checksum,
-            part=part, stop=self.stop_requested))
+            part=part, overflow=overflow, stop=self.stop_requested))
 
     def await_parts(self, it: int) -> protocol.Message:
         """Every part's aggregate of iteration ``it`` (they come in the order the server
@@ -352,6 +355,8 @@ def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protoc
     header["workers"] = parts[0]["workers"]
     if any(m.get("stop") for m in parts):  # the round's last part (or every shard) says so
         header["stop"] = True
+    if any(m.get("overflow") for m in parts):  # one part's overflow skips the whole step
+        header["overflow"] = True
     numel = int(edges[-1])
     if any(m.get("dense") for m in parts):
         values = np.zeros(numel, dtype=np.float32)

@@ -26,10 +26,12 @@ def connect(model: torch.nn.Module, optimizer=None, *,
             iterations: int | None = None, batches_per_epoch: int | None = None,
             server: str | None = None, rank: int | None = None, world_size: int | None = None,
             out: str | Path | None = None, run_token: str | None = None,
-            resume: bool | None = None, **options) -> Session:
+            resume: bool | None = None, scaler=None, **options) -> Session:
     """Join a psparse run with ``model``: register with the server and return the Session.
     ``optimizer``: one, a list of them (saved together in checkpoints), or None (the loop
-    applies ``p.grad`` itself).
+    applies ``p.grad`` itself). ``scaler``: the ``torch.amp.GradScaler`` of an fp16 loop
+    (needed here with ``--overlap``, whose buckets leave during backward; otherwise
+    ``exchange(loss, scaler=scaler)`` does too).
 
     Where things come from (first found wins):
 
@@ -67,7 +69,7 @@ def connect(model: torch.nn.Module, optimizer=None, *,
     try:
         cfg = _resolve_options(options, world_size)
         session = _open_session(model, optimizer, cfg, rank, servers, iterations,
-                                batches_per_epoch, out, run_token, resume)
+                                batches_per_epoch, out, run_token, resume, scaler)
     except Exception as exc:  # not registered: tell the server why, for summary.json
         world = cfg.workers if cfg else world_size or environment.world_size_from_env()
         if world is not None:
@@ -84,7 +86,7 @@ def connect(model: torch.nn.Module, optimizer=None, *,
 
 
 def _open_session(model, optimizer, cfg: RunConfig, rank: int, servers: list, iterations,
-                  batches_per_epoch, out, run_token, resume) -> Session:
+                  batches_per_epoch, out, run_token, resume, scaler=None) -> Session:
     """The Session, not registered yet; the length, run directory and resume flag from the
     arguments, else the configuration and the environment."""
     if iterations is None:
@@ -98,15 +100,18 @@ def _open_session(model, optimizer, cfg: RunConfig, rank: int, servers: list, it
     return Session(model, optimizer, cfg, rank=rank,
                    server=servers if len(servers) > 1 else servers[0], iterations=iterations,
                    batches_per_epoch=batches_per_epoch, out_dir=out, run_token=run_token,
-                   resume=resume)
+                   resume=resume, scaler=scaler)
 
 
 def _run_length(cfg: RunConfig, batches_per_epoch: int | None) -> int:
     """The run's iterations when connect() was not told: the configuration's, else its epochs
-    of ``batches_per_epoch``, else 0: open-ended (until a rank calls ``stop()``)."""
+    (when the configuration gives them: --epochs, a config file, connect(epochs=...)) of
+    ``batches_per_epoch``, else 0: open-ended (until a rank calls ``stop()``, or every rank
+    closes after the same round). ``batches_per_epoch`` alone sets no length: it numbers the
+    epochs (checkpoints, --lr-steps, eval.jsonl)."""
     if cfg.iterations is not None:
         return cfg.iterations
-    if batches_per_epoch:
+    if batches_per_epoch and cfg.epochs is not None:
         return math.ceil(cfg.epochs * batches_per_epoch)
     return 0
 

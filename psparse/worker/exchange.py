@@ -118,6 +118,17 @@ def host_loss(loss, it: int) -> float | None:
     return loss
 
 
+def diverged(it: int, exc: Exception) -> WorkerError:
+    """The error of an accumulator that holds NaN or inf: a diverged run, or an fp16 step
+    that overflowed under a GradScaler psparse was not given."""
+    return WorkerError(
+        f"training diverged at iteration {it}: {exc}. If this run trains in fp16 with a "
+        "torch.amp.GradScaler, give the scaler to psparse (connect(..., scaler=scaler), "
+        "psparse.ddp_hook.register(model, scaler=scaler), or exchange(loss, scaler=scaler)): "
+        "an overflowed step is then skipped on every rank and the scale backs off; "
+        "otherwise lower the learning rate")
+
+
 def select(ctx: RoundContext, acc, it: int, group):
     """The policy's indices and their accumulator values (zeroed there)."""
     indices = ctx.policy.select(acc, it, group=group)
@@ -196,7 +207,8 @@ class HostRound:
         k = ctx.set_budget(it)
         ctx.net.gather_grad()
         if scaling is not None:  # unscaled before anything reads it
-            overflow = scaling.unscale(ctx.net.grad, ctx.memory) or overflow
+            scaling.save(ctx.memory)
+            overflow = scaling.unscale(ctx.net.grad) or overflow
         grad = ctx.net.grad_array()
         recorder = ctx.recorder if not overflow else None
         host_grad = to_host(grad) if recorder else None  # read before the next backward
@@ -213,7 +225,7 @@ class HostRound:
             try:
                 indices, values = self.shape.choose(ctx, it, acc)
             except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
-                raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+                raise diverged(it, exc) from None
             if recorder:
                 recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
         t2 = time.perf_counter()

@@ -29,7 +29,7 @@ from ..policies import PolicyError, SelectionPolicy, check_output
 from ..xp import INDEX_DTYPE
 from . import buckets
 from .client import WorkerError
-from .exchange import RoundContext, host_loss
+from .exchange import RoundContext, diverged, host_loss
 
 
 class Parts:
@@ -64,6 +64,7 @@ class Parts:
         self.trace: list[str] = []  # this round's events, in order (rank-R.json: last_round)
         self.last_trace: list[str] = []
         self.pushed_in_backward = 0
+        self.loss_overflowed = False  # this step's loss was not finite (a GradScaler's skip)
         if self.overlap:
             for layer, p in enumerate(ctx.net.parameters):
                 self.hooks.append(p.register_post_accumulate_grad_hook(
@@ -98,6 +99,8 @@ class Parts:
         self.pushed = set()
         self.trace = []
         self.select_s = 0.0
+        if ctx.scaling is not None:  # a GradScaler's step: the memory to restore if skipped
+            ctx.scaling.save(ctx.memory)
 
     def on_grad(self, layer: int) -> None:
         """A parameter's gradient is complete (autograd hook, during backward)."""
@@ -137,7 +140,17 @@ class Parts:
     def _push_host(self, it: int, b: int, first: int, end: int, loss, checksum) -> None:
         ctx = self.ctx
         lo, hi = self.edges[b], self.edges[b + 1]
-        acc = ctx.memory.add_range(ctx.net.grad_range(lo, hi), lo, hi)
+        grad = ctx.net.grad_range(lo, hi)
+        scaling = ctx.scaling
+        overflow = b == 0 and self.loss_overflowed
+        if scaling is not None:  # unscaled before the memory sees it (psparse.worker.amp)
+            overflow = scaling.unscale(grad) or overflow
+        if overflow:  # nothing of this part reaches the memory; every rank skips the step
+            nothing = np.empty(0, dtype=INDEX_DTYPE)
+            ctx.client.send_part(it, b, nothing, np.empty(0, np.float32), loss, checksum,
+                                 overflow=True)
+            return
+        acc = ctx.memory.add_range(grad, lo, hi)
         policy = ctx.policy
         chosen = []
         try:
@@ -148,7 +161,7 @@ class Parts:
                     chosen.append(policy.select_slice(acc[offset:offset + size], k, offset)
                                   + offset)
         except NonFiniteError as exc:
-            raise WorkerError(f"training diverged at iteration {it}: {exc}") from None
+            raise diverged(it, exc) from None
         indices = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
         check_output(policy, indices, it, policy.max_push)
         if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
@@ -161,10 +174,14 @@ class Parts:
         """After backward: push what the hooks did not (all buckets without overlap), last of
         all part 0 with the loss and checksum; wait for every part; apply."""
         ctx = self.ctx
-        if not self.device:  # the GPU path reads the loss back with part 0's copy
-            loss = host_loss(loss, it)
         if not self.in_round:
             self.begin(it)
+        scaling = ctx.scaling
+        self.loss_overflowed = False
+        if scaling is not None:  # a non-finite loss under a GradScaler: skip, not diverge
+            loss, self.loss_overflowed = scaling.loss(loss, it)
+        elif not self.device:  # the GPU path reads the loss back with part 0's copy
+            loss = host_loss(loss, it)
         self.trace.append("exchange")
         for b in range(len(self.buckets) - 1, 0, -1):
             if b not in self.pushed:
@@ -176,7 +193,17 @@ class Parts:
         self.trace.append("aggregate")
         self.in_round = False
         self.last_trace = self.trace
-        self.rounds.apply(agg, it)
+        if agg.get("overflow"):  # some rank overflowed in some part: every rank skips
+            if scaling is None:
+                raise WorkerError(f"the server flagged iteration {it} as an overflow, but "
+                                  "this worker has no GradScaler (connect(..., scaler=...))")
+            scaling.skip(ctx.net, ctx.memory)
+            ctx.note_live(agg)
+            ctx.applied(it)
+        else:
+            self.rounds.apply(agg, it)
+            if scaling is not None:
+                scaling.rescale(ctx.net)
         ctx.clock.add("select_s", self.select_s)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.add("compute_s", t2 - self.t_begin - self.select_s)  # between the pushes

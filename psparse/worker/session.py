@@ -70,13 +70,18 @@ class Session(lifecycle.LoopControl, Checkpointed):
                  cfg: RunConfig, *, rank: int,
                  server: tuple[str, int] | list[tuple[str, int]], iterations: int | None,
                  batches_per_epoch: int | None = None, out_dir: str | Path | None = None,
-                 run_token: str | None = None, resume: bool = False, device=None, say=None):
+                 run_token: str | None = None, resume: bool = False, device=None, say=None,
+                 scaler=None):
         if not 0 <= rank < cfg.workers:
             raise WorkerError(f"rank {rank} out of range [0, {cfg.workers})")
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
         self.length = lifecycle.RunLength(iterations)  # fixed, or open-ended (0 / None)
         self.iterations = self.length.iterations
         self.batches_per_epoch = batches_per_epoch
+        # a torch.amp.GradScaler given at connect: every step's gradients are scaled by it
+        # (with --overlap and the DDP hook the buckets leave during backward, so it must be
+        # known before exchange()); _step_scaler: the one of the round under way
+        self.scaler = self._step_scaler = scaler
         self.out_dir = Path(out_dir) if out_dir else None
         self._t_created = time.perf_counter()
         self._say = say  # where progress lines go (default: stderr)
@@ -222,11 +227,21 @@ class Session(lifecycle.LoopControl, Checkpointed):
         error-feedback accumulator, sends the policy's selection, and writes the aggregate
         (the mean over workers) into every parameter's ``.grad``, ready for
         ``optimizer.step()``. ``loss`` (a tensor or a float) is averaged into metrics.jsonl.
-        ``scaler``: the ``torch.amp.GradScaler`` whose scaled gradients these are; then
-        ``scaler.step(optimizer)`` and ``scaler.update()`` follow (psparse.worker.amp).
+        ``scaler``: the ``torch.amp.GradScaler`` whose scaled gradients these are (default:
+        the one given to ``connect``); then ``scaler.step(optimizer)`` and ``scaler.update()``
+        follow (psparse.worker.amp).
         """
-        self.ctx.scaling = amp.scaling_for(scaler, self.optimizer, in_parts=self.parts
-                                           is not None, on_device=self.dev is not None)
+        if scaler is not None and self.scaler is not None and scaler is not self.scaler:
+            raise WorkerError("exchange(scaler=...) got another GradScaler than the one given "
+                              "to connect(): use one scaler for the run")
+        started = self.parts is not None and self.parts.in_round
+        if started and scaler is not None and scaler.is_enabled() and self.ctx.scaling is None:
+            raise WorkerError("exchange(scaler=...) with --overlap: the buckets left during "
+                              "backward, before exchange() was called, still scaled; give the "
+                              "GradScaler to connect(..., scaler=scaler) (or psparse.ddp_hook."
+                              "register(model, scaler=scaler)) so that they are unscaled")
+        if not started:
+            self._step_scaler = scaler if scaler is not None else self.scaler
         it = self.iteration
         if self._accumulating:
             raise WorkerError("exchange() inside ps.accumulating(): the micro-batches inside "
@@ -240,9 +255,12 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.rounds.exchange(it, loss)
 
     def _before_round(self, it: int) -> None:
-        """What precedes round ``it``: it is within the run, and a checkpoint due is written
-        (the state after iteration it - 1's update, untouched yet)."""
+        """What precedes round ``it``: it is within the run, its GradScaler's scale (if any)
+        is read, and a checkpoint due is written (the state after iteration it - 1's update,
+        untouched yet)."""
         self.length.check_round(it)
+        self.ctx.scaling = amp.scaling_for(self._step_scaler, self.optimizer,
+                                           on_device=self.dev is not None)
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)
 
@@ -259,6 +277,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         """Iteration ``it`` is applied: the next one's number, and the buffers a checkpoint of
         the next iteration must keep."""
         self.iteration = it + 1
+        self._step_scaler = self.scaler  # the next round's, unless exchange() names one
         self.net.mark_grads()  # the next exchange needs a backward pass after this
         if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
             # The checkpoint of iteration it + 1 is written at the next exchange, once the
