@@ -56,7 +56,7 @@ def main():
                 optimizer.step()
             else:
                 if it == bad_it:  # before backward: with --overlap it already pushes buckets
-                    dump.update(acc_before=ps.memory.accumulator.copy(),
+                    dump.update(acc_before=host(ps, ps.memory.accumulator),
                                 params_before=ps.net.params.clone().numpy(),
                                 scale_before=scaler.get_scale())
                 scaler.scale(loss).backward()
@@ -66,7 +66,7 @@ def main():
                 scaler.step(optimizer)
                 scaler.update()
                 if it == bad_it:
-                    dump.update(acc_after=ps.memory.accumulator.copy(),
+                    dump.update(acc_after=host(ps, ps.memory.accumulator),
                                 params_after=ps.net.params.clone().numpy(),
                                 scale_after=scaler.get_scale())
             optimizer.zero_grad()
@@ -76,6 +76,11 @@ def main():
         ps.close(test_acc=acc)
     if args.dump:
         np.savez(os.path.join(args.dump, f"amp-rank-{rank}.npz"), **dump)
+
+
+def host(ps, array):
+    """A copy of a psparse array on the host (on the GPU path through its backend's read)."""
+    return ps.dev.read(array) if ps.dev is not None else array.copy()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ GradScaler whose step overflows on one rank, through psparse-launch (examples/mi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from conftest import python_module, read_jsonl
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mixed_precision.py"
 
 
-def launch(out: Path, *args: str, policy=()) -> dict:
+def launch(out: Path, *args: str, policy=(), env=None) -> dict:
     r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", *policy,
                                      "--out", str(out), str(EXAMPLE), *args),
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "summary.json").read_text())
 
@@ -76,3 +78,33 @@ def test_a_two_phase_round_skips_too(tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert summary["status"] == "ok", summary["error"]
     assert [r["overflow"] for r in rows] == [it == 2 for it in range(12)]
+
+
+@pytest.mark.parametrize("form", ["whole", "buckets"])
+def test_the_gpu_path_skips_the_same_step_bit_for_bit_with_no_extra_synchronisation(
+        tmp_path, form):
+    """The GPU path under a GradScaler (on the strict emulated device, which refuses every
+    read to the host but the backend's): the gradient is unscaled on the device, its
+    finiteness comes back with the round's one copy (one per message: 12 rounds, 3 buckets
+    each in parts), the overflowing step is skipped with the memory restored on the device,
+    and the run is the host run's, bit for bit."""
+    runs = {}
+    for device in ("host", "gpu"):
+        out = tmp_path / device
+        dump = tmp_path / f"{device}-dump"
+        dump.mkdir()
+        env = {"PSPARSE_EMULATE_GPU": "strict"} if device == "gpu" else {}
+        runs[device] = launch(out, "--overflow-at", "1:3", "--dump", str(dump),
+                              policy=FORMS[form], env=env)
+        assert runs[device]["status"] == "ok", runs[device]["error"]
+        for rank in (0, 1):
+            d = np.load(dump / f"amp-rank-{rank}.npz")
+            assert np.array_equal(d["acc_before"], d["acc_after"])
+            assert (d["scale_before"], d["scale_after"]) == (65536.0, 32768.0)
+    report = json.loads((tmp_path / "gpu" / "rank-0.json").read_text())
+    assert report["device"]["copy_backs"] == 12 * (1 if form == "whole" else 3)
+    checksums = {d: json.loads((tmp_path / d / "rank-0.json").read_text())["checksum"]
+                 for d in runs}
+    assert checksums["gpu"] == checksums["host"]
+    rows = {d: [r["overflow"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in runs}
+    assert rows["gpu"] == rows["host"] == [it == 3 for it in range(12)]

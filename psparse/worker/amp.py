@@ -35,27 +35,26 @@ import math
 import numpy as np
 import torch
 
-from ..config import ConfigError
 from ..xp import INDEX_DTYPE
 from .client import WorkerError
 
 __all__ = ["GradScaling", "scaling_for"]
 
 
-def scaling_for(scaler, optimizer, *, on_device: bool):
+def scaling_for(scaler, optimizer, previous=None):
     """The exchange's handling of ``scaler`` for one step (None: no scaler, or a disabled one:
-    the exchange is the ordinary one)."""
+    the exchange is the ordinary one); ``previous``: the last step's, whose buffers are
+    reused."""
     if scaler is None or not scaler.is_enabled():
         return None
-    if on_device:
-        raise ConfigError("exchange(scaler=...) runs on the host path for now: --device cpu, "
-                          "or PSPARSE_GPU_PATH=host on a GPU")
     if _already_unscaled(scaler, optimizer):
         raise WorkerError("scaler.unscale_(optimizer) was called before exchange(): the "
                           "exchange unscales the gradients itself (and scaler.step would then "
                           "apply the aggregate still scaled); drop the unscale_ call, and use "
                           "the clip_norm option instead of clipping in the loop")
-    return GradScaling(float(scaler.get_scale()))
+    scaling = previous if previous is not None else GradScaling()
+    scaling.step_at(float(scaler.get_scale()))
+    return scaling
 
 
 def _already_unscaled(scaler, optimizer) -> bool:
@@ -72,11 +71,15 @@ class GradScaling:
     """One step's scale S: unscale and check the gradient, remember the memory, and leave
     ``.grad`` as ``scaler.step`` expects it (the aggregate × S, or inf on a skipped step)."""
 
-    def __init__(self, scale: float):
+    def __init__(self):
+        self.scale = self.inv_scale = 1.0
+        self.saved: dict | None = None  # the memory before the step (kept between steps)
+
+    def step_at(self, scale: float) -> None:
+        """This step's scale S."""
         self.scale = scale
         # the factor GradScaler.unscale_ multiplies by: 1/S in double, rounded to float32
         self.inv_scale = float(np.float32(1.0 / scale))
-        self.saved: dict | None = None
 
     def loss(self, loss, it: int):
         """(the loss as a float or None, whether it overflowed): with a scaler a non-finite
@@ -87,8 +90,21 @@ class GradScaling:
         return (value, False) if math.isfinite(value) else (None, True)
 
     def save(self, memory) -> None:
-        """Keep the memory's state as it is before the step (restored if the step is skipped)."""
-        self.saved = {name: a.copy() for name, a in memory.state_dict().items()}
+        """Keep the memory's state as it is before the step (restored if the step is skipped),
+        into the same buffers every step (host or device arrays: a copy on the device stays
+        there)."""
+        state = memory.state_dict()
+        if self.saved is None or {n: a.shape for n, a in self.saved.items()} != \
+                {n: a.shape for n, a in state.items()}:
+            self.saved = {name: a.copy() for name, a in state.items()}
+            return
+        for name, a in state.items():
+            self.saved[name][...] = a
+
+    def restore(self, memory) -> None:
+        """The memory as it was before the step."""
+        for name, saved in self.saved.items():
+            getattr(memory, name)[...] = saved
 
     def unscale(self, grad) -> bool:
         """Unscale a gradient (the flat one, or one part's range: a tensor or a numpy view)
@@ -110,8 +126,12 @@ class GradScaling:
 
     def skip(self, net, memory) -> None:
         """A round some worker overflowed: memory as before the step, ``.grad`` all inf."""
-        for name, saved in self.saved.items():
-            getattr(memory, name)[...] = saved
+        self.restore(memory)
+        self.poison(net)
+
+    @staticmethod
+    def poison(net) -> None:
+        """``.grad`` all inf, so that ``scaler.step`` skips and ``scaler.update`` backs off."""
         for p, view in zip(net.parameters, net.grad_views):
             p.grad = view
         net.grad.fill_(float("inf"))

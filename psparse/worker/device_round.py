@@ -35,7 +35,7 @@ from ..gpu.device_policy import DeviceSelection, Fusion
 from ..gpu.radix import RP_W
 from ..policies import PolicyError, check_output
 from .client import WorkerError
-from .exchange import RoundContext
+from .exchange import RoundContext, check_scaling
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
 GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
@@ -55,6 +55,11 @@ class DeviceRound:
         self.selections = SelectionCopy(ctx, dev)  # a selection's one way to the host
         self.loss = xp.zeros(1, dtype=xp.float64)
         self.loss_torch = dev.to_torch(self.loss)
+        # under a GradScaler: whether the unscaled gradient (or a part of it) is finite,
+        # read with the round's one copy back; and the iteration whose memory is saved
+        self.finite = xp.ones(1, dtype=xp.uint8)
+        self._finite = ([], None)  # this round's (pairs for the copy back, host flag)
+        self._saved_at = None
         self.all_indices = None  # every index, on the device (dense aggregates)
         # small models are launch-bound: a one-phase round's selection as one CUDA graph per
         # budget (PSPARSE_CUDA_GRAPH=1 / 0 forces it on / off)
@@ -80,32 +85,44 @@ class DeviceRound:
         with dev.stream_scope():
             dev.follow_torch()
             start = dev.mark()
-            indices, values, host_loss, checksum = self._choose(it, host_loss, staged)
+            indices, values, host_loss, checksum, overflow = self._choose(it, host_loss,
+                                                                          staged)
             self._time_device("select", start, dev.copied)  # passed: the copy back waited
             if self._apply_marks is not None:  # the previous round's, passed by now
                 self._time_device("apply", *self._apply_marks)
             t2 = time.perf_counter()
-            agg = s.client.push(it, indices, values, host_loss, checksum, s.dense_buffer())
+            agg = s.client.push(it, indices, values, host_loss, checksum, s.dense_buffer(),
+                                overflow=overflow)
             t3 = time.perf_counter()
             begin = dev.mark()
-            self._apply(agg, it)
+            skipped = agg.get("overflow")
+            if skipped:  # some worker overflowed (a GradScaler's step): every one skips
+                check_scaling(s, it)
+                s.scaling.restore(s.memory)
+            else:
+                self._apply(agg, it)
             self._apply_marks = (begin, dev.mark())
             dev.lead_torch()
+        self._after(agg, it, skipped)
         s.clock.add("select_s", t2 - t1)
         s.clock.add("wait_s", t3 - t2)
         s.clock.end(t3)
 
     def push_part(self, it: int, part: int, first: int, end: int, loss,
-                  checksum_due: bool) -> None:
+                  checksum_due: bool, bounds: tuple[int, int],
+                  loss_overflowed: bool = False) -> None:
         """One bucket of a round in parts (``--bucket-mb`` / ``--overlap``): the engine over
-        layers [first, end), error feedback fused as in a whole round, one copy back, the
-        part sent. Part 0 (pushed last, by exchange) carries the loss and the checksum."""
+        layers [first, end) (keys ``bounds``), error feedback fused as in a whole round, one
+        copy back, the part sent. Part 0 (pushed last, by exchange) carries the loss and the
+        checksum. Under a GradScaler the part is unscaled first and its finiteness comes back
+        with the copy: a part that overflowed goes empty, with the flag."""
         s, dev = self.s, self.dev
         policy, memory = s.policy, s.memory
         host_loss, staged = self._stage_loss(loss) if part == 0 else (None, False)
         with dev.stream_scope():
             dev.follow_torch()
             start = dev.mark()
+            finite_pairs, finite_host = self._scale_in(it, *bounds)
             fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
                             memory.accumulator, memory.velocity)
             policy.engines.layers, policy.fusion = (first, end), fusion
@@ -117,12 +134,15 @@ class DeviceRound:
                 raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
             extra, loss_host, weights = self._extras(staged, checksum_due)
             indices, values = self.selections.copy_back(it, chosen, policy.max_push, "select",
-                                                        extra, part)
+                                                        extra + finite_pairs, part)
             self._time_device("select", start, dev.copied)
-        host_loss = self._read_loss(it, host_loss, staged, loss_host)
+        host_loss, overflow = self._read_loss(it, host_loss, staged, loss_host)
+        overflow = overflow or loss_overflowed or self._overflowed(finite_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
-        s.client.send_part(it, part, indices, values, host_loss, checksum)
+        if overflow:  # nothing of this part's gradient is sent (its memory is restored)
+            indices, values = np.empty(0, np.int64), np.empty(0, np.float32)
+        s.client.send_part(it, part, indices, values, host_loss, checksum, overflow=overflow)
 
     def _extras(self, staged: bool, checksum_due: bool):
         """The pairs a round's copy back adds: the loss slot, the weights on checksum rounds."""
@@ -136,14 +156,58 @@ class DeviceRound:
             extra.append((self.params, weights))
         return extra, loss_host, weights
 
-    @staticmethod
-    def _read_loss(it: int, host_loss, staged: bool, loss_host):
+    def _read_loss(self, it: int, host_loss, staged: bool, loss_host):
+        """(the loss as read back, whether it overflowed): not finite is an overflow under a
+        GradScaler (the step is skipped), else a diverged run."""
         if staged:
             host_loss = float(loss_host[0])
         if host_loss is not None and not np.isfinite(host_loss):
+            if self.s.scaling is not None:
+                return None, True
             raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
                               "(lower the learning rate, or use clip_norm)")
-        return host_loss
+        return host_loss, False
+
+    def _scale_in(self, it: int, lo: int = 0, hi: int | None = None):
+        """Under a GradScaler (psparse.worker.amp): the memory saved before the round's first
+        device work, the gradient's keys [lo, hi) unscaled in place, and their finiteness
+        staged for the round's copy back: ([(device flag, host flag)], host flag); without
+        one, ([], None)."""
+        scaling = self.s.scaling
+        if scaling is None:
+            return [], None
+        if self._saved_at != it:
+            scaling.save(self.s.memory)  # on psparse's stream: after the last round's work
+            self._saved_at = it
+        grad = self.grad if lo == 0 and hi in (None, self.numel) else self.grad[lo:hi]
+        grad *= np.float32(scaling.inv_scale)
+        self.finite[0] = self.dev.xp.isfinite(grad).all()
+        host = self.dev.pinned(f"finite-{lo}", 1, np.uint8)
+        return [(self.finite, host)], host
+
+    @staticmethod
+    def _overflowed(finite_host) -> bool:
+        return finite_host is not None and not finite_host[0]
+
+    def _after(self, agg, it: int, skipped: bool) -> None:
+        """On torch's stream, after the round: a skipped step's ``.grad`` is inf (so that
+        ``scaler.step`` skips), an applied one's is × S for ``scaler.step``'s unscale."""
+        s = self.s
+        if skipped:
+            s.scaling.poison(s.net)
+            s.note_live(agg)
+            s.applied(it)
+        elif s.scaling is not None:
+            s.scaling.rescale(s.net)
+
+    def skip(self, agg, it: int) -> None:
+        """A round in parts that the server flagged (some part overflowed somewhere): the
+        memory as before the step, ``.grad`` inf, nothing observed."""
+        check_scaling(self.s, it)
+        with self.dev.stream_scope():
+            self.s.scaling.restore(self.s.memory)
+            self.dev.lead_torch()
+        self._after(agg, it, True)
 
     def _time_device(self, phase: str, start, stop) -> None:
         self.device_ms[phase] += self.dev.elapsed_ms(start, stop)
@@ -171,6 +235,7 @@ class DeviceRound:
         s = self.s
         policy, memory = s.policy, s.memory
         s.set_budget(it)
+        self._finite = self._scale_in(it)  # under a GradScaler: unscaled, checked
         grad = memory.clipped(self.grad)
         if self.whole:
             acc = memory.add_clipped(grad)
@@ -240,10 +305,17 @@ class DeviceRound:
         if fusion.accumulate is not None:  # no proposal read the accumulator: fold it now
             s.memory.add_clipped(fusion.accumulate[2])
             fusion.accumulate = None
-        if proposal is None:  # nothing to send: no copy
+        pairs, finite_host = self._finite
+        if proposal is None and not pairs:  # nothing to send: no copy
+            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
+        elif proposal is None:  # only the finiteness to read (a GradScaler's step)
+            dev.copy_back(pairs)
             idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
         else:
-            idx, val = self.selections.copy_back(it, proposal, policy.max_propose, "propose")
+            idx, val = self.selections.copy_back(it, proposal, policy.max_propose, "propose",
+                                                 pairs)
+        if self._overflowed(finite_host):  # an overflowing worker proposes nothing
+            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
         group = s.client.propose(it, idx.astype(np.int64, copy=False), val)
         return dev.upload("group", np.asarray(group, dtype=np.int64))
 
@@ -253,6 +325,8 @@ class DeviceRound:
         s, dev = self.s, self.dev
         checksum_due = s.checksum_due(it)
         extra, loss_host, weights = self._extras(staged, checksum_due)
+        finite_pairs, finite_host = self._finite
+        extra = extra + finite_pairs
         if whole:
             values = dev.pinned("whole", self.numel, np.float32)
             dev.copy_back([(acc, values)] + extra)
@@ -264,10 +338,13 @@ class DeviceRound:
         else:
             indices, values = self.selections.copy_back(it, chosen, s.policy.max_push, "select",
                                                         extra)
-        host_loss = self._read_loss(it, host_loss, staged, loss_host)
+        host_loss, overflow = self._read_loss(it, host_loss, staged, loss_host)
+        overflow = overflow or self._overflowed(finite_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
-        return indices, values, host_loss, checksum
+        if overflow:  # nothing of a non-finite gradient is sent; every worker skips the step
+            indices, values = np.empty(0, np.int64), np.empty(0, np.float32)
+        return indices, values, host_loss, checksum, overflow
 
     # -------------------------------------------------------------------------- aggregate
     def apply(self, agg, it: int) -> None:
@@ -346,6 +423,8 @@ class SelectionCopy:
         pairs += list(zip(chosen.also, earlier))
         dev.copy_back(pairs + list(extra))
         bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
+        if bad and self.s.scaling is not None:  # an overflow (the round's flag says so)
+            return np.empty(0, np.int64), np.empty(0, np.float32)
         if bad:
             raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
                               f"{bad} NaN or inf entries")

@@ -118,6 +118,13 @@ def host_loss(loss, it: int) -> float | None:
     return loss
 
 
+def check_scaling(ctx, it: int) -> None:
+    """A flagged round needs this worker's GradScaler, which skips the step with the others."""
+    if ctx.scaling is None:
+        raise WorkerError(f"the server flagged iteration {it} as an overflow, but this worker "
+                          "has no GradScaler (connect(..., scaler=...))")
+
+
 def diverged(it: int, exc: Exception) -> WorkerError:
     """The error of an accumulator that holds NaN or inf: a diverged run, or an fp16 step
     that overflowed under a GradScaler psparse was not given."""
@@ -234,14 +241,9 @@ class HostRound:
                               overflow=overflow)
         t3 = time.perf_counter()
         if agg.get("overflow"):  # some worker overflowed: every worker skips this step
-            if scaling is None:
-                raise WorkerError(f"the server flagged iteration {it} as an overflow, but "
-                                  "this worker has no GradScaler (exchange(scaler=...))")
-            scaling.skip(ctx.net, ctx.memory)
             if ctx.probe is not None and ctx.probe.due(it):
                 ctx.probe.discard(it)
-            ctx.note_live(agg)
-            ctx.applied(it)
+            self.skip(agg, it)
         else:
             self.apply(agg, it)
             if scaling is not None:
@@ -251,6 +253,15 @@ class HostRound:
         ctx.clock.add("select_s", t2 - t1)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.end(t3)
+
+    def skip(self, agg, it: int) -> None:
+        """A round the server flagged as an overflow (a GradScaler's): the memory as before
+        the step, ``.grad`` inf, nothing observed; the iteration is done."""
+        ctx = self.ctx
+        check_scaling(ctx, it)
+        ctx.scaling.skip(ctx.net, ctx.memory)
+        ctx.note_live(agg)
+        ctx.applied(it)
 
     def apply(self, agg, it: int) -> None:
         """The round's aggregate: the policy observes it, it lands in .grad; the iteration

@@ -99,8 +99,8 @@ class Parts:
         self.pushed = set()
         self.trace = []
         self.select_s = 0.0
-        if ctx.scaling is not None:  # a GradScaler's step: the memory to restore if skipped
-            ctx.scaling.save(ctx.memory)
+        if ctx.scaling is not None and not self.device:  # the memory to restore if skipped
+            ctx.scaling.save(ctx.memory)  # (a DeviceRound saves on its stream, first part)
 
     def on_grad(self, layer: int) -> None:
         """A parameter's gradient is complete (autograd hook, during backward)."""
@@ -130,7 +130,9 @@ class Parts:
         first, end = self.buckets[b]
         ctx.net.gather_layers(first, end)
         if self.device:  # the engine over the bucket's layers, one copy back
-            self.rounds.push_part(it, b, first, end, loss, b == 0 and self.checksum_due)
+            self.rounds.push_part(it, b, first, end, loss, b == 0 and self.checksum_due,
+                                  (self.edges[b], self.edges[b + 1]),
+                                  b == 0 and self.loss_overflowed)
         else:
             self._push_host(it, b, first, end, loss, checksum)
         self.pushed.add(b)
@@ -178,9 +180,12 @@ class Parts:
             self.begin(it)
         scaling = ctx.scaling
         self.loss_overflowed = False
-        if scaling is not None:  # a non-finite loss under a GradScaler: skip, not diverge
+        if self.device:
+            pass  # the GPU path reads the loss back with part 0's copy (a non-finite one
+            # under a GradScaler is an overflow there too)
+        elif scaling is not None:  # a non-finite loss under a GradScaler: skip, not diverge
             loss, self.loss_overflowed = scaling.loss(loss, it)
-        elif not self.device:  # the GPU path reads the loss back with part 0's copy
+        else:
             loss = host_loss(loss, it)
         self.trace.append("exchange")
         for b in range(len(self.buckets) - 1, 0, -1):
@@ -194,12 +199,7 @@ class Parts:
         self.in_round = False
         self.last_trace = self.trace
         if agg.get("overflow"):  # some rank overflowed in some part: every rank skips
-            if scaling is None:
-                raise WorkerError(f"the server flagged iteration {it} as an overflow, but "
-                                  "this worker has no GradScaler (connect(..., scaler=...))")
-            scaling.skip(ctx.net, ctx.memory)
-            ctx.note_live(agg)
-            ctx.applied(it)
+            self.rounds.skip(agg, it)
         else:
             self.rounds.apply(agg, it)
             if scaling is not None:

@@ -260,7 +260,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         untouched yet)."""
         self.length.check_round(it)
         self.ctx.scaling = amp.scaling_for(self._step_scaler, self.optimizer,
-                                           on_device=self.dev is not None)
+                                           self.ctx.scaling)
         if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
             self._checkpoint(it)
 
