@@ -92,6 +92,7 @@ def connect(module: torch.nn.Module, optimizer=None, **connect_options) -> HookS
     connect_options.setdefault("granularity", "layer")
     connect_options.setdefault("bucket_mb", DEFAULT_BUCKET_MB)
     session = ps_connect(module, optimizer, **connect_options)
+    session.auto_close = True  # closed at the script's end if the script does not
     try:
         return HookState(session)
     except BaseException as exc:

@@ -32,7 +32,7 @@ def checksums(out: Path) -> list[str]:
     return [json.loads((out / f"rank-{r}.json").read_text())["checksum"] for r in (0, 1)]
 
 
-def torchrun_style(out: Path, *args: str) -> dict:
+def torchrun_style(out: Path, *args: str, script: Path = EXAMPLE) -> dict:
     """No launcher: a psparse-server, and the script started twice with torchrun's RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, and PSPARSE_PORT (the server at
     MASTER_ADDR:PSPARSE_PORT)."""
@@ -46,7 +46,7 @@ def torchrun_style(out: Path, *args: str) -> dict:
                "OMP_NUM_THREADS": "1"}
         for name in ("PSPARSE_SERVER", "PSPARSE_CONFIG", "PSPARSE_CONFIG_JSON"):
             env.pop(name, None)
-        ranks = [subprocess.Popen([sys.executable, str(EXAMPLE), *args],
+        ranks = [subprocess.Popen([sys.executable, str(script), *args],
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in (0, 1)]
@@ -118,3 +118,31 @@ def test_the_hook_with_a_grad_scaler_skips_overflowed_steps_as_ddp_does(tmp_path
     assert replay["status"] == "ok" and replay["iterations"] == 40 - len(skipped)
     assert not any(r["overflow"] for r in read_jsonl(tmp_path / "replay" / "metrics.jsonl"))
     assert checksums(tmp_path / "replay") == checksums(tmp_path / "run")
+
+
+def test_one_line_in_an_ordinary_ddp_script_ends_the_run_well(tmp_path):
+    """register(model) and nothing else: no length, no close. Every rank's session closes at
+    the script's end (its final report after iteration 14), and the server ends the
+    open-ended run there: status ok, replicas identical; under psparse-launch and under
+    torchrun's variables beside a psparse-server (the session closes at interpreter exit)."""
+    script = REPO / "tests" / "user_ddp_one_line.py"
+    summary = launch(tmp_path / "launched", script, "15")
+    assert (summary["status"], summary["ended"], summary["iterations"]) == \
+        ("ok", "closed by every rank after iteration 14", 15)
+    assert len(set(checksums(tmp_path / "launched"))) == 1
+    bare = torchrun_style(tmp_path / "torchrun", "15", script=script)
+    assert (bare["status"], bare["ended"]) == ("ok", "closed by every rank after iteration 14")
+    assert checksums(tmp_path / "torchrun") == checksums(tmp_path / "launched")
+
+
+def test_one_line_ranks_that_train_different_lengths_are_named(tmp_path):
+    """Rank 1 trains 3 steps more than rank 0: the run fails, naming both ranks and rounds."""
+    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", "--out",
+                                     str(tmp_path / "run"),
+                                     str(REPO / "tests" / "user_ddp_one_line.py"), "15", "3"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert ("rank 0 closed after iteration 14 (the script ended) while rank 1 sent "
+            "iteration 15") in summary["error"], summary["error"]

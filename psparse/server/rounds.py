@@ -23,6 +23,12 @@ from .aggregation import BudgetError
 from .membership import RunAborted
 
 
+class RunClosed(Exception):
+    """Every live rank sent its final report after the same round of an open-ended run (a
+    DDP script's end, ``close()`` on every rank): the run ends there (docs/protocol.md,
+    Stopping)."""
+
+
 class Rounds:
     """Serves the iterations of one agreed run (built at registration)."""
 
@@ -35,6 +41,7 @@ class Rounds:
         self.limit = limit
         self.shard = shard
         self.sharded = shard[1] > 1
+        self.closing: set[int] = set()  # ranks whose final report came instead of a round
 
     # ------------------------------------------------------------------------------ a round
     def serve(self, it: int) -> list[int]:
@@ -46,6 +53,7 @@ class Rounds:
         proposed = proposal_counts = None
         if self.run["two_phase"]:
             proposals, nbytes = self.collect_one(it, "propose", step)
+            self._check_closing(it, proposals)
             proposal_counts = [int(proposals[r]["count"]) for r in sorted(proposals)]
             upload += nbytes
             self.endpoint.pace(nbytes)
@@ -75,6 +83,7 @@ class Rounds:
                     it, "push", lambda peer, msg: self._check_push(peer, msg, it, step, got),
                     on_push)
         pushes = [m for part in got for m in part.values()]
+        self._check_closing(it, {m["rank"]: m for m in pushes})
         self._check_checksums(it, pushes)  # a whole-model round: before anything is sent
         if self.parts is None:
             self._aggregate_part(it, step, 0, got[0], totals)
@@ -173,6 +182,9 @@ class Rounds:
         """Receive until ``missing()`` is empty: ``msg_type`` messages of iteration ``it`` that
         pass ``check(peer, msg)`` go to ``keep(msg, nbytes)``; others are dispatched."""
         deadline = self.endpoint.deadline()
+        if it is not None:  # a rank that has closed sends nothing of this round
+            waiting = missing
+            missing = lambda: [r for r in waiting() if r not in self.closing]  # noqa: E731
         while missing():
             received = self.endpoint.wait(f"{what()} from ranks {missing()}", deadline,
                                           missing(), it)
@@ -240,6 +252,8 @@ class Rounds:
         if msg.type == "metrics":
             self.records.report(msg["rank"], msg["report"], msg["iter"], msg.get("checksum"),
                                 self.members.evaluators[-1]["rank"])
+            if it is not None and msg["report"].get("final"):
+                self._final_during(it, msg)
         elif msg.type == "error":  # the worker gives up and says why
             self.members.lose([self.members.peers[peer]], it, what, msg["message"])
             # elastic: the run goes on; acknowledge, so the worker can exit knowing its
@@ -260,6 +274,35 @@ class Rounds:
         else:
             return True
         return False
+
+    def _final_during(self, it: int, msg) -> None:
+        """A final report while round ``it`` is served: in an open-ended run, the rank ends
+        after its round ``msg['iter']`` (the run ends there once every rank has, and must
+        be ``it - 1``); in a run of fixed length it is an early end, and the run's."""
+        rank, last = msg["rank"], msg["iter"]
+        if self.run["iterations"]:
+            raise RunAborted(f"rank {rank} closed after iteration {last} of a run of "
+                             f"{self.run['iterations']} iterations: every rank must make "
+                             "the same exchanges")
+        if last != it - 1:
+            raise RunAborted(f"rank {rank} closed after iteration {last}, but the server "
+                             f"serves iteration {it}: every rank must make the same exchanges")
+        self.closing.add(rank)
+
+    def _check_closing(self, it: int, received: dict) -> None:
+        """After a round's messages are in: nobody closed, or everyone did (RunClosed); some
+        ranks closing while others go on is a mismatch, and the run's end, naming both."""
+        if not self.closing:
+            return
+        if received:
+            raise RunAborted(
+                f"rank{'s' if len(self.closing) > 1 else ''} "
+                f"{', '.join(map(str, sorted(self.closing)))} closed after iteration {it - 1} "
+                f"(the script ended) while rank{'s' if len(received) > 1 else ''} "
+                f"{', '.join(map(str, sorted(received)))} sent iteration {it}: every rank must "
+                "make the same exchanges (end an open-ended run with ps.stop(), or end every "
+                "rank's loop after the same round)")
+        raise RunClosed(it - 1)
 
     def _check_checksums(self, it: int, pushes: list) -> None:
         checksums: dict[int, str] = {}

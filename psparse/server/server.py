@@ -33,7 +33,7 @@ from .aggregation import Aggregator, ServerLimit, array_module_for
 from .endpoint import Endpoint
 from .membership import Membership, RunAborted
 from .records import Records, merge_run_dir
-from .rounds import Rounds, check_checksums
+from .rounds import Rounds, RunClosed, check_checksums
 
 
 class Server:
@@ -127,7 +127,12 @@ class Server:
         run, ``iterations`` 0, only so), through the round a rank's push asked to stop."""
         it = self.start
         while self.iterations == 0 or it < self.iterations:
-            stoppers = self.rounds.serve(it)
+            try:
+                stoppers = self.rounds.serve(it)
+            except RunClosed:  # every rank closed after the last round (open-ended runs)
+                self.ended = (f"closed by every rank after iteration {it - 1}" if it
+                              else "closed by every rank before iteration 0")
+                break
             it += 1
             if stoppers:
                 self.ended = (f"stopped by rank{'s' if len(stoppers) > 1 else ''} "

@@ -13,7 +13,10 @@ iteration that it was the last one (docs/protocol.md, Stopping).
 script, an ``atexit`` hook otherwise): a session the script left open is reported to the server
 as this worker's failure, with the cause (the script's exception) or, for a script that just
 forgot, a message naming ``close()`` and the ``with`` form, so summary.json says what to fix
-instead of "its connection closed".
+instead of "its connection closed". A session of the DDP comm hook (``auto_close``: a DDP
+script has no psparse call but ``register``) is closed there instead, when the script ended
+without an exception: a finished run, or an open-ended one, which the server ends once every
+rank has closed after the same round.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class RunLength:
         if agg.get("stop"):
             self.stopped_at = it
 
+    def check_close_ok(self, done: int) -> bool:
+        """Whether ``check_close`` would pass."""
+        return self.iterations is None or not self.running(done)
+
     def check_round(self, it: int) -> None:
         """An exchange for iteration ``it`` is within the run."""
         if self.stopped_at is not None:
@@ -67,7 +74,10 @@ class RunLength:
         return f"after {done} of {self.iterations} iterations"
 
     def check_close(self, done: int) -> None:
-        if self.running(done):
+        """A close is due: the run is over, or open-ended (then this rank's last round is
+        ``done - 1``, and the server ends the run once every rank has closed after that same
+        round; a rank that pushes another is named: docs/protocol.md, Stopping)."""
+        if self.iterations is not None and self.running(done):
             raise WorkerError(f"close() {self.where(done)}: every rank must make the same "
                               "exchanges; end the run with ps.stop() (the round it goes "
                               "with is every rank's last) or run all the iterations agreed "
@@ -151,6 +161,14 @@ def end_of_script(cause: BaseException | str | None = None) -> str | None:
     for session in list(_open):
         if session.closed:
             closed(session)
+            continue
+        if cause is None and session.auto_close and session.length.check_close_ok(
+                session.iteration):
+            try:
+                session.close()  # a DDP script's end (psparse.ddp_hook): its last round
+            except Exception as exc:  # the server refused the end (a rank pushed on)
+                problems.append(str(exc))
+                session.fail(exc)
             continue
         if cause is None:
             finished = not session.running

@@ -82,6 +82,9 @@ class Session(lifecycle.LoopControl, Checkpointed):
         # (with --overlap and the DDP hook the buckets leave during backward, so it must be
         # known before exchange()); _step_scaler: the one of the round under way
         self.scaler = self._step_scaler = scaler
+        # closed at the script's end if it is left open (the DDP comm hook's sessions: a DDP
+        # script calls nothing of psparse but register; psparse.worker.lifecycle)
+        self.auto_close = False
         self.out_dir = Path(out_dir) if out_dir else None
         self._t_created = time.perf_counter()
         self._say = say  # where progress lines go (default: stderr)
@@ -338,7 +341,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
             return
         if exc is not None:
             self.fail(exc)
-        elif self.running:
+        elif not self.length.check_close_ok(self.iteration):
             early = WorkerError(f"left the run {self.length.where(self.iteration)}: end it "
                                 "with ps.stop(), or run every iteration agreed at connect")
             self.fail(early)
