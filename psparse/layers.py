@@ -39,8 +39,9 @@ LAYERS = (
      "`psparse-launch`: plans, processes, supervision, restarts, clusters"),
     ("analysis", ("psparse.analysis",),
      "`psparse-report`, `psparse-model`, `psparse-locality`"),
-    ("api", ("psparse", "psparse.ddp_hook"),
-     "what a user's script imports: `psparse.connect`, `psparse.ddp_hook`"),
+    ("api", ("psparse", "psparse.ddp_hook", "psparse.lightning"),
+     "what a user's script imports: `psparse.connect`, `psparse.ddp_hook`, "
+     "`psparse.lightning`"),
 )
 
 

@@ -80,17 +80,25 @@ def test_the_hook_is_the_session_round_bit_for_bit(tmp_path):
     assert len(overlap["parts"]) - 1 == 3  # LeNet-5 in psparse's 0.1 MB buckets
 
 
-def test_the_hook_inside_lightning_under_the_launcher(tmp_path):
-    """Lightning's DDPStrategy with the hook as ddp_comm_hook, under psparse-launch (which
-    gives the script torchrun's MASTER_ADDR/MASTER_PORT for Lightning's process group)."""
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_the_lightning_strategy_trains_under_the_launcher(tmp_path, precision):
+    """psparse.lightning.PsparseStrategy in a Trainer under psparse-launch (which gives the
+    script torchrun's LOCAL_RANK, MASTER_ADDR and MASTER_PORT): DDP's buckets go through the
+    server, the run ends with fit (every rank closes after step 19), the replicas are
+    identical and the accuracy the module logged in validation is the run's; in 16-mixed,
+    Lightning's own GradScaler is psparse's."""
     try:
         import lightning  # noqa: F401
     except ImportError as exc:
         print(f"Lightning cannot be imported here ({exc}): pip install -e '.[lightning]'")
         pytest.skip(f"Lightning not installed: {exc}")
-    summary = launch(tmp_path / "run", REPO / "tests" / "user_lightning.py")
-    assert summary["status"] == "ok" and summary["iterations"] == 20
+    summary = launch(tmp_path / "run", REPO / "tests" / "user_lightning.py", "--precision",
+                     precision)
+    assert (summary["status"], summary["ended"], summary["iterations"]) == \
+        ("ok", "closed by every rank after iteration 19", 20)
     assert len(set(checksums(tmp_path / "run"))) == 1 and summary["upload_mb"] > 0
+    evals = read_jsonl(tmp_path / "run" / "eval.jsonl")
+    assert evals and summary["test_acc"] == evals[-1]["test_acc"] > 0
 
 
 def test_the_hook_with_a_grad_scaler_skips_overflowed_steps_as_ddp_does(tmp_path):

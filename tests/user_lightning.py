@@ -1,6 +1,10 @@
-"""PyTorch Lightning with psparse as DDP's communication (tests/test_ddp_hook.py):
-``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=psparse.ddp_hook.hook)`` under psparse-launch
-(LOCAL_RANK set: Lightning takes the processes as launched), on scikit-learn's digits."""
+"""PyTorch Lightning with psparse: ``Trainer(strategy=PsparseStrategy(...))`` under psparse-launch
+(LOCAL_RANK set: Lightning takes the processes as launched), on scikit-learn's digits; the
+module logs ``test_acc`` in validation, which the run's final report carries
+(tests/test_ddp_hook.py).
+
+    psparse-launch --workers 2 tests/user_lightning.py [--precision 16-mixed]
+"""
 
 import argparse
 import os
@@ -8,20 +12,11 @@ import os
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import DDPStrategy
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import psparse.ddp_hook
-
-
-class CPUHookDDPStrategy(DDPStrategy):
-    """Lightning 2.6 registers ``ddp_comm_hook`` only on CUDA devices
-    (``DDPStrategy._register_ddp_hooks``); on the CPU this registers it the same way."""
-
-    def _register_ddp_hooks(self) -> None:
-        self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+from psparse.lightning import PsparseStrategy
 
 
 class Classifier(L.LightningModule):
@@ -33,6 +28,10 @@ class Classifier(L.LightningModule):
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("test_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -40,24 +39,21 @@ class Classifier(L.LightningModule):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--precision", default="32-true")
     args = p.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y)
     torch.manual_seed(0)
     module = Classifier()
-    state = psparse.ddp_hook.connect(module, iterations=args.iterations)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, num_nodes=1, max_steps=args.iterations,
-        strategy=CPUHookDDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
-                             ddp_comm_hook=psparse.ddp_hook.hook),
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), num_nodes=1,
+        max_steps=args.iterations, val_check_interval=args.iterations // 2,
+        precision=args.precision, strategy=PsparseStrategy(process_group_backend="gloo"),
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False)
-    trainer.fit(module, DataLoader(TensorDataset(x[:1500], y[:1500]), batch_size=32))
-    with torch.no_grad():
-        accuracy = float((module.net(x[1500:]).argmax(1) == y[1500:]).float().mean())
-    state.session.close(test_acc=accuracy)
+        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(TensorDataset(x[:1500], y[:1500]), batch_size=32),
+                DataLoader(TensorDataset(x[1500:], y[1500:]), batch_size=100))
 
 
 if __name__ == "__main__":
