@@ -170,6 +170,12 @@ class RunConfig:
         "emulate the server's link at this rate (100Mbit, 1Gbit): pushes and broadcasts "
         "of a round take bytes*8/rate (default: no pacing)",
         agreed=False, server=True, launcher=True)
+    tensorboard: str | None = option(None,
+        "write TensorBoard event files to DIR/<the run directory's name>/, one TensorBoard run "
+        "per psparse run: per iteration the loss, union/k, KB pushed and broadcast, overflow "
+        "and restarts, and the evaluations (from the launcher), rank 0's compute, select and "
+        "wait milliseconds (from rank 0); needs the tensorboard package (pip install "
+        "'psparse[tensorboard]'; default: off)", agreed=False, launcher=True)
     curve_keys: str | None = option(None,
         "folder of CurveZMQ keys made by psparse-keys: traffic is encrypted and the "
         "server accepts only workers whose public key is in FOLDER/authorized (default: "

@@ -25,6 +25,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 SUMMARY_FILE = "summary.json"
+TIMING_FILE = "timing-rank-0.jsonl"  # --tensorboard: rank 0's time split per iteration
 PORT_FILE = "server.port"
 LOGS_DIR = "logs"
 
@@ -118,3 +119,9 @@ def open_truncated(path: Path, keep):
         fh.write(line + "\n")
     fh.flush()
     return fh
+
+
+def board_dir(tensorboard: str, out) -> Path:
+    """``--tensorboard DIR``: where a run's TensorBoard event files go, DIR/<the run
+    directory's name>/ (one TensorBoard run per psparse run)."""
+    return Path(tensorboard) / Path(out).resolve().name

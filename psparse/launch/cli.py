@@ -26,7 +26,14 @@ from ..cpu import jit
 from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
-from ..rundir import EVAL_FILE, METRICS_FILE, PORT_FILE, SUMMARY_FILE
+from ..rundir import (
+    EVAL_FILE,
+    METRICS_FILE,
+    PORT_FILE,
+    SUMMARY_FILE,
+    TIMING_FILE,
+    open_truncated,
+)
 from ..server.records import merge_run_dir
 from ..wire import keyranges
 from . import cluster
@@ -35,6 +42,7 @@ from .processes import free_port, port_taken
 from .progress import Progress
 from .restart import BACKOFF_S, Restarts
 from .supervisor import Supervisor
+from .tensorboard import RunBoard
 
 DEFAULT_CHECKPOINT_EVERY = 100  # iterations, where --max-restarts finds no --checkpoint-every
 
@@ -152,6 +160,11 @@ def prepare_run_dir(plan: Plan) -> None:
         (plan.out / name).unlink(missing_ok=True)
         for index in range(plan.shards if plan.shards > 1 else 0):
             (keyranges.shard_dir(plan.out, index) / name).unlink(missing_ok=True)
+    # rank 0's time split (--tensorboard): kept up to the resume point, before the progress
+    # reader tails it (rank 0 only appends)
+    if plan.cfg.tensorboard:
+        open_truncated(plan.out / TIMING_FILE, lambda n, row: plan.resume and
+                       row["iter"] < plan.start).close()
     if plan.resume:
         return
     record = {**json.loads(plan.cfg.to_json()), "provenance": provenance()}
@@ -215,7 +228,9 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
           flush=True)
     supervisor = Supervisor(plan.out, quiet=quiet, grace_s=grace_s,
                             elastic_from=plan.start if cfg.elastic else None)
-    progress = Progress(plan.out, plan.shards, plan.baseline, quiet)
+    board = RunBoard(cfg.tensorboard, plan.out, plan.start, plan.attempt) \
+        if cfg.tensorboard else None
+    progress = Progress(plan.out, plan.shards, plan.baseline, quiet, board)
 
     def merge_shards():  # (each shard merges when it finishes; this covers a failed run)
         if plan.shards > 1 and not plan.baseline:
@@ -239,6 +254,9 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
             print(f"psparse-launch: error: {exc}", flush=True)
         supervisor.stop_all()
         return 1, supervisor
+    finally:
+        if board is not None:
+            board.close()
 
 
 # --------------------------------------------------------------------------------- the flags
@@ -343,6 +361,12 @@ def main(argv=None) -> int:
     # Forked workers inherit it; --hostfile forwards PSPARSE_* variables, srun the environment.
     token = args.run_token or os.environ.get("PSPARSE_TOKEN") or secrets.token_hex(32)
     os.environ["PSPARSE_TOKEN"] = token
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 (torch's SummaryWriter needs it)
+        except ImportError:
+            p.error("--tensorboard needs the tensorboard package: pip install "
+                    "'psparse[tensorboard]' (or pip install tensorboard)")
     if cfg.data_dir:  # a script's loaders (psparse.data.load_dataset's default) read it too
         os.environ["PSPARSE_DATA"] = str(Path(cfg.data_dir).resolve())
     name = Path(args.script).stem if args.script else f"{cfg.model}-{cfg.dataset}"

@@ -83,6 +83,7 @@ class Plan:
     # it lost workers goes on with the ranks live then (checkpoint.resume_point)
     ranks: list[int] | None = None
     start: int = 0  # the iteration the run starts (resumes) at
+    attempt: int = 0  # which attempt this is (--max-restarts: 0 the first, then 1, 2, ...)
 
     @property
     def shards(self) -> int:

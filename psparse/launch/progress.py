@@ -10,14 +10,15 @@ import json
 import sys
 from pathlib import Path
 
-from ..rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, JsonlTail
+from ..rundir import EVAL_FILE, METRICS_FILE, SUMMARY_FILE, TIMING_FILE, JsonlTail
 from ..server.records import merge_records
 from ..wire import keyranges
 
 
 class Progress:
-    def __init__(self, out: Path, shards: int, baseline: str | None, quiet: bool):
+    def __init__(self, out: Path, shards: int, baseline: str | None, quiet: bool, board=None):
         self.out, self.shards, self.baseline, self.quiet = out, shards, baseline, quiet
+        self.board = board  # --tensorboard: a RunBoard fed every record read, or None
         self._tail = JsonlTail()  # the new records of the run's files
         self._pending: dict[int, list] = {}  # iteration -> its shards' records so far
         self._last = {"metrics": None, "eval": None}
@@ -43,6 +44,8 @@ class Progress:
     def read(self) -> None:
         for rec in self._metrics_records():
             self._last["metrics"] = rec
+            if self.board is not None:
+                self.board.record(rec)
             if "allreduce_bytes" in rec:  # the DDP baseline: a ring moves half each way
                 self._bytes[0] += rec["allreduce_bytes"] / 2
                 self._bytes[1] += rec["allreduce_bytes"] / 2
@@ -53,6 +56,11 @@ class Progress:
         first = self.out if self.shards == 1 else keyranges.shard_dir(self.out, 0)
         for rec in self._tail.new(first / EVAL_FILE):
             self._last["eval"] = rec
+            if self.board is not None:
+                self.board.evaluation(rec)
+        if self.board is not None:  # --tensorboard: rank 0's time split
+            for rec in self._tail.new(self.out / TIMING_FILE):
+                self.board.timing(rec)
 
     def line(self, final: bool = False) -> None:
         m, e = self._last["metrics"], self._last["eval"]

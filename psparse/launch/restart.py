@@ -183,6 +183,7 @@ class Restarts:
                               time.time(),
                               ranks=plan.ranks)
             self.attempts.append(attempt)
+            plan.attempt = attempt.number
             code, supervisor = start(plan)
             if code == 0:
                 attempt.exit_code = 0

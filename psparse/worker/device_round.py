@@ -32,12 +32,10 @@ import torch
 
 from ..gpu.backend import CaptureFailed
 from ..gpu.device_policy import DeviceSelection, Fusion
-from ..gpu.radix import RP_W
-from ..policies import PolicyError, check_output
 from .client import WorkerError
+from .device_copy import SelectionCopy
 from .exchange import RoundContext, check_scaling
 
-FLAG_RANGE, FLAG_ORDER = 0, 1
 GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
 
 
@@ -388,84 +386,3 @@ class DeviceRound:
             held = self.dev.xp.zeros(max(size, 2 * held.size), dtype=dtype)
             setattr(self, name, held)
         return held[:size]
-
-
-class SelectionCopy:
-    """A selection's way to the host: (indices, values) through one copy back (with the
-    round's ``extra`` pairs), the policy's output checked. The pinned buffers are the method's
-    and the part's: ZeroMQ sends them without a copy, and parts are in flight together (each
-    buffer is reused once its round's aggregate has come back)."""
-
-    def __init__(self, ctx: RoundContext, dev):
-        self.s, self.dev = ctx, dev
-        self.numel = ctx.net.numel
-        self.flags = dev.xp.zeros(2, dtype=dev.xp.uint64)  # the check kernel's findings
-
-    def copy_back(self, it, chosen, limit, method, extra=(), part: int = 0):
-        if isinstance(chosen, DeviceSelection):
-            return self._engine(it, chosen, f"{method}{part}", method, extra)
-        return self._indices(it, chosen, limit, method, f"{method}{part}", extra)
-
-    def _engine(self, it, chosen: DeviceSelection, tag: str, method: str, extra):
-        """The engine's selection: its report, indices and values (and earlier reports)."""
-        dev = self.dev
-        cap = chosen.capacity
-        report = dev.pinned("report", chosen.report.size, np.int64)
-        idx = dev.pinned(f"{tag}-idx", cap, chosen.indices.dtype)
-        val = dev.pinned(f"{tag}-val", cap, np.float32)
-        if chosen.taken:  # gathered and zeroed by the engine: what follows a take
-            self.s.memory.after_take()
-        pairs = [(chosen.report, report), (chosen.indices, idx)]
-        if chosen.values is not None:
-            pairs.append((chosen.values, val))
-        earlier = [dev.pinned(f"report-{n}", r.size, np.int64)
-                   for n, r in enumerate(chosen.also)]
-        pairs += list(zip(chosen.also, earlier))
-        dev.copy_back(pairs + list(extra))
-        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
-        if bad and self.s.scaling is not None:  # an overflow (the round's flag says so)
-            return np.empty(0, np.int64), np.empty(0, np.float32)
-        if bad:
-            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
-                              f"{bad} NaN or inf entries")
-        parts = chosen.host_parts(report)
-        if len(parts) > 1 or parts[0][0] != 0 or parts[0][1] != cap:
-            keep = np.concatenate([np.arange(b, b + c) for b, c in parts]) if parts else \
-                np.empty(0, np.int64)
-            idx, val = idx[keep], val[keep]
-        if chosen.values is None:
-            raise AssertionError(f"{method}: a selection without its values")
-        return idx, val
-
-    def _indices(self, it, chosen, limit, method: str, tag: str, extra):
-        """Plain indices from the policy (device or host): checked on the device (range,
-        order), their values taken, one copy back."""
-        dev, policy = self.dev, self.s.policy
-        if isinstance(chosen, np.ndarray) or not (hasattr(chosen, "dtype") and
-                                                  hasattr(chosen, "ndim")):
-            # indices the policy made on the host: checked there, then one upload
-            check_output(policy, chosen, it, limit, method)
-            chosen = dev.upload("policy-output", np.asarray(chosen, dtype=np.int64))
-        if chosen.ndim != 1 or chosen.dtype.kind not in "iu":
-            check_output(policy, chosen, it, limit, method)  # the host's message for it
-        if chosen.size > limit:
-            raise PolicyError(f"policy {type(policy).__name__}.{method}() at iteration {it} "
-                              f"returned {chosen.size} indices, more than its budget of {limit}")
-        chosen = chosen.astype(np.int64)
-        self.flags.fill(0)
-        if chosen.size:
-            dev.launch_over("psparse_check_indices", chosen.size, (
-                chosen, np.int64(chosen.size), np.int64(self.numel), self.flags))
-        values = self.s.memory.take(chosen) if method == "select" else \
-            self.s.memory.accumulator[chosen]
-        flags = dev.pinned("flags", 2, np.uint64)
-        idx = dev.pinned(f"{tag}-idx", chosen.size, np.int64)
-        val = dev.pinned(f"{tag}-val", chosen.size, np.float32)
-        dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
-        where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
-        if flags[FLAG_RANGE]:
-            raise PolicyError(f"{where} returned an index out of range [0, {self.numel})")
-        if flags[FLAG_ORDER]:
-            raise PolicyError(f"{where} returned indices that are not strictly increasing "
-                              "(they must be sorted, without duplicates)")
-        return idx, val

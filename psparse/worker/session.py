@@ -43,6 +43,7 @@ from ..policies import Layout, PolicyError, build_policy
 from ..policies.memory import SCALECOM_BETA, Memory, density_schedule
 from ..rundir import EVAL_VALUES, rank_file
 from . import amp, lifecycle
+from .board import TimingLog
 from .client import ServerGone, WorkerError
 from .device_round import DeviceRound
 from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
@@ -85,6 +86,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         # closed at the script's end if it is left open (the DDP comm hook's sessions: a DDP
         # script calls nothing of psparse but register; psparse.worker.lifecycle)
         self.auto_close = False
+        self.board = None  # --tensorboard on rank 0: its time split per iteration (board.py)
         self.out_dir = Path(out_dir) if out_dir else None
         self._t_created = time.perf_counter()
         self._say = say  # where progress lines go (default: stderr)
@@ -207,7 +209,11 @@ class Session(lifecycle.LoopControl, Checkpointed):
                  + (f"(beta={self.memory.beta})" if self.cfg.memory == "scalecom" else ""))
         if self.last_report is not None and self.last_report[0] == self.start - 1:
             self.client.report(*self.last_report)  # the server may not have written it
+        if self.cfg.tensorboard and self.rank == 0 and self.out_dir is not None:
+            self.board = TimingLog(self.out_dir)
         self.ctx.clock.restart()
+        if self.board is not None:
+            self.board.add(self.start - 1, self.ctx.clock.times)  # the totals it starts from
 
     def describe_run(self) -> dict:
         """The run description every rank must agree on (docs/protocol.md, "The run"): model
@@ -281,6 +287,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
         the next iteration must keep."""
         self.iteration = it + 1
         self._step_scaler = self.scaler  # the next round's, unless exchange() names one
+        if self.board is not None:  # --tensorboard: rank 0's time split of the iteration
+            self.board.add(it, self.ctx.clock.times)
         self.net.mark_grads()  # the next exchange needs a backward pass after this
         if self.cfg.checkpoint_every and self.iteration % self.cfg.checkpoint_every == 0:
             # The checkpoint of iteration it + 1 is written at the next exchange, once the
@@ -324,6 +332,9 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.disconnect()
 
     def disconnect(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if not self.closed:
             self.closed = True
             lifecycle.closed(self)
