@@ -12,9 +12,9 @@ in DDP as always, and the strategy joins the psparse run with it (``psparse.ddp_
 and registers psparse's comm hook on the wrapped model, through DDP's public
 ``register_comm_hook``, on the CPU and on GPUs alike. The run is open-ended: when ``fit`` ends,
 every rank's session closes after the same round, and the run ends there (summary.json's
-``ended``: "closed by every rank after iteration T"). Values the module logs under
-``test_acc`` or ``test_loss`` (``self.log(...)``, e.g. in ``validation_step``) are the run's
-evaluation in the final report. With ``precision="16-mixed"`` Lightning's GradScaler is given
+``ended``: "closed by every rank after iteration T"). Values the module logs under the run's
+evaluation keys (``test_acc``, ``test_loss``, ``train_loss``, ``epoch``: ``self.log(...)``,
+e.g. in ``validation_step``) are the run's evaluation in the final report. With ``precision="16-mixed"`` Lightning's GradScaler is given
 to psparse, so overflowed steps are skipped on every rank (docs/api.md, Mixed precision).
 
 Trainer settings it needs (docs/api.md, "PyTorch Lightning"): ``devices`` = processes per node

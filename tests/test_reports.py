@@ -157,3 +157,15 @@ def test_bandwidth_run_is_paced_at_the_server(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     # every byte went through the emulated 2 Mbit/s link: the run lasted at least that long
     assert s["wall_s"] >= 0.95 * (s["upload_mb"] + s["broadcast_mb"]) * 8 / 2
+
+
+def test_plots_name_runs_short():
+    """psparse-report's plot labels: the policy with its arguments and density, or the
+    baseline (and its PowerSGD rank)."""
+    from psparse.analysis.report import short_label
+
+    assert short_label({}, {"policy": "vote", "policy_args": ["keep=1.5"], "density": 0.01}) \
+        == "vote keep=1.5, 1%"
+    assert short_label({}, {"policy": "topk", "policy_args": None, "density": 0.001}) == \
+        "topk, 0.1%"
+    assert short_label({"baseline": "powersgd"}, {"powersgd_rank": 2}) == "powersgd rank 2"

@@ -48,8 +48,21 @@ def load_run(run_dir: Path) -> dict:
     elif config.get("policy"):
         label += f" ({config['policy']})"
     recall = summarise(read_jsonl(run_dir / RECALL_FILE))  # --probe-recall runs only
-    return {"dir": run_dir, "label": label, "summary": summary, "config": config,
-            "metrics": metrics, "evals": evals, "union_k": union_k, "recall": recall}
+    return {"dir": run_dir, "label": label, "short": short_label(summary, config),
+            "summary": summary, "config": config, "metrics": metrics, "evals": evals,
+            "union_k": union_k, "recall": recall}
+
+
+def short_label(summary: dict, config: dict) -> str:
+    """A plot's name for a run: the baseline, or the policy with its arguments and the
+    density ("vote keep=1.5, 1%"); ``plot`` adds the run directory's name where two runs
+    would share one."""
+    if summary.get("baseline"):
+        rank = config.get("powersgd_rank")
+        return summary["baseline"] + (f" rank {rank}" if rank else "")
+    policy = " ".join([str(config.get("policy", "?")), *(config.get("policy_args") or [])])
+    density = config.get("density")
+    return policy + (f", {100 * density:g}%" if density is not None else "")
 
 
 def row(run: dict) -> dict:
@@ -117,16 +130,21 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    def figure(name, title, xlabel, ylabel, series, logy=False):
+    def figure(name, title, xlabel, ylabel, series, references=()):
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, x, y in series:
             # few points (sparse evaluations) get markers, or a single one would not show
             ax.plot(x, y, lw=1.2, label=label, marker="o" if len(x) < 30 else None, ms=4)
+        for y, text in references:  # horizontal guides, e.g. union/k's bounds
+            ax.axhline(y, color="0.5", lw=0.8, ls=":")
+            ax.annotate(text, (0.01, y), xycoords=("axes fraction", "data"), fontsize=7,
+                        color="0.4", va="bottom")
+        if references:  # room above the highest guide for its words
+            top = max([y for y, _ in references] + [max(y) for _, _, y in series if len(y)])
+            ax.set_ylim(0, 1.1 * top)
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        if logy:
-            ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -136,23 +154,48 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         written.append(path)
 
     window = max(1, min(len(r["metrics"]) for r in runs) // 50)
-    cost, unions, acc_it, acc_t = [], [], [], []
-    for r in runs:
+    names = [r["short"] for r in runs]
+    names = [f"{n} ({r['dir'].name})" if names.count(n) > 1 else n for n, r in zip(names, runs)]
+    fig, ax = plt.subplots(figsize=(7, 4))  # the send cost: pushes and broadcasts apart
+    for n, (name, r) in enumerate(zip(names, runs)):
         it = np.array([m["iter"] for m in r["metrics"]])
-        sent = np.array([m.get("allreduce_bytes", 0) + m.get("broadcast_bytes", 0)
-                         + m.get("upload_bytes", 0) for m in r["metrics"]]) / 1e6
-        cost.append((r["label"], it[window - 1:] if window > 1 else it, smooth(sent, window)))
+        x = it[window - 1:] if window > 1 else it
+        colour = f"C{n % 10}"
+        if r["summary"].get("baseline"):
+            ring = np.array([m.get("allreduce_bytes", 0) for m in r["metrics"]]) / 1e3
+            ax.plot(x, smooth(ring, window), color=colour, lw=1.2, label=f"{name}: ring")
+            continue
+        for key, style, what in (("upload_bytes", "-", "pushes"),
+                                 ("broadcast_bytes", "--", "broadcast")):
+            kb = np.array([m.get(key, 0) for m in r["metrics"]]) / 1e3
+            ax.plot(x, smooth(kb, window), color=colour, ls=style, lw=1.2,
+                    label=f"{name}: {what}")
+    ax.set_title("Send cost per iteration, all workers (solid: pushes, dashed: broadcast)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("KB per iteration")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "send_cost.png", dpi=90)
+    plt.close(fig)
+    written.append(out / "send_cost.png")
+    unions, acc_it, acc_t = [], [], []
+    for name, r in zip(names, runs):
+        it = np.array([m["iter"] for m in r["metrics"]])
         if r["union_k"].size:
-            unions.append((r["label"], it[window - 1:] if window > 1 else it,
+            unions.append((name, it[window - 1:] if window > 1 else it,
                            smooth(r["union_k"], window)))
         if r["evals"]:
-            acc_it.append((r["label"], [e["iter"] + 1 for e in r["evals"]],
+            acc_it.append((name, [e["iter"] + 1 for e in r["evals"]],
                            [100 * e["test_acc"] for e in r["evals"]]))
-            acc_t.append((r["label"], [e.get("time_s", np.nan) for e in r["evals"]],
+            acc_t.append((name, [e.get("time_s", np.nan) for e in r["evals"]],
                           [100 * e["test_acc"] for e in r["evals"]]))
-    figure("send_cost.png", "Bytes on the wire per iteration (pushes + broadcasts)",
-           "iteration", "MB per iteration", cost, logy=True)
-    figure("union_k.png", "Server broadcast size: union / k", "iteration", "union / k", unions)
+    # union/k lies between 1 (every worker chose the same k) and N (no two overlap)
+    worlds = sorted({r["summary"].get("world_size") for r in runs if r["union_k"].size} - {None})
+    figure("union_k.png", "Server broadcast size: union / k", "iteration", "union / k", unions,
+           references=[(1, "1: every worker agrees")] +
+           [(n, f"N = {n}: no overlap") for n in worlds])
     if acc_it:
         figure("accuracy_iterations.png", "Test accuracy", "iteration", "test accuracy (%)",
                acc_it)
