@@ -13,10 +13,20 @@ PSPARSE_RUNS = {
     "vote": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=1.5"],
     "topk-limit2k": ["--density", "0.01", "--policy", "topk", "--server-limit", "2k"],
 }
+# powersgd-r1/-r4: section 6's runs, compressed from iteration 2; the issue-38 peers, each as
+# users would run it: DDP's own fp16/bf16 compression hooks, and PowerSGD with the dense
+# warm-up torch advises (start_powerSGD_iter), on a grid of rank 2, 4 x warm-up 100, 1000
 PEER_RUNS = {
     "ddp": ["--baseline", "ddp", "--density", "1"],
-    "powersgd-r1": ["--baseline", "powersgd", "--powersgd-rank", "1", "--density", "1"],
-    "powersgd-r4": ["--baseline", "powersgd", "--powersgd-rank", "4", "--density", "1"],
+    "powersgd-r1": ["--baseline", "powersgd", "--powersgd-rank", "1", "--powersgd-warmup", "2",
+                    "--density", "1"],
+    "powersgd-r4": ["--baseline", "powersgd", "--powersgd-rank", "4", "--powersgd-warmup", "2",
+                    "--density", "1"],
+    "ddp-fp16": ["--baseline", "fp16", "--density", "1"],
+    "ddp-bf16": ["--baseline", "bf16", "--density", "1"],
+    **{f"powersgd-r{r}-w{w}": ["--baseline", "powersgd", "--powersgd-rank", str(r),
+                               "--powersgd-warmup", str(w), "--density", "1"]
+       for r in (2, 4) for w in (100, 1000)},
 }
 RUNS = {**PSPARSE_RUNS, **PEER_RUNS}
 

@@ -35,7 +35,7 @@ DEFAULT_BUCKET_MB = 0.1
 
 # Keys psparse-launch adds to config.json beside the options (which code made the run, which
 # baseline it trained); reading a config.json back skips them.
-RECORD_ONLY = ("provenance", "baseline", "powersgd_rank")
+RECORD_ONLY = ("provenance", "baseline", "powersgd_rank", "powersgd_warmup")
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from conftest import python_module, read_jsonl
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "60",
@@ -53,7 +54,8 @@ def test_powersgd_trains_a_model_of_several_buckets(tmp_path):
     from pathlib import Path
 
     summaries = {}
-    for name, extra in (("psgd", ["--baseline", "powersgd", "--powersgd-rank", "1"]),
+    for name, extra in (("psgd", ["--baseline", "powersgd", "--powersgd-rank", "1",
+                                  "--powersgd-warmup", "2"]),
                         ("ddp", ["--baseline", "ddp"])):
         r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name),
                                          *extra, "--workers", "3", "--model",
@@ -71,3 +73,36 @@ def test_powersgd_trains_a_model_of_several_buckets(tmp_path):
     # chance is 10% (digits: 10 classes); these 40 iterations reach 80.1% here and 79.8% with
     # MKL's and oneDNN's AVX2 kernels (one test image apart): the floor leaves room for others
     assert summaries["psgd"]["status"] == "ok" and summaries["psgd"]["test_acc"] > 0.6
+
+
+@pytest.mark.parametrize("baseline", ["fp16", "bf16"])
+def test_ddp_compression_hooks_halve_the_ring_and_train(tmp_path, baseline):
+    """--baseline fp16 / bf16: DDP with its own fp16_compress_hook / bf16_compress_hook; the
+    ring moves 2-byte floats (half of DDP's bytes) and the run trains as DDP's does (the same
+    first loss; chance is 10%)."""
+    for name, extra in (("ddp", ["--baseline", "ddp"]), (baseline, ["--baseline", baseline])):
+        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
+                                         *extra), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    ddp, half = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("ddp", baseline))
+    assert [r["allreduce_bytes"] for r in half] == [r["allreduce_bytes"] // 2 for r in ddp]
+    assert abs(ddp[0]["loss"] - half[0]["loss"]) < 1e-6
+    summary = json.loads((tmp_path / baseline / "summary.json").read_text())
+    assert summary["baseline"] == f"ddp-{baseline}-compress (gloo)" and summary["test_acc"] > 0.3
+
+
+def test_powersgd_allreduces_densely_through_its_warm_up(tmp_path):
+    """--powersgd-warmup 20: the first 20 iterations move DDP's dense ring, the rest
+    PowerSGD's factors."""
+    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), *RUN,
+                                     "--baseline", "powersgd", "--powersgd-rank", "1",
+                                     "--powersgd-warmup", "20"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    numel = 64 * 32 + 32 + 32 * 10 + 10
+    assert {r["allreduce_bytes"] for r in rows[:20]} == {2 * 2 * numel * 4}
+    assert len({r["allreduce_bytes"] for r in rows[20:]}) == 1
+    assert rows[20]["allreduce_bytes"] < rows[0]["allreduce_bytes"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["baseline"] == "powersgd-r1-warmup20 (gloo)"

@@ -97,8 +97,12 @@ def test_cluster_sweep_runs_parse_and_name_the_peers():
             parsed = build_parser().parse_args(["--out", "x", *spec["base"], *args])
             cfg = resolve_config(parsed)
             assert cfg.workers == cluster.WORKERS, name
-            if name.startswith("powersgd"):
-                assert parsed.baseline == "powersgd" and parsed.powersgd_rank == int(name[-1])
+            if name.startswith("powersgd"):  # powersgd-rR (warm-up 2) or powersgd-rR-wW
+                rank, _, warmup = name[len("powersgd-r"):].partition("-w")
+                assert parsed.baseline == "powersgd" and parsed.powersgd_rank == int(rank)
+                assert parsed.powersgd_warmup == (int(warmup) if warmup else 2)
+            if name.startswith("ddp-"):
+                assert parsed.baseline == name[len("ddp-"):]
 
 
 def test_cpu_per_iteration_leaves_out_evaluations():

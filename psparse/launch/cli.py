@@ -57,14 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
     _add_cluster_arguments(p)
-    p.add_argument("--baseline", choices=["ddp", "powersgd"], default=None,
+    p.add_argument("--baseline", choices=["ddp", "fp16", "bf16", "powersgd"], default=None,
                    help="train the same run with torch DistributedDataParallel (dense ring "
                         "allreduce, gloo on CPU / NCCL on GPU) instead of psparse, for "
-                        "comparison; powersgd: DDP with the PowerSGD comm hook (error feedback, "
-                        "warm start)")
+                        "comparison; fp16 / bf16: DDP with its fp16_compress_hook / "
+                        "bf16_compress_hook (the ring in 2-byte floats); powersgd: DDP with the "
+                        "PowerSGD comm hook (error feedback, warm start, a dense warm-up)")
     p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
                    help="with --baseline powersgd: the rank of PowerSGD's low-rank "
                         "approximation (default 4)")
+    p.add_argument("--powersgd-warmup", type=int, default=1000, metavar="ITERS",
+                   help="with --baseline powersgd: dense allreduce for the first ITERS "
+                        "iterations (torch's start_powerSGD_iter; default 1000, torch's "
+                        "own; at least 2)")
     p.add_argument("--master-addr", default=None,
                    help="with --baseline and --hostfile: the address of rank 0's host, where "
                         "the DDP ranks meet (port --port; default: that host's name)")
@@ -172,6 +177,7 @@ def prepare_run_dir(plan: Plan) -> None:
         record["baseline"] = plan.baseline
         if plan.baseline == "powersgd":
             record["powersgd_rank"] = plan.powersgd_rank
+            record["powersgd_warmup"] = plan.powersgd_warmup
     plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
@@ -348,6 +354,9 @@ def _check_baseline(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
                 "--overlap and --bucket-mb do not apply")
     if args.powersgd_rank < 1:
         p.error("--powersgd-rank must be at least 1")
+    if args.powersgd_warmup < 2:
+        p.error("--powersgd-warmup must be at least 2 (PowerSGD's error feedback and warm "
+                "start need one dense iteration first)")
 
 
 def main(argv=None) -> int:
@@ -373,7 +382,8 @@ def main(argv=None) -> int:
     out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     plan = Plan(cfg, out, out / "config.json", topology, token,
                 script=shlex.split(cfg.script) if cfg.script else None, baseline=args.baseline,
-                powersgd_rank=args.powersgd_rank, master_addr=args.master_addr,
+                powersgd_rank=args.powersgd_rank, powersgd_warmup=args.powersgd_warmup,
+                master_addr=args.master_addr,
                 resume=args.resume is not None,
                 rendezvous_port=free_port() if (args.baseline or args.script)
                 and not (args.hostfile or args.slurm) else 0)

@@ -8,7 +8,7 @@ own choosing). Topologies:
 * ``--hostfile``: servers forked here (or, with ``--server-hosts``, shard I started on the I-th
   host through ``--rsh``), workers started through ``--rsh`` on the hosts' slots;
 * ``--slurm``: servers here, the workers through one ``srun``;
-* ``--baseline ddp|powersgd``: no server, DDP ranks (forked here, or through ``--rsh``).
+* ``--baseline ddp|fp16|bf16|powersgd``: no server, DDP ranks (forked here, or through ``--rsh``).
 
 A user's TRAIN.PY replaces the built-in worker loop in every topology, with torchrun's
 environment (``script_env``).
@@ -74,8 +74,9 @@ class Plan:
     topology: Topology
     token: str
     script: list[str] | None = None  # [TRAIN.PY, ARGS...]: the user's loop
-    baseline: str | None = None  # "ddp" or "powersgd": torch DDP instead of psparse
+    baseline: str | None = None  # ddp, fp16, bf16 or powersgd: torch DDP instead of psparse
     powersgd_rank: int = 4
+    powersgd_warmup: int = 1000  # dense iterations before PowerSGD compresses
     master_addr: str | None = None
     resume: bool = False
     rendezvous_port: int = 0  # a local baseline's or script's: where DDP ranks meet (free port)
@@ -201,7 +202,8 @@ class Plan:
         return specs
 
     def _baseline_flags(self) -> list[str]:
-        return ["--baseline", self.baseline, "--powersgd-rank", str(self.powersgd_rank)]
+        return ["--baseline", self.baseline, "--powersgd-rank", str(self.powersgd_rank),
+                "--powersgd-warmup", str(self.powersgd_warmup)]
 
     def _baseline_ranks(self) -> list[Spec]:
         """DDP ranks: forked here around a local rendezvous, or through --rsh on the hostfile's

@@ -97,7 +97,10 @@ class AllreduceExchange:
         self.batches_per_epoch, self.out, self.backend = batches_per_epoch, out, backend
         self.is_evaluator = rank == 0
         self.numel = numel
-        self.ring_bytes = int(2 * (self.world - 1) / self.world * 4 * numel * self.world)
+        # what the ring moves in iteration it, all workers (train() sets it for the hooks
+        # that compress: half for fp16/bf16, PowerSGD's factors after its dense warm-up)
+        self.ring_bytes_at = lambda it: ring_allreduce_bytes(self.world, self.numel)
+        self.ring_total = 0
         self.timer: TimedHook | None = None  # set by train(): the split of each iteration
         self.baseline = "ddp"
         self.times = {"compute_s": 0.0, "select_s": 0.0, "wait_s": 0.0}
@@ -120,10 +123,12 @@ class AllreduceExchange:
                      "select_s": select, "wait_s": wait}
             for key, value in split.items():
                 self.times[key] += value
+        ring = self.ring_bytes_at(self.iteration)
+        self.ring_total += ring
         if self.metrics:
             self.metrics.write(json.dumps({
                 "iter": self.iteration, "workers": self.world,
-                "allreduce_bytes": self.ring_bytes, "loss": mean_loss.item() / self.world,
+                "allreduce_bytes": ring, "loss": mean_loss.item() / self.world,
                 **{k: round(v, 6) for k, v in split.items()},
                 "round_s": round(now - self.t_round, 6), "time_s": round(now - self.t0, 6)})
                 + "\n")
@@ -152,15 +157,15 @@ class AllreduceExchange:
             **{k: round(v, 4) for k, v in self.times.items()}}, indent=2))
         if self.rank != 0:
             return
-        iterations, world, ring = self.iterations, self.world, self.ring_bytes
+        iterations, world, total = self.iterations, self.world, self.ring_total
         write_json(self.out / SUMMARY_FILE, {
             "status": "ok", "error": None, "baseline": f"{self.baseline} ({self.backend})",
             "world_size": world, "numel": self.numel, "k": self.numel,
             "iterations": iterations, "wall_s": round(wall, 3),
             "iterations_per_s": round(iterations / wall, 3),
             "union_over_k_mean": None, "union_over_k_max": None,
-            "upload_mb": round(iterations * ring / 2e6, 4),
-            "broadcast_mb": round(iterations * ring / 2e6, 4),
+            "upload_mb": round(total / 2e6, 4),
+            "broadcast_mb": round(total / 2e6, 4),
             "dense_mb": round(iterations * 2 * world * self.numel * 4 / 1e6, 4),
             "allreduce_mb": round(iterations * ring_allreduce_bytes(world, self.numel) / 1e6, 4),
             "final_loss": None, "test_acc": self.last_eval["test_acc"],
@@ -170,8 +175,13 @@ class AllreduceExchange:
         self.evals.close()
 
 
+BASELINES = ("ddp", "fp16", "bf16", "powersgd")
+POWERSGD_WARMUP = 1000  # torch's start_powerSGD_iter default: dense allreduce before it
+
+
 def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp",
-          powersgd_rank: int = 4, master_addr: str | None = None) -> int:
+          powersgd_rank: int = 4, master_addr: str | None = None,
+          powersgd_warmup: int = POWERSGD_WARMUP) -> int:
     world = cfg.workers
     data, shard, model, _, device = setup(cfg, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -191,19 +201,24 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
         ddp = DistributedDataParallel(model, bucket_cap_mb=model_mib + 1)
     else:
         ddp = DistributedDataParallel(model)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     if baseline == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        # compression from iteration 2 (torch's minimum with error feedback), not its default
-        # 1000: the comparison is PowerSGD's own training, not DDP's for its first 1000 steps
+        # a dense allreduce for the first powersgd_warmup iterations (torch's guidance and
+        # default, 1000; at least 2 with error feedback), compressed from then on
         state = powersgd.PowerSGDState(process_group=None,
                                        matrix_approximation_rank=powersgd_rank,
-                                       start_powerSGD_iter=2, use_error_feedback=True,
-                                       warm_start=True, random_seed=cfg.seed)
+                                       start_powerSGD_iter=powersgd_warmup,
+                                       use_error_feedback=True, warm_start=True,
+                                       random_seed=cfg.seed)
         timer = TimedHook(powersgd.powerSGD_hook, state)
+    elif baseline in ("fp16", "bf16"):  # DDP's own compression: the bucket cast for the ring
+        hook = default_hooks.fp16_compress_hook if baseline == "fp16" else \
+            default_hooks.bf16_compress_hook
+        timer = TimedHook(hook, None)
     else:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         timer = TimedHook(default_hooks.allreduce_hook, None)  # what DDP does by default
     ddp.register_comm_hook(None, timer)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -213,11 +228,19 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,
                                  backend)
     exchange.timer = timer
-    exchange.baseline = baseline if baseline == "ddp" else f"powersgd-r{powersgd_rank}"
-    if baseline == "powersgd":  # the ring moves PowerSGD's factors, not the gradient
+    exchange.baseline = {"ddp": "ddp", "fp16": "ddp-fp16-compress",
+                         "bf16": "ddp-bf16-compress"}.get(
+        baseline, f"powersgd-r{powersgd_rank}-warmup{powersgd_warmup}")
+    dense = ring_allreduce_bytes(world, numel)
+    if baseline in ("fp16", "bf16"):  # 2 bytes an entry on the ring
+        exchange.ring_bytes_at = lambda it: dense // 2
+    elif baseline == "powersgd":  # the ring moves PowerSGD's factors after the warm-up
         entries = sum(powersgd_sizes([tuple(p.shape) for p in model.parameters()
                                       if p.requires_grad], powersgd_rank))
-        exchange.ring_bytes = int(2 * (world - 1) / world * 4 * entries * world)
+        compressed = int(2 * (world - 1) / world * 4 * entries * world)
+        exchange.ring_bytes_at = lambda it: dense if it < powersgd_warmup else compressed
+    if rank == 0:  # the process group and DDP are up: training starts (experiments/cluster.py)
+        exchange.say(f"process group ready: {world} ranks, baseline {exchange.baseline}")
     train_loop(cfg, exchange, model, opt, shard, data, device, forward=ddp)
     # No destroy_process_group(): with gloo it can hang when the other ranks are already
     # leaving (seen once in CI); the process ends right after, which releases everything.
@@ -231,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="the process group's TCP port")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--baseline", choices=["ddp", "powersgd"], default="ddp")
+    p.add_argument("--baseline", choices=BASELINES, default="ddp")
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-warmup", type=int, default=POWERSGD_WARMUP)
     p.add_argument("--master-addr", default=None,
                    help="rank 0's host, where the ranks meet (default $MASTER_ADDR, else "
                         "127.0.0.1)")
@@ -243,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args, cfg = parse_with_config(build_parser(), argv)
     return train(cfg, args.rank, args.port, args.out, args.baseline, args.powersgd_rank,
-                 args.master_addr)
+                 args.master_addr, args.powersgd_warmup)
 
 
 if __name__ == "__main__":
