@@ -162,3 +162,22 @@ def test_slurm_helpers():
     assert "--rank" not in cmd and cmd[cmd.index("--connect") + 1] == "node-a:5555"
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST is not set"):
         cluster.slurm_nodes({})
+
+
+def test_processes_started_alone_load_their_kernels_before_the_first_round(tmp_path):
+    """--hostfile: every worker and the server (neither forked from a warm launcher) load the
+    compiled kernels they run at start-up, says how long it took, and does so
+    before registering, so round 1 does not pay for them (issue 38's cold start). A model of
+    20,000 parameters: above SMALL, so its calls run compiled."""
+    proc = _hostfile_run(tmp_path, "localhost slots=3\n", "--model", "synthetic",
+                         "--model-arg", "numel=20000", "--iterations", "5", "--eval-every", "0",
+                         "--timeout", "30")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    for name in ("rank-0", "rank-1", "rank-2"):
+        log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+        loaded = log.index("CPU kernels (select_kernels, codec_kernels) loaded in")
+        assert loaded < log.index("registered: numel=20000"), log
+    server = (tmp_path / "run" / "logs" / "server.log").read_text()
+    assert server.index("CPU kernels (agg_kernels, codec_kernels) loaded in") < \
+        server.index("3 workers registered"), server

@@ -206,6 +206,28 @@ def _stamp() -> str:
                      + [f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files])
 
 
+def preload(modules: tuple[str, ...], entries: int, say=None) -> float | None:
+    """Before a process's first round: load (or compile) the kernels it will run, so that
+    round 1 does not pay for them (on a host with a sixth of a core, ~2.6 s), and say how
+    long it took. Only in a process started alone (a ``--hostfile``, ``--slurm`` or torchrun
+    worker, a ``psparse-server``): children forked by ``psparse-launch`` have numba from the
+    launcher already and load a kernel in ~5 ms as they first run it. Nothing for a run whose
+    calls stay below ``SMALL`` entries (they run the numpy references: no numba at all) or
+    with ``PSPARSE_CPU_KERNELS=numpy``. Seconds taken, or None when nothing was loaded.
+    ``modules``: kernel modules by short name (``select_kernels``, ``agg_kernels``,
+    ``codec_kernels``)."""
+    if REFERENCE or entries < SMALL or "numba" in sys.modules:
+        return None
+    t = time.perf_counter()
+    for name in modules:
+        importlib.import_module(f"psparse.cpu.{name}").warm_up()
+    seconds = time.perf_counter() - t
+    if say is not None:
+        say(f"CPU kernels ({', '.join(modules)}) loaded in {seconds:.2f} s, before the first "
+            "round")
+    return seconds
+
+
 def prepare() -> None:
     """Before forking: compile every kernel unless the cache's stamp says it holds them all,
     else start numba only; each child then loads what it runs (the module docstring)."""

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import checkpoint
 from ..config import bucket_refusal, parse_limit
+from ..cpu import jit
 from ..rundir import PORT_FILE, SUMMARY_FILE, write_atomic
 from ..wire import keyranges, protocol
 from ..wire.protocol import ProtocolError
@@ -190,6 +191,9 @@ class Server:
                              aggregators=[Aggregator(hi - lo, self.dev) for lo, hi in spans],
                              parts=parts, limit=self.limit, shard=self.shard)
         members.start_training(self.iterations)
+        # the sums and the codec's kernels, before any worker is told to start (round 1 on a
+        # host with a sixth of a core would otherwise pay seconds for them)
+        jit.preload(("agg_kernels", "codec_kernels"), self.numel, self.log)
         for rank in sorted(members.expected):
             endpoint.send(members.rank_peer[rank], protocol.encode(
                 "ready", world_size=self.world_size, start=self.start, run=run,

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
+from ..cpu import jit
 from ..cpu.sparsify import density_to_k
 from ..gpu.devices import device_backend
 from ..policies import Layout, PolicyError, build_policy
@@ -201,6 +202,10 @@ class Session(lifecycle.LoopControl, Checkpointed):
     # ------------------------------------------------------------------------- registration
     def register(self) -> None:
         """Join the run: every worker registered and agreed (the server checks) or an error."""
+        if self.dev is None:  # the host's kernels, before the first round (psparse/cpu/jit.py)
+            jit.preload(("select_kernels", "codec_kernels") +
+                        (("agg_kernels",) if self.cfg.servers > 1 else ()),
+                        self.net.numel, self.say)
         self.client.register(self.describe_run(), self.net.checksum(), self.start)
         lifecycle.opened(self)  # a script that ends without close() is told so
         self.say(f"registered: numel={self.net.numel} k={self.k} "
