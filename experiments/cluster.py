@@ -44,18 +44,26 @@ def emulated_cluster(rate: str, cpus: float = HOST_CPUS, pin: bool = True) -> Em
     return EmulatedCluster(CLUSTER, WORKERS + 1, rate, cpus, pin)
 
 
+# When training starts, the same event for both: every worker is connected and the first
+# iteration has not begun (psparse's server: every worker registered; DDP's rank 0: its process
+# group and DDP wrapper are up). Both runs' clocks (metrics.jsonl's time_s) start there too.
+TRAINING_STARTS = {"server.log": "workers registered", "rank-0.log": "process group ready"}
+
+
 def quota_when_training(out: Path, hosts: EmulatedCluster, quota_us: int,
                         done: threading.Event) -> None:
     """Start-up (8 torch imports, data loading) runs unthrottled: at 2/9 of a core each it
     takes minutes and is not part of any measured time. The CPU shares apply from the moment
-    training starts: the psparse server has every worker registered, or DDP's rank 0 wrote its
-    first iteration."""
-    log = out / "logs" / "server.log"
+    training starts (``TRAINING_STARTS``), for psparse and DDP at the same event, so both
+    first iterations (the cold start, reported apart) run on the hosts' shares. (Before issue
+    38 DDP's quota waited for its first iteration, which so ran on whole cores.)"""
+    logs = out / "logs"
     while not done.is_set():
-        if (log.is_file() and "workers registered" in log.read_text(errors="replace")) or \
-                ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size):
-            hosts.set_cpu_quota(quota_us)
-            return
+        for name, marker in TRAINING_STARTS.items():
+            log = logs / name
+            if log.is_file() and marker in log.read_text(errors="replace"):
+                hosts.set_cpu_quota(quota_us)
+                return
         time.sleep(0.05)
 
 

@@ -97,6 +97,9 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
     worker_links = [links[f"h{i}"] for i in range(1, WORKERS + 1)]
     row.update(
         code_id=run.code_id(), iterations=iters,
+        # the first iteration, cold (its kernels' and buffers' first use), from the clock's
+        # start: every worker connected (psparse: registered; DDP: its process group ready)
+        first_iteration_ms=1e3 * metrics[0]["time_s"],
         ms_per_iteration=1e3 * summary["wall_s"] / iters, median_ms=median_ms,
         compute_ms=split["compute_s"], select_ms=split["select_s"], wait_ms=split["wait_s"],
         server_link_mb={k: links["h0"][k] / 1e6 for k in ("rx_bytes", "tx_bytes")},
@@ -175,7 +178,8 @@ def table(model: str, rows: list[dict], commit: str) -> str:
              "worker's for its exchange (its CPU less its compute's). Models against the "
              "median iteration: link only (compute + bytes / rate) and with the CPU terms "
              "(psparse/analysis/costmodel.py).", ""]
-    header = ["rate", "run", "ms/it mean", "ms/it median", "compute", "select", "wait",
+    header = ["rate", "run", "first it. ms", "ms/it mean", "ms/it median", "compute", "select",
+              "wait",
               "server link MB in/out", "worker link MB in/out", f"s to {100 * target:g}%",
               f"s to {100 * target:g}% net of evaluations", f"s to {100 * second:g}% net",
               "final acc %", "server CPU ms", "worker exch. CPU ms", "model link only", "error",
@@ -183,7 +187,7 @@ def table(model: str, rows: list[dict], commit: str) -> str:
     body = []
     for r in rows:
         if "failed" in r:
-            body.append([r["rate"], r["run"], f"failed: {str(r['failed'])[:80]}"] + [""] * 15)
+            body.append([r["rate"], r["run"], f"failed: {str(r['failed'])[:80]}"] + [""] * 16)
             continue
         net2 = r["to_target"][f"{second:g}"]["train_time_to_target_s"]
         to_target = [f"{r['time_to_target_s']:.1f}", f"{r['train_time_to_target_s']:.1f}"] \
@@ -192,7 +196,9 @@ def table(model: str, rows: list[dict], commit: str) -> str:
             if "model_error" in r else ["-", "-"]
         model = [f"{r['predicted_ms']:.1f}", f"{r['model_error']:+.1%}"] \
             if "model_error" in r else ["-", "-"]
-        body.append([r["rate"], r["run"], f"{r['ms_per_iteration']:.1f}", f"{r['median_ms']:.1f}",
+        first = f"{r['first_iteration_ms']:.0f}" if "first_iteration_ms" in r else "-"
+        body.append([r["rate"], r["run"], first, f"{r['ms_per_iteration']:.1f}",
+                     f"{r['median_ms']:.1f}",
                      f"{r['compute_ms']:.1f}", f"{r['select_ms']:.1f}", f"{r['wait_ms']:.1f}",
                      f"{r['server_link_mb']['rx_bytes']:.1f} / "
                      f"{r['server_link_mb']['tx_bytes']:.1f}",
