@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -71,6 +71,10 @@ exp-low-density: install data
 # recall of the global top-k (experiments/partitions.py)
 exp-partitions: install data
 	$(PY) -m experiments.partitions
+
+# issue 39: value formats (bf16, int8, int4) with error feedback at both ends, against fp32
+exp-values: install data
+	$(PY) -m experiments.values
 
 exp-%: install data
 	$(PY) -m experiments.run $*

@@ -105,6 +105,22 @@ class RunConfig:
     memory_beta: float | None = option(None,
         "with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain error "
         f"feedback (default: {SCALECOM_BETA})")
+    # What each sent value costs: its format on the wire (docs/protocol.md, "Value formats").
+    # Not in the run's config: the run description's "values" field carries it (so a float32
+    # run's description is what it always was), and every worker must agree on it.
+    values: str = option("fp32",
+        "format of every pushed and broadcast value: fp32 (4 bytes), bf16 or fp16 (2), int8 "
+        "(1, plus a float32 scale per --value-block values) or int4 (1/2, the same scales); "
+        "what rounding takes from a push goes back into the worker's accumulator, and the "
+        "server keeps the broadcast's rounding error for the next round (docs/api.md, Value "
+        "formats)", agreed=False)
+    value_block: int = option(128,
+        "with --values int8/int4: values per float32 scale (larger: fewer scale bytes, a "
+        "coarser scale for small values)", agreed=False)
+    no_broadcast_memory: bool = option(False,
+        "with --values other than fp32: the server drops the broadcast's rounding error "
+        "instead of adding it into the next round's aggregate (to measure what that memory "
+        "buys)", agreed=False)
     clip_norm: float | None = option(None,
         "clip each local gradient to this L2 norm before accumulating (default: no "
         "clipping)")
@@ -226,6 +242,7 @@ class RunConfig:
                                           and 0 < self.memory_beta <= 1),
              f"memory-beta must be in (0, 1] (1: plain error feedback; ScaleCom's filter "
              f"smooths the memory over about 1/beta rounds), got {self.memory_beta!r}")
+        self._check_values()
         need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")
         need(self.density_warmup >= 0, "density-warmup must be >= 0 (epochs)")
         need(self.policy_args is None or all(isinstance(a, str) and "=" in a
@@ -283,6 +300,26 @@ class RunConfig:
                 check_shardable(self)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+    def _check_values(self) -> None:
+        """--values, --value-block, --no-broadcast-memory."""
+        from .wire.values import ValueFormat
+        try:
+            ValueFormat.named(self.values, self.value_block)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        need(not self.no_broadcast_memory or self.values != "fp32",
+             "no-broadcast-memory is for rounded values (--values bf16, fp16, int8 or int4): "
+             "fp32 broadcasts have no rounding error to keep")
+
+    def value_spec(self) -> dict | None:
+        """The run description's ``values`` field (None for fp32: the field is left out)."""
+        if self.values == "fp32":
+            return None
+        from .wire.values import ValueFormat
+        fmt = ValueFormat.named(self.values, self.value_block)
+        return {"dtype": fmt.dtype, "block": fmt.block,
+                "server_memory": not self.no_broadcast_memory}
 
     def _check_buckets(self) -> None:
         """--overlap / --bucket-mb: buckets of layers exchanged as parts of a round (docs/api.md,

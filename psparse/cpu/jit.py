@@ -134,8 +134,9 @@ def warm_up(say=None) -> dict[str, float]:
     module is compiled or loaded under its lock in the cache, and a process takes first the
     modules no other holds, then loads the rest from the cache once their holder is done. On
     2 cores: 41 s (select_kernels' compile) instead of 74 s (all three, in both processes)."""
-    from . import agg_kernels, codec_kernels, select_kernels
-    pending = [select_kernels, agg_kernels, codec_kernels]  # the longest compile first
+    from . import agg_kernels, codec_kernels, select_kernels, value_kernels
+    # the longest compile first
+    pending = [select_kernels, agg_kernels, codec_kernels, value_kernels]
     times = {}
     while pending:
         module, lock = _take_module(pending)
@@ -201,7 +202,7 @@ def _stamp() -> str:
     from llvmlite import binding
     here = Path(__file__).resolve().parent
     files = [here / name for name in ("agg_kernels.py", "codec_kernels.py", "select_kernels.py",
-                                         "numba_jit.py")]
+                                         "value_kernels.py", "numba_jit.py")]
     return "\n".join([numba.__version__, binding.get_host_cpu_name()]
                      + [f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files])
 

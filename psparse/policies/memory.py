@@ -165,6 +165,23 @@ class Memory:
             self.accumulator *= np.float32(self.beta)
             self.filtered += self.accumulator
 
+    def feed_back(self, indices: np.ndarray, error: np.ndarray) -> None:
+        """What rounding took from the values just pushed at ``indices`` (value minus what the
+        server decodes, ``--values``) goes back into the memory, as if it had not been sent:
+        the accumulator gains it (``residual``, ``dgc``: the velocity stays masked), and for
+        ``scalecom`` the filtered memory gains beta times it (r_t holds it, and m_{t+1} =
+        (1 - beta) m_t + beta r_t). On the device the error is uploaded, one host-to-device
+        copy per push (nothing is read back)."""
+        if indices.size == 0:
+            return
+        xp = self.dev.xp if self.dev is not None else np
+        indices = xp.asarray(np.asarray(indices, dtype=np.int64))
+        error = xp.asarray(np.asarray(error, dtype=np.float32))
+        if self.filtered is not None:  # the indices of one push are distinct: no add.at
+            self.filtered[indices] += np.float32(self.beta) * error
+        else:
+            self.accumulator[indices] += error
+
     @property
     def optimizer_momentum_applies(self) -> bool:
         """False for DGC: momentum is applied locally, so the optimizer must not add more."""

@@ -16,6 +16,8 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 * ``Aggregator.goes_dense`` / ``densify``: the dense switch at the model's natural index size.
 * ``ServerLimit``: ``--server-limit``, a cap on the entries broadcast per round that loses
   nothing.
+* ``BroadcastMemory``: with ``--values`` other than fp32, the broadcast's rounding error, kept
+  and added into the next round's aggregate where it broadcasts again.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from ..cpu.jit import REFERENCE, LazyModule, Reusable, address_table, compiled
 from ..cpu.selection import NonFiniteError
 from ..gpu.device_aggregation import DeviceAggregator
 from ..wire.protocol import dense_is_smaller, index_dtype_for
+from ..wire.values import FP32, ValueFormat
 from ..xp import cupy_or_none
 
 agg_kernels = LazyModule("psparse.cpu.agg_kernels")
-__all__ = ["Aggregator", "BudgetError", "ServerLimit", "array_module_for"]
+__all__ = ["Aggregator", "BroadcastMemory", "BudgetError", "ServerLimit", "array_module_for"]
 
 
 class BudgetError(ValueError):
@@ -61,8 +64,9 @@ class Aggregator:
     only by a dense push. Results always come back as host (numpy) arrays.
     """
 
-    def __init__(self, numel: int, dev=None):
+    def __init__(self, numel: int, dev=None, value_format: ValueFormat = FP32):
         self.numel = numel
+        self.value_format = value_format  # the run's --values: where the dense switch lies
         # on a device (--server-device cuda): psparse.gpu.device_aggregation, bit for bit the host
         self._device = DeviceAggregator(numel, dev) if dev is not None else None
         self._accumulator = None
@@ -199,8 +203,8 @@ class Aggregator:
 
     def goes_dense(self, count: int) -> bool:
         """The dense switch: ``count`` (index, value) pairs at the natural index size are larger
-        than all numel values."""
-        return dense_is_smaller(count, self.numel, self.index_dtype)
+        than all numel values (in the run's value format)."""
+        return dense_is_smaller(count, self.numel, self.index_dtype, self.value_format)
 
     def densify(self, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
         """The whole vector: ``values`` at ``indices``, zero elsewhere (a buffer reused by every
@@ -284,6 +288,59 @@ class ServerLimit:
         agg_kernels.partition_kept(candidates, values, kept, kept_index, kept_value,
                                    self.support, self.residual)
         return kept_index, kept_value
+
+
+class BroadcastMemory:
+    """The server's error memory for rounded broadcasts (``--values``; DoubleSqueeze's server
+    memory, Tang et al. 2019), over the ``numel`` keys one server holds.
+
+    A broadcast sends R(a + e) at its indices, where a is the round's aggregate (after the size
+    limit), e this memory there and R the value format's rounding, in the layout of the frame
+    (sparse or dense); then e = (a + e) - R(a + e) there. Entries elsewhere keep their error
+    until their index is broadcast again, so the broadcast's size does not change.
+    Invariant (``keep``): sum over rounds of the aggregates = sum of the broadcasts + memory.
+    Without ``keep`` (``--no-broadcast-memory``) the error is dropped. With ``--server-limit``
+    this is a second memory beside the limit's: the limit holds back whole entries, this one
+    the rounding error of those sent (docs/api.md, Value formats)."""
+
+    def __init__(self, numel: int, value_format: ValueFormat, keep: bool = True):
+        self.value_format = value_format
+        self.residual = np.zeros(numel, dtype=np.float32) if keep else None
+
+    def sparse(self, indices: np.ndarray, values: np.ndarray, offset: int = 0) -> np.ndarray:
+        """The values to broadcast at ``indices`` (+ ``offset``: a part's first key)."""
+        if self.residual is None:
+            return self.value_format.round(values)
+        keys = np.asarray(indices, dtype=np.int64) + offset
+        target = values + self.residual[keys]
+        sent = self.value_format.round(target)
+        self.residual[keys] = target - sent
+        return sent
+
+    def dense(self, indices: np.ndarray, values: np.ndarray, vector: np.ndarray,
+              offset: int = 0) -> np.ndarray:
+        """The whole ``vector`` to broadcast (``values`` at ``indices``, zero elsewhere: the
+        layout a dense frame rounds in), rounded."""
+        keys = np.asarray(indices, dtype=np.int64) + offset
+        if self.residual is not None:
+            vector[indices] += self.residual[keys]
+        sent = self.value_format.round(vector)
+        if self.residual is not None:
+            self.residual[keys] = vector[indices] - sent[indices]
+        return sent
+
+    def state(self) -> dict:
+        """The memory's nonzero entries (a checkpoint's)."""
+        # (by bits: a -0.0 is kept too, so a resumed run rounds exactly as the one it resumes)
+        support = np.flatnonzero(self.residual.view(np.uint32)) \
+            if self.residual is not None else np.empty(0, np.int64)
+        return {"support": support, "values": self.residual[support]
+                if self.residual is not None else np.empty(0, np.float32)}
+
+    def restore(self, state: dict) -> None:
+        if self.residual is not None:
+            self.residual[:] = 0.0
+            self.residual[state["support"]] = state["values"]
 
 
 def top_k(x: np.ndarray, k: int, nonnegative: bool = False) -> np.ndarray:

@@ -26,6 +26,7 @@ class Endpoint:
         self.channel, self.members, self.log = channel, members, log
         self.records = records  # counts the rejected messages
         self.timeout = timeout
+        self.last_value_bytes = 0  # the last broadcast's value frames, summed over workers
         self.heartbeat_s = timeout / 5  # several beats fit in one timeout
         self.patience = 10  # a wait ends after 10 x timeout even if everyone heartbeats
         self.link: Pacer | None = None  # --bandwidth emulation of the server's link
@@ -210,6 +211,9 @@ class Endpoint:
                                     cache=self.caches[r if part is None else (r, part)],
                                     shared=shared, **fields) for r in ranks]
         self.pace(sum(wire_bytes(m) for m in messages))
+        # the value frames' share of it (metrics.jsonl's index/value split)
+        self.last_value_bytes = sum(memoryview(m[2]).nbytes for m in messages) \
+            if msg_type in protocol.SPARSE_TYPES else 0
         return sum(self.send(self.members.rank_peer[r], m, it=fields.get("iter"))
                    for r, m in zip(ranks, messages))
 

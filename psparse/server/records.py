@@ -34,7 +34,7 @@ from ..wire.keyranges import shard_dir
 # iter, workers, budget, loss (the same on every shard), k (per worker: summed over shards),
 # dense (any shard), round_s and time_s (the slowest shard), and "shards" (per-shard bytes).
 MERGED_SUM_FIELDS = ("union", "broadcast_entries", "residual_entries", "upload_bytes",
-                     "broadcast_bytes")
+                     "broadcast_bytes", "upload_value_bytes", "broadcast_value_bytes")
 
 
 def figures(record: dict) -> tuple[float, float, float | None]:
@@ -66,7 +66,8 @@ class Records:
     def __init__(self, out_dir: Path | None):
         self.out_dir = out_dir
         self.rounds: list[tuple] = []  # each iteration's figures (resumed ones too)
-        self.totals = {"upload_bytes": 0, "broadcast_bytes": 0}
+        self.totals = {"upload_bytes": 0, "broadcast_bytes": 0, "upload_value_bytes": 0,
+                       "broadcast_value_bytes": 0}
         self.finals: dict[int, dict] = {}
         self.last_eval: dict | None = None
         self.rejected = 0
@@ -96,6 +97,8 @@ class Records:
         """One iteration's record: into the totals and metrics.jsonl."""
         self.totals["upload_bytes"] += record["upload_bytes"]
         self.totals["broadcast_bytes"] += record["broadcast_bytes"]
+        for key in ("upload_value_bytes", "broadcast_value_bytes"):
+            self.totals[key] = self.totals.get(key, 0) + record[key]
         self.totals["train_s"] = record["time_s"]
         self.rounds.append(figures(record))
         if self._metrics:
@@ -160,6 +163,9 @@ class Records:
             "pushed_k_mean": derived["pushed_k_mean"],
             "upload_mb": round(t["upload_bytes"] / 1e6, 4),
             "broadcast_mb": round(t["broadcast_bytes"] / 1e6, 4),
+            # of which value frames (the rest: index frames and headers)
+            "upload_value_mb": round(t.get("upload_value_bytes", 0) / 1e6, 4),
+            "broadcast_value_mb": round(t.get("broadcast_value_bytes", 0) / 1e6, 4),
             "dense_mb": round(done * dense_round / 1e6, 4),
             "allreduce_mb": round(done * ring_allreduce_bytes(world_size, numel) / 1e6, 4),
             "final_loss": derived["final_loss"],
@@ -245,12 +251,16 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
     out["train_iterations_per_s"] = pace(done, out["train_s"])
     for key in ("union_over_k_mean", "union_over_k_max", "pushed_k_mean"):
         out[key] = derived[key]
-    for key in ("upload_mb", "broadcast_mb", "dense_mb", "allreduce_mb"):
+    for key in ("upload_mb", "broadcast_mb", "upload_value_mb", "broadcast_value_mb",
+                "dense_mb", "allreduce_mb"):
         out[key] = round(sum(s[key] for s in summaries), 4)
     out["rejected_messages"] = sum(s["rejected_messages"] for s in summaries)
     limits = [s["server_limit"] for s in summaries]
     out["server_limit"] = None if limits[0] is None else {
         "spec": limits[0]["spec"], "held_back": sum(s["held_back"] for s in limits)}
+    if summaries[0].get("values") is not None and summaries[0]["values"]["held_l1"] is not None:
+        out["values"] = {**summaries[0]["values"], "held_l1": round(sum(
+            s["values"]["held_l1"] for s in summaries), 6)}
     out.pop("shard", None)
     out.pop("key_range", None)
     out["shards"] = [{"shard": i, "key_range": s["key_range"], "upload_mb": s["upload_mb"],

@@ -33,12 +33,15 @@ class Rounds:
     """Serves the iterations of one agreed run (built at registration)."""
 
     def __init__(self, *, endpoint, records, members, run: dict, aggregators: list, parts,
-                 limit, shard: tuple[int, int]):
+                 limit, shard: tuple[int, int], value_memory=None):
         self.endpoint, self.records, self.members = endpoint, records, members
         self.run = run
         self.parts = parts  # None: whole-model rounds (one part, no "part" field)
         self.aggregators = aggregators  # one per part
         self.limit = limit
+        # --values: the broadcasts' format and their rounding error (None: float32 values)
+        self.value_memory = value_memory
+        self.value_format = aggregators[0].value_format
         self.shard = shard
         self.sharded = shard[1] > 1
         self.closing: set[int] = set()  # ranks whose final report came instead of a round
@@ -49,13 +52,14 @@ class Rounds:
         Stopping): none, or the round was the last."""
         t_start = time.perf_counter()
         step = run_description.step_at(self.run, it)  # (budget, push cap, proposal cap), once
-        upload = broadcast = 0
+        upload = broadcast = upload_values = 0
         proposed = proposal_counts = None
         if self.run["two_phase"]:
             proposals, nbytes = self.collect_one(it, "propose", step)
             self._check_closing(it, proposals)
             proposal_counts = [int(proposals[r]["count"]) for r in sorted(proposals)]
             upload += nbytes
+            upload_values += sum(m.extra["value_bytes"] for m in proposals.values())
             self.endpoint.pace(nbytes)
             broadcast, proposed = self._vote(it, step, [proposals[r] for r in sorted(proposals)])
         count = 1 if self.parts is None else len(self.parts) - 1
@@ -64,7 +68,7 @@ class Rounds:
         # of the round being in by then); stop: the ranks whose push asked to end the run
         totals = {"upload": upload, "broadcast": broadcast, "union": 0, "sent": 0,
                   "residual": 0, "dense": False, "overflow": False, "open": count,
-                  "stop": set()}
+                  "stop": set(), "upload_values": upload_values, "broadcast_values": 0}
 
         def on_push(msg, nbytes):
             part = msg.get("part") or 0
@@ -72,6 +76,7 @@ class Rounds:
             if msg.get("stop"):
                 totals["stop"].add(msg["rank"])
             totals["upload"] += nbytes
+            totals["upload_values"] += msg.extra["value_bytes"]
             self.endpoint.pace(nbytes)
             if self.parts is not None and not self.members.active - set(got[part]):
                 self._aggregate_part(it, step, part, got[part], totals)  # broadcast at once
@@ -99,6 +104,8 @@ class Rounds:
             "overflow": totals["overflow"],
             "proposed": proposed, "proposals": proposal_counts, "upload_bytes": totals["upload"],
             "broadcast_bytes": totals["broadcast"],
+            "upload_value_bytes": totals["upload_values"],
+            "broadcast_value_bytes": totals["broadcast_values"],
             "loss": float(np.mean(losses)) if losses else None,
             "round_s": round(time.perf_counter() - t_start, 6),
             "time_s": self.records.elapsed()})
@@ -153,15 +160,25 @@ class Rounds:
             totals["residual"] = int(self.limit.support.size)
         totals["union"] += int(union.size)
         totals["sent"] += int(sent_idx.size)
+        offset = 0 if self.parts is None else int(self.parts[part])  # the part's first key
+        if self.value_memory is not None:
+            fields["value_format"] = self.value_format
         if agg.goes_dense(sent_idx.size):
             totals["dense"] = True
+            vector = agg.densify(sent_idx, sent_val)
+            if self.value_memory is not None:  # rounded in the dense frame's layout
+                vector = self.value_memory.dense(sent_idx, sent_val, vector, offset)
             totals["broadcast"] += self.endpoint.broadcast(
-                "aggregate", None, agg.densify(sent_idx, sent_val), dense=True, **fields)
+                "aggregate", None, vector, dense=True, **fields)
+            totals["broadcast_values"] += self.endpoint.last_value_bytes
             return
+        if self.value_memory is not None:
+            sent_val = self.value_memory.sparse(sent_idx, sent_val, offset)
         sent_idx = sent_idx.astype(agg.index_dtype, copy=False)
         sent_idx.flags.writeable = False  # never changed again: the key caches hold it
         totals["broadcast"] += self.endpoint.broadcast(
             "aggregate", sent_idx, sent_val, model_size=agg.numel, **fields)
+        totals["broadcast_values"] += self.endpoint.last_value_bytes
 
     # ---------------------------------------------------------------------------- messages
     def collect_one(self, it: int, msg_type: str, step) -> tuple[dict, int]:

@@ -27,10 +27,10 @@ from .. import checkpoint
 from ..config import bucket_refusal, parse_limit
 from ..cpu import jit
 from ..rundir import PORT_FILE, SUMMARY_FILE, write_atomic
-from ..wire import keyranges, protocol
+from ..wire import keyranges, protocol, run_description
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel
-from .aggregation import Aggregator, ServerLimit, array_module_for
+from .aggregation import Aggregator, BroadcastMemory, ServerLimit, array_module_for
 from .endpoint import Endpoint
 from .membership import Membership, RunAborted
 from .records import Records, merge_run_dir
@@ -58,6 +58,7 @@ class Server:
         self.register_timeout = register_timeout
         self.limit_spec = parse_limit(limit) if limit else None
         self.limit: ServerLimit | None = None
+        self.value_memory: BroadcastMemory | None = None  # --values: the broadcast's error
         self.run_dir = Path(out_dir) if out_dir else None
         self.out_dir = keyranges.shard_dir(self.run_dir, shard[0]) \
             if self.run_dir and self.sharded else self.run_dir  # this server's own files
@@ -176,6 +177,9 @@ class Server:
         self.iterations = run["iterations"]
         self.k = run["steps"][-1][1]  # the configured k (density x numel), the unit of union/k
         self.limit = ServerLimit(self.numel, self.limit_spec) if self.limit_spec else None
+        value_format, keep = run_description.run_value_format(run)  # --values
+        if not value_format.exact:
+            self.value_memory = BroadcastMemory(self.numel, value_format, keep)
         # a round in parts (buckets of layers, docs/protocol.md "Parts"): part p holds keys
         # [parts[p], parts[p + 1]) and is aggregated and broadcast as soon as every rank pushed it
         parts = run.get("parts")
@@ -188,12 +192,16 @@ class Server:
         spans = [(0, self.numel)] if parts is None else list(zip(parts, parts[1:]))
         endpoint.configure(self.numel, parts, self.world_size)
         self.rounds = Rounds(endpoint=endpoint, records=self.records, members=members, run=run,
-                             aggregators=[Aggregator(hi - lo, self.dev) for lo, hi in spans],
-                             parts=parts, limit=self.limit, shard=self.shard)
+                             aggregators=[Aggregator(hi - lo, self.dev, value_format)
+                                          for lo, hi in spans],
+                             parts=parts, limit=self.limit, shard=self.shard,
+                             value_memory=self.value_memory)
         members.start_training(self.iterations)
         # the sums and the codec's kernels, before any worker is told to start (round 1 on a
         # host with a sixth of a core would otherwise pay seconds for them)
-        jit.preload(("agg_kernels", "codec_kernels"), self.numel, self.log)
+        jit.preload(("agg_kernels", "codec_kernels")
+                    + (("value_kernels",) if self.value_memory is not None else ()),
+                    self.numel, self.log)
         for rank in sorted(members.expected):
             endpoint.send(members.rank_peer[rank], protocol.encode(
                 "ready", world_size=self.world_size, start=self.start, run=run,
@@ -244,6 +252,7 @@ class Server:
             "caches": {r: c.state() for r, c in self.endpoint.caches.items()},
             "limit": None if self.limit is None else
             {"support": self.limit.support, "values": self.limit.residual[self.limit.support]},
+            "value_memory": None if self.value_memory is None else self.value_memory.state(),
         }, header={"live": live})
 
     def _restore(self) -> None:
@@ -258,6 +267,10 @@ class Server:
         if state["limit"] is not None:
             self.limit.support = state["limit"]["support"]
             self.limit.residual[self.limit.support] = state["limit"]["values"]
+        if self.value_memory is not None:
+            self.value_memory.restore(state.get("value_memory") or
+                                      {"support": np.empty(0, np.int64),
+                                       "values": np.empty(0, np.float32)})
         self.log(f"resumed at iteration {self.start}")
 
     # -------------------------------------------------------------------------------- ending
@@ -296,4 +309,11 @@ class Server:
             shard=(list(self.shard), list(self.key_range)) if self.sharded else None)
         if failed_ranks is not None:
             summary["failed_ranks"] = failed_ranks
+        if self.value_memory is not None:  # --values: the format, and what its memory holds
+            memory = self.value_memory.residual
+            summary["values"] = {
+                "format": self.value_memory.value_format.name,
+                "broadcast_memory": memory is not None,
+                "held_l1": None if memory is None else
+                round(float(np.abs(memory, dtype=np.float64).sum()), 6)}
         self.records.write_summary(summary)

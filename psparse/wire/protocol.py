@@ -19,6 +19,7 @@ from ..cpu import reference
 from ..cpu.jit import REFERENCE, compiled
 from . import codec
 from .codec import CodecError, KeyCache, codec_kernels
+from .values import FP32, ValueFormat, ValueFrameError, unpack
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -27,7 +28,9 @@ PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 
 INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
-VALUE_DTYPES = {"float32": np.dtype("<f4")}
+# value frames (docs/protocol.md, "Value formats"; psparse/wire/values.py): float32 unless a
+# run's --values says otherwise; int8 and int4 carry "value_block" in the header
+VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 # Message types. Each maps the header fields it requires to their Python types; every type also
 # carries "v" (protocol version) and "type". Optional fields are listed in OPTIONAL. The
@@ -78,15 +81,16 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     # part: in a run with parts (the run's "parts"), which key range this push holds.
     # overflow: this worker's gradient is not finite (a GradScaler step to skip): count 0.
     # stop: this rank asks to end the run with this round (docs/protocol.md, Stopping).
+    # value_block: values per float32 scale of an int8/int4 value frame (required with them).
     "push": {"loss": _NUM, "checksum": (str,), "dense": (bool,), "index_format": (str,),
-             "part": _INT, "overflow": (bool,), "stop": (bool,)},
+             "part": _INT, "overflow": (bool,), "stop": (bool,), "value_block": _INT},
     # live: the ranks still in an elastic run, once some were lost (absent: all ranks).
     # part: in a run with parts, which key range this aggregate holds.
     # overflow: some push of the round had overflow: every worker skips the step (count 0).
     # stop: a push of this round asked to end the run: it is the last round for every rank.
     "aggregate": {"dense": (bool,), "index_format": (str,), "live": _LIST, "part": _INT,
-                  "overflow": (bool,), "stop": (bool,)},
-    "propose": {"index_format": (str,)},
+                  "overflow": (bool,), "stop": (bool,), "value_block": _INT},
+    "propose": {"index_format": (str,), "value_block": _INT},
     "indices": {"index_format": (str,)},
     "candidates": {"index_format": (str,)},
     # nonce + proof: a worker that fails before its register was accepted proves the run token
@@ -128,21 +132,23 @@ def index_dtype_for(numel: int) -> str:
 
 def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray | None = None,
            *, model_size: int | None = None, cache: KeyCache | None = None,
-           shared: dict | None = None, **fields) -> list:
+           shared: dict | None = None, value_format: ValueFormat = FP32, **fields) -> list:
     """Build the frames of one message. Sparse types take ``indices`` and ``values``.
 
     With ``model_size`` the index frame takes the smallest of the raw, delta and bitmap encodings
     (``codec``); with a ``cache`` too, a set the receiver already holds goes as an 8-byte key.
     ``shared``: the same dict for every message of one broadcast (the same indices to several
     connections): the index frame is encoded once, and the key caches share one copy.
+    ``value_format``: the value frame's format (float32 by default; psparse/wire/values.py).
     """
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
     header = {"v": PROTOCOL_VERSION, "type": msg_type, **fields}
     if fields.get("dense"):
         values = np.ascontiguousarray(values, dtype=np.float32)
-        header.update(count=int(values.size), index_dtype="int32", value_dtype="float32")
-        return [msgpack.packb(header), b"", values]
+        header.update(count=int(values.size), index_dtype="int32",
+                      value_dtype=value_format.dtype, **value_format.header())
+        return [msgpack.packb(header), b"", value_format.pack(values)]
     if msg_type in SPARSE_TYPES:
         if indices is None or values is None:
             raise ValueError(f"{msg_type} needs indices and values")
@@ -151,9 +157,9 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         if indices.dtype not in (np.int32, np.int64):
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),
-                      value_dtype="float32")
+                      value_dtype=value_format.dtype, **value_format.header())
         frame = _index_frame(header, indices, model_size, cache, shared)  # may set index_format
-        return [msgpack.packb(header), frame, values]
+        return [msgpack.packb(header), frame, value_format.pack(values)]
     if msg_type in INDEX_TYPES:
         if indices is None:
             raise ValueError(f"{msg_type} needs indices")
@@ -230,6 +236,8 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
     if scope is not None:
         numel, cache = scope(header)
     limit = max_count if max_count is not None else numel
+    if msg_type in SPARSE_TYPES:  # the value frame's share of the message (byte counters)
+        msg.extra["value_bytes"] = len(_buffer(frames[2]))
     if header.get("dense"):
         msg.values = _decode_dense(header, frames[1], frames[2], numel)
     elif msg_type in SPARSE_TYPES:
@@ -303,15 +311,7 @@ def _decode_sparse(header, idx_frame, val_frame, numel, max_count, cache=None):
         indices = _decode_index_format(fmt, idx_buf, count, numel, cache, idx_dtype)
     values = None
     if val_frame is not None:
-        val_dtype = VALUE_DTYPES.get(header["value_dtype"])
-        if val_dtype is None:
-            raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported "
-                                f"(use one of {sorted(VALUE_DTYPES)})")
-        val_buf = _buffer(val_frame)
-        if len(val_buf) != count * val_dtype.itemsize:
-            raise ProtocolError(f"value frame is {len(val_buf)} bytes, expected {count} x "
-                                f"{val_dtype.itemsize}")
-        values = np.frombuffer(val_buf, dtype=val_dtype)
+        values = _decode_values(header, val_frame, count)
     if count:
         # Strictly increasing indices: no duplicates (so ``acc[idx] += val`` is exact), cheap
         # range check on the two ends, and a canonical order for compact encodings. The
@@ -379,22 +379,40 @@ def _decode_index_format(fmt, buf, count, numel, cache, dtype=np.int64) -> np.nd
     raise ProtocolError(f"index_format {fmt!r} unknown (use one of {list(codec.FORMATS)})")
 
 
-def dense_is_smaller(count: int, numel: int, index_dtype: str = "int32") -> bool:
-    """True when sending all numel values beats count (index, value) pairs."""
-    return count * (INDEX_DTYPES[index_dtype].itemsize + 4) > numel * 4
+def dense_is_smaller(count: int, numel: int, index_dtype: str = "int32",
+                     value_format: ValueFormat = FP32) -> bool:
+    """True when sending all numel values beats count (index, value) pairs (in
+    ``value_format``)."""
+    return count * INDEX_DTYPES[index_dtype].itemsize + value_format.frame_bytes(count) > \
+        value_format.frame_bytes(numel)
+
+
+def _decode_values(header: dict, val_frame, count: int) -> np.ndarray:
+    """A value frame's float32 values (a view of a float32 frame, decoded otherwise)."""
+    dtype = header["value_dtype"]
+    if dtype not in VALUE_DTYPES:
+        raise ProtocolError(f"value_dtype {dtype!r} not supported (use one of "
+                            f"{list(VALUE_DTYPES)})")
+    block = header.get("value_block")
+    if dtype in ("int8", "int4"):
+        if block is None:
+            raise ProtocolError(f"{dtype} values need the header field 'value_block'")
+        if block < 1:
+            raise ProtocolError(f"value_block must be >= 1, got {block}")
+    elif block is not None:
+        raise ProtocolError(f"value_block is for int8 and int4 values, not {dtype}")
+    try:
+        return unpack(_buffer(val_frame), dtype, count, block)
+    except ValueFrameError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def _decode_dense(header, idx_frame, val_frame, numel):
     if len(_buffer(idx_frame)):
         raise ProtocolError("dense message must have an empty index frame")
-    if header["value_dtype"] not in VALUE_DTYPES:
-        raise ProtocolError(f"value_dtype {header['value_dtype']!r} not supported")
     if numel is not None and header["count"] != numel:
         raise ProtocolError(f"dense message has {header['count']} values, the model {numel}")
-    buf = _buffer(val_frame)
-    if len(buf) != header["count"] * 4:
-        raise ProtocolError(f"value frame is {len(buf)} bytes, expected {header['count']} x 4")
-    values = np.frombuffer(buf, dtype=VALUE_DTYPES["float32"])
+    values = _decode_values(header, val_frame, header["count"])
     if not all_finite(values):
         raise ProtocolError("values contain NaN or Inf")
     return values

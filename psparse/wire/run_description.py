@@ -11,6 +11,7 @@ import hmac
 import math
 
 from .protocol import _INT, _LIST, _MAP, ProtocolError, check_type
+from .values import FP32, MAX_BLOCK, WIRE_NAMES, ValueFormat
 
 # The run description a worker registers with (docs/protocol.md, "The run"): what every rank
 # must agree on, in a form any language can build and compare.
@@ -18,7 +19,9 @@ RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": 
               "config": _MAP}
 # parts: the boundaries of the key ranges a round is exchanged in (buckets of layers,
 # --bucket-mb / --overlap); absent: one part, the whole vector.
-RUN_OPTIONAL = {"parts": _LIST}
+# values: the value format of every push and aggregate (--values; absent: float32), as
+# {"dtype": "int8", "block": 128, "server_memory": true} (docs/protocol.md, "Value formats").
+RUN_OPTIONAL = {"parts": _LIST, "values": _MAP}
 CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
 REGISTER_PROOF_PREFIX = "psparse-register-v2"
 ERROR_PROOF_PREFIX = "psparse-error-v2"
@@ -47,6 +50,8 @@ def check_run(run: dict) -> dict:
                 and all(a < b for a, b in zip(parts, parts[1:]))):
             raise ProtocolError("run field 'parts' must be strictly increasing ints from 0 to "
                                 f"numel ({numel}): the boundaries of the key ranges")
+    if "values" in run:
+        run_value_format(run)
     steps = run["steps"]
     if not steps:
         raise ProtocolError("run field 'steps' is empty")
@@ -73,6 +78,26 @@ def check_run(run: dict) -> dict:
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ProtocolError(f"run config entry {key!r} is not finite")
     return run
+
+
+def run_value_format(run: dict):
+    """The run's value format (``values.ValueFormat``) and whether the server keeps its error
+    memory for the broadcast: (FP32, False) for a run without ``values``."""
+    spec = run.get("values")
+    if spec is None:
+        return FP32, False
+    if set(spec) != {"dtype", "block", "server_memory"}:
+        raise ProtocolError("run field 'values' must be a map of exactly dtype, block and "
+                            "server_memory")
+    dtype, block, memory = spec["dtype"], spec["block"], spec["server_memory"]
+    if dtype not in WIRE_NAMES or dtype == "float32":
+        raise ProtocolError(f"run values.dtype must be one of {list(WIRE_NAMES)[1:]} "
+                            f"(float32 runs leave 'values' out), got {dtype!r}")
+    if not (isinstance(block, int) and not isinstance(block, bool) and 1 <= block <= MAX_BLOCK):
+        raise ProtocolError(f"run values.block must be an int in [1, {MAX_BLOCK}]")
+    if not isinstance(memory, bool):
+        raise ProtocolError("run values.server_memory must be true or false")
+    return ValueFormat(dtype, block), memory
 
 
 def step_at(run: dict, iteration: int) -> tuple[int, int, int]:

@@ -24,6 +24,7 @@ from ..wire import protocol, run_description
 from ..wire.codec import KeyCache
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel, PeerGone, TransportTimeout
+from ..wire.values import FP32, ValueFormat
 
 
 class WorkerError(RuntimeError):
@@ -87,6 +88,11 @@ class PSClient:
         self.heard = False  # anything came from the server (it is there)
         self.ready = False  # its ready came: registered, training
         self.sent_bytes = 0  # wire bytes of pushes and proposals (the worker's upload)
+        # the agreed run's value format (--values; set by ready), and where the rounding error
+        # of a push goes: feedback(global indices, error), the memory's feed_back
+        self.value_format: ValueFormat = FP32
+        self.feedback = None
+        self.key_offset = 0  # this connection's first key (a key-range shard's edge)
         self.received_bytes = 0  # wire bytes of aggregates and index messages
         try:
             self.channel = Channel.client(host, port, send_timeout_s=timeout,
@@ -161,7 +167,8 @@ class PSClient:
         local = np.asarray(indices, dtype=np.int64) - lo
         self.sent_bytes += self.send(push_frames(
             it, self.rank, local, values, size, self.part_caches[part], loss, checksum,
-            part=part, overflow=overflow, stop=self.stop_requested))
+            part=part, overflow=overflow, stop=self.stop_requested,
+            value_format=self.value_format, feedback=self._feedback_at(lo)))
 
     def await_parts(self, it: int) -> protocol.Message:
         """Every part's aggregate of iteration ``it`` (they come in the order the server
@@ -206,6 +213,7 @@ class PSClient:
                 "point the worker at it: connect(server='host:port'), PSPARSE_SERVER=host:port, "
                 "or MASTER_ADDR with PSPARSE_PORT") from exc
         self.ready = True
+        self.value_format, _ = run_description.run_value_format(ready["run"])
         if ready["heartbeat_s"] > 0:
             self.heartbeat = Heartbeat(self.host, self.port, self.rank, ready["token"],
                                        ready["heartbeat_s"], self.curve_keys)
@@ -217,7 +225,8 @@ class PSClient:
         """Phase 1 of a two-phase round: send the proposal, get the group's indices."""
         self.sent_bytes += self.send(protocol.encode(
             "propose", indices.astype(self.index_dtype, copy=False), values,
-            model_size=self.numel, cache=self.cache, iter=it, rank=self.rank))
+            model_size=self.numel, cache=self.cache, value_format=self.value_format, iter=it,
+            rank=self.rank))
         msg = self.expect("indices", f"the group's indices of iteration {it}", it)
         self.received_bytes += msg.extra["nbytes"]
         return msg.indices
@@ -234,7 +243,8 @@ class PSClient:
     def send_propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> None:
         self.sent_bytes += self.send(protocol.encode(
             "propose", indices.astype(self.index_dtype, copy=False), values,
-            model_size=self.numel, cache=self.cache, iter=it, rank=self.rank))
+            model_size=self.numel, cache=self.cache, value_format=self.value_format, iter=it,
+            rank=self.rank))
 
     def await_candidates(self, it: int) -> protocol.Message:
         """A key-range shard's answer to a proposal: its best indices with their scores."""
@@ -247,7 +257,18 @@ class PSClient:
                   overflow: bool = False) -> None:
         self.sent_bytes += self.send(push_frames(
             it, self.rank, indices, values, self.numel, self.cache, loss, checksum,
-            dense_buffer=dense_buffer, overflow=overflow, stop=self.stop_requested))
+            dense_buffer=dense_buffer, overflow=overflow, stop=self.stop_requested,
+            value_format=self.value_format, feedback=self._feedback_at(0)))
+
+    def _feedback_at(self, offset: int):
+        """push_frames' feedback for indices local to a range starting at key ``offset`` of
+        this connection (a part's first key), or None (float32 values, or no memory)."""
+        if self.feedback is None or self.value_format.exact:
+            return None
+        offset += self.key_offset
+        if offset == 0:
+            return self.feedback
+        return lambda local, error: self.feedback(np.asarray(local, np.int64) + offset, error)
 
     def await_aggregate(self, it: int) -> protocol.Message:
         agg = self.expect("aggregate", f"the aggregate of iteration {it}", it)
@@ -320,12 +341,18 @@ class PSClient:
 def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, size: int, cache,
                 loss: float | None, checksum: str | None, part: int | None = None,
                 dense_buffer: np.ndarray | None = None, overflow: bool = False,
-                stop: bool = False) -> list:
+                stop: bool = False, value_format: ValueFormat = FP32,
+                feedback=None) -> list:
     """One push's frames: (index, value) pairs over a vector of ``size`` entries (the model, or
     one part of it, ``indices`` local to it), or all ``size`` values when that is smaller
     (SparCML's switch; written into ``dense_buffer`` when given). ``overflow``: this worker's
     gradient is not finite (no entries; docs/protocol.md, Overflow). ``stop``: this rank asks
-    to end the run with this round."""
+    to end the run with this round.
+
+    ``value_format``: the values' format on the wire; ``feedback(indices, error)`` then gets
+    what rounding took from each value (the value minus what the server decodes, in the
+    layout the frame has: an int8 block is consecutive entries of the frame, sparse or
+    dense), for the error-feedback memory."""
     header = {"iter": it, "rank": rank}
     if part is not None:
         header["part"] = part
@@ -338,13 +365,21 @@ def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, siz
     if overflow:
         header["overflow"] = True
     index_dtype = protocol.index_dtype_for(size)
-    if protocol.dense_is_smaller(indices.size, size, index_dtype):
+    if protocol.dense_is_smaller(indices.size, size, index_dtype, value_format):
         dense = dense_buffer if dense_buffer is not None else np.empty(size, dtype=np.float32)
         dense[:] = 0.0
         dense[indices] = values
-        return protocol.encode("push", None, dense, dense=True, **header)
+        if feedback is not None:  # (values at other entries are 0: they round to 0)
+            feedback(indices, values - value_format.round(dense)[indices])
+        return protocol.encode("push", None, dense, dense=True, value_format=value_format,
+                               **header)
+    if feedback is not None:
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        sent = value_format.round(values)
+        feedback(indices, values - sent)
+        values = sent  # (encodes to the same frame: rounding is idempotent)
     return protocol.encode("push", indices.astype(index_dtype, copy=False), values,
-                           model_size=size, cache=cache, **header)
+                           model_size=size, cache=cache, value_format=value_format, **header)
 
 
 def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protocol.Message:

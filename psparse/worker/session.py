@@ -112,6 +112,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
                                    seed=cfg.seed, dev=self.dev)
         self.live = list(range(cfg.workers))  # ranks still in the run (elastic runs lose some)
         self.client, self.servers = open_client(cfg, server, rank, self.net.numel, run_token)
+        self.client.feedback = self.memory.feed_back  # a rounded push's error (--values)
         self.start = self.iteration = 0
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
@@ -204,7 +205,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
         """Join the run: every worker registered and agreed (the server checks) or an error."""
         if self.dev is None:  # the host's kernels, before the first round (psparse/cpu/jit.py)
             jit.preload(("select_kernels", "codec_kernels") +
-                        (("agg_kernels",) if self.cfg.servers > 1 else ()),
+                        (("agg_kernels",) if self.cfg.servers > 1 else ()) +
+                        (("value_kernels",) if self.cfg.values != "fp32" else ()),
                         self.net.numel, self.say)
         self.client.register(self.describe_run(), self.net.checksum(), self.start)
         lifecycle.opened(self)  # a script that ends without close() is told so
@@ -231,6 +233,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
                "two_phase": self.policy.two_phase, "steps": self.steps, "config": config}
         if self.parts is not None:
             run["parts"] = self.parts.edges
+        if self.cfg.value_spec() is not None:  # --values: the format every rank must share
+            run["values"] = self.cfg.value_spec()
         return run
 
     # --------------------------------------------------------------------------------- round

@@ -82,7 +82,18 @@ class ShardedClient:
             c.send_register(run, checksum, start)
         readies = [c.await_ready() for c in self.shards]
         self.run = readies[0]["run"]  # the agreed run: its steps say how many indices to keep
+        for n, c in enumerate(self.shards):  # a shard's push indices start at its edge
+            c.key_offset = int(self.edges[n])
         return readies[0]
+
+    @property
+    def feedback(self):
+        return self.shards[0].feedback
+
+    @feedback.setter
+    def feedback(self, feed_back) -> None:  # each shard's rounding error, at global indices
+        for c in self.shards:
+            c.feedback = feed_back
 
     def propose(self, it: int, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
         indices = np.ascontiguousarray(indices, dtype=np.int64)

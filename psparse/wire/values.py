@@ -1,0 +1,164 @@
+"""Value formats of the wire (``--values``): a value frame's bytes, encoded, decoded, checked.
+
+A sparse or dense message's value frame holds its ``count`` values in the header's
+``value_dtype`` (docs/protocol.md, "Value formats"):
+
+========== ============================================================ ===================
+format     frame                                                        bytes for n values
+========== ============================================================ ===================
+float32    little-endian IEEE binary32 (every peer's default)           4 n
+bfloat16   the upper 16 bits of each float32, rounded to nearest even   2 n
+float16    IEEE binary16 (magnitudes past 65504 clipped to it)          2 n
+int8       float32 scale per block of ``value_block`` values, then one  4 ceil(n / B) + n
+           signed byte per value: value = code * its block's scale
+int4       the same scales, then two 4-bit two's-complement codes per    4 ceil(n / B)
+           byte (entry 2i in the low nibble)                            + ceil(n / 2)
+========== ============================================================ ===================
+
+``ValueFormat.round`` is what a receiver decodes from what ``pack`` writes: the sender's
+error feedback subtracts exactly that (psparse/cpu/quantize.py says why it is idempotent).
+Large calls run the compiled kernels (psparse/cpu/value_kernels.py), small ones and
+``PSPARSE_CPU_KERNELS=numpy`` the numpy reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cpu import quantize
+from ..cpu.jit import REFERENCE, LazyModule, compiled
+
+value_kernels = LazyModule("psparse.cpu.value_kernels")
+
+# --values' names -> the wire's value_dtype
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8",
+           "int4": "int4"}
+WIRE_NAMES = {wire: name for name, wire in FORMATS.items()}
+BLOCK_FORMATS = ("int8", "int4")
+DEFAULT_BLOCK = 128  # values per float32 scale: 3% of an int8 frame, 6% of an int4 one
+MAX_BLOCK = 1 << 20
+
+
+class ValueFrameError(ValueError):
+    """A received value frame does not match its header; the text says how."""
+
+
+def frame_bytes(dtype: str, count: int, block: int | None = None) -> int:
+    """Bytes of a value frame of ``count`` values in wire format ``dtype``."""
+    if dtype == "float32":
+        return 4 * count
+    if dtype in ("bfloat16", "float16"):
+        return 2 * count
+    scales = 4 * (-(-count // block))
+    return scales + (count if dtype == "int8" else (count + 1) // 2)
+
+
+@dataclass(frozen=True)
+class ValueFormat:
+    """One value format: ``dtype`` (the wire's name) and, for int8/int4, the block size."""
+
+    dtype: str = "float32"
+    block: int = DEFAULT_BLOCK
+
+    @classmethod
+    def named(cls, name: str, block: int | None = None) -> ValueFormat:
+        """From ``--values`` (fp32, bf16, fp16, int8, int4) and ``--value-block``."""
+        if name not in FORMATS:
+            raise ValueError(f"--values must be one of {', '.join(FORMATS)}, got {name!r}")
+        block = DEFAULT_BLOCK if block is None else block
+        if not (isinstance(block, int) and 1 <= block <= MAX_BLOCK):
+            raise ValueError(f"--value-block must be an int in [1, {MAX_BLOCK}], got {block!r}")
+        return cls(FORMATS[name], block)
+
+    @property
+    def name(self) -> str:
+        return WIRE_NAMES[self.dtype]
+
+    @property
+    def exact(self) -> bool:
+        """float32: values travel as they are."""
+        return self.dtype == "float32"
+
+    def header(self) -> dict:
+        """The header fields of a frame in this format (besides ``value_dtype``)."""
+        return {"value_block": self.block} if self.dtype in BLOCK_FORMATS else {}
+
+    def frame_bytes(self, count: int) -> int:
+        return frame_bytes(self.dtype, count, self.block)
+
+    def pack(self, values: np.ndarray) -> np.ndarray:
+        """The value frame of float32 ``values``."""
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if self.dtype == "float32":
+            return values
+        if self.dtype == "float16":
+            return quantize.fp16_codes(values).view(np.uint8)
+        fast = not REFERENCE and compiled(values.size)
+        if self.dtype == "bfloat16":
+            if not fast:
+                return quantize.bf16_codes(values).view(np.uint8)
+            out = np.empty(values.size, np.uint16)
+            value_kernels.encode_bf16(values, out)
+            return out.view(np.uint8)
+        frame = np.empty(self.frame_bytes(values.size), np.uint8)
+        blocks = -(-values.size // self.block)
+        scales = frame[:4 * blocks].view(np.float32)
+        codes = frame[4 * blocks:]
+        if not fast:
+            s, c = quantize.block_codes(values, self.block, self.dtype)
+            scales[:] = s
+            codes[:] = quantize.pack_nibbles(c) if self.dtype == "int4" else c.view(np.uint8)
+            return frame
+        value_kernels.encode_blocks(values, self.block, quantize.QMAX[self.dtype],
+                                    quantize.QBITS[self.dtype], self.dtype == "int4", scales,
+                                    codes if self.dtype == "int4" else codes.view(np.int8))
+        return frame
+
+    def round(self, values: np.ndarray) -> np.ndarray:
+        """What a receiver decodes from ``pack(values)``: float32, a new array (``values``
+        itself for float32)."""
+        if self.exact:
+            return values
+        return unpack(self.pack(values), self.dtype, values.size, self.block)
+
+
+FP32 = ValueFormat()
+
+
+def unpack(buf, dtype: str, count: int, block: int | None = None) -> np.ndarray:
+    """float32 values of a value frame (a view of it for float32), refused with
+    ``ValueFrameError`` when its size or its scales are wrong."""
+    data = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else \
+        buf.view(np.uint8)
+    expected = frame_bytes(dtype, count, block)
+    if data.size != expected:
+        raise ValueFrameError(f"{dtype} value frame is {data.size} bytes, expected {expected} "
+                              f"for {count} values" + (f" in blocks of {block}"
+                                                       if dtype in BLOCK_FORMATS else ""))
+    if dtype == "float32":
+        return data.view("<f4")
+    if dtype == "float16":
+        return data.view("<f2").astype(np.float32)
+    fast = not REFERENCE and compiled(count)
+    if dtype == "bfloat16":
+        codes = data.view("<u2")
+        if not fast:
+            return quantize.bf16_values(codes)
+        out = np.empty(count, np.float32)
+        value_kernels.decode_bf16(codes, out)
+        return out
+    blocks = -(-count // block)
+    scales, codes = data[:4 * blocks].view("<f4"), data[4 * blocks:]
+    if not (np.all(np.isfinite(scales)) and np.all(scales >= 0)):
+        raise ValueFrameError(f"{dtype} value frame has a scale that is negative, NaN or "
+                              "infinite")
+    if not fast:
+        unpacked = quantize.unpack_nibbles(codes, count) if dtype == "int4" else codes.view(
+            np.int8)
+        return quantize.block_values(scales, unpacked, block)
+    out = np.empty(count, np.float32)
+    value_kernels.decode_blocks(scales, codes if dtype == "int4" else codes.view(np.int8),
+                                block, dtype == "int4", count, out)
+    return out
