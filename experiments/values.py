@@ -26,10 +26,9 @@ import sys
 
 import numpy as np
 
-from experiments.harness import RESULTS, ROOT, made_by, md_table, mean_sd
+from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_sd
 from experiments.run import run_one
 from experiments.sweeps import LENET, SWEEP_POLICIES
-from psparse.rundir import RunDir
 
 POLICIES = {"topk": SWEEP_POLICIES["topk"], "vote": SWEEP_POLICIES["vote"],
             "scalecom": ["--policy", "cltk", "--memory", "scalecom"]}
