@@ -112,6 +112,7 @@ bench: install
 	$(PY) benchmarks/bench_select.py
 	$(PY) benchmarks/bench_aggregation.py
 	$(PY) benchmarks/bench_protocol.py
+	$(PY) benchmarks/bench_values.py
 	$(PY) benchmarks/bench_server.py
 	$(PY) benchmarks/bench_restart.py
 

@@ -32,7 +32,7 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
     good = [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
             for f in protocol.encode("push", idx, val, iter=0, rank=0)]
     head = msgpack.unpackb(good[0])
-    kind = i % 14
+    kind = i % 18
 
     def with_header(**changes):
         return [msgpack.packb({**head, **changes}), *good[1:]]
@@ -70,6 +70,17 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
                                "world_size": 3, "checksum": "x", "run": {
                                    "numel": 2410, "iterations": 700, "two_phase": False,
                                    "steps": [[0, 24, 24, 0]], "config": {}}})]
+    int8 = dict(value_dtype="int8", value_block=4)  # 5 values: 2 scales, then 5 codes
+    codes = np.array([1, -2, 3, 4, 5], np.int8).tobytes()
+    if kind == 13:  # one scale where two are due
+        return [with_header(**int8)[0], good[1], np.float32([0.5]).tobytes() + codes]
+    if kind == 14:  # a NaN scale
+        return [with_header(**int8)[0], good[1], np.float32([0.5, math.nan]).tobytes() + codes]
+    if kind == 15:  # an over-long value frame
+        return [with_header(**int8)[0], good[1], np.float32([0.5, 1]).tobytes() + codes + b"x"]
+    if kind == 16:  # int8 values without their block size
+        return [with_header(value_dtype="int8")[0], good[1],
+                np.float32([0.5, 1]).tobytes() + codes]
     return [good[0], good[1]]  # missing frame
 
 

@@ -60,7 +60,8 @@ def fp16_codes(values, xp=np):
 
 def block_exponents(values, block: int, fmt: str, xp=np):
     """Per block of ``block`` consecutive values: the exponent e of its scale 2^e, the smallest
-    with max|v| <= QMAX * 2^e (at least MIN_EXPONENT), as int32."""
+    with max|v| <= QMAX * 2^e and at least MIN_EXPONENT (so MIN_EXPONENT for a block of
+    zeros), as int32."""
     values = xp.clip(xp.asarray(values, dtype=xp.float32), -BLOCK_CLIP, BLOCK_CLIP)
     n = values.size
     blocks = -(-n // block)
@@ -70,6 +71,7 @@ def block_exponents(values, block: int, fmt: str, xp=np):
     mantissa, exponent = xp.frexp(peak)  # peak = mantissa * 2^exponent, mantissa in [0.5, 1)
     limit = QMAX[fmt] / 2.0 ** QBITS[fmt]  # 127/128, 7/8: the mantissa one more exponent needs
     e = exponent.astype(xp.int32) - QBITS[fmt] + (mantissa > limit).astype(xp.int32)
+    e = xp.where(peak == 0, MIN_EXPONENT, e)  # an all-zero block: the smallest scale
     return xp.maximum(e, MIN_EXPONENT).astype(xp.int32)
 
 

@@ -22,7 +22,9 @@ BLOCK_CLIP = np.float32(2.0 ** 120)  # quantize.BLOCK_CLIP
 @kernel
 def encode_blocks(values, block, qmax, qbits, nibbles, scales, codes):
     """values float32 [n] -> scales float32 [ceil(n / block)], codes: int8 [n] (``nibbles``
-    False) or two 4-bit codes per byte, entry 2i low (uint8 [ceil(n / 2)])."""
+    False) or two 4-bit codes per byte, entry 2i low (uint8 [ceil(n / 2)]). Two passes over
+    each block, both in cache: its peak, then its codes (float32 products by the power-of-two
+    inverse scale: exact, so equal to the reference's division)."""
     n = values.size
     limit = qmax / 2.0 ** qbits
     for b in range(scales.size):
@@ -30,37 +32,43 @@ def encode_blocks(values, block, qmax, qbits, nibbles, scales, codes):
         hi = min(n, lo + block)
         peak = np.float32(0.0)
         for i in range(lo, hi):
-            peak = max(peak, min(abs(values[i]), BLOCK_CLIP))
+            peak = max(peak, abs(values[i]))
+        peak = min(peak, BLOCK_CLIP)
         mantissa, exponent = math.frexp(peak)
         e = exponent - qbits + (1 if mantissa > limit else 0)
-        e = max(e, MIN_EXPONENT)
-        scale = math.ldexp(1.0, e)
-        scales[b] = scale
-        inverse = 1.0 / scale  # a power of two: the division, exactly
-        for i in range(lo, hi):
-            value = min(max(values[i], -BLOCK_CLIP), BLOCK_CLIP)
-            code = np.int64(np.rint(np.float64(value) * inverse))
-            if nibbles:
+        e = max(e, MIN_EXPONENT) if peak > 0 else MIN_EXPONENT  # (frexp(0) is (0, 0))
+        scales[b] = np.float32(math.ldexp(1.0, e))
+        inverse = np.float32(math.ldexp(1.0, -e))
+        if nibbles:  # lo is even whenever block is (one byte per pair); else entry by entry
+            for i in range(lo, hi):
+                value = min(max(values[i], -BLOCK_CLIP), BLOCK_CLIP)
+                code = np.uint8(np.int32(np.rint(value * inverse)) & 0x0F)
                 if i & 1:
-                    codes[i >> 1] |= np.uint8((code & 0x0F) << 4)
+                    codes[i >> 1] |= code << np.uint8(4)
                 else:
-                    codes[i >> 1] = np.uint8(code & 0x0F)
-            else:
-                codes[i] = code
+                    codes[i >> 1] = code
+        else:
+            for i in range(lo, hi):
+                value = min(max(values[i], -BLOCK_CLIP), BLOCK_CLIP)
+                codes[i] = np.int8(np.rint(value * inverse))
 
 
 @kernel
 def decode_blocks(scales, codes, block, nibbles, count, out):
-    """``encode_blocks``' scales and codes -> ``count`` float32 values, code * scale."""
-    for i in range(count):
+    """``encode_blocks``' scales and codes -> ``count`` float32 values, code * scale, block by
+    block (one scale per inner loop)."""
+    for b in range(scales.size):
+        lo = b * block
+        hi = min(count, lo + block)
+        scale = scales[b]
         if nibbles:
-            byte = np.int32(codes[i >> 1])
-            code = (byte >> 4) if i & 1 else (byte & 0x0F)
-            if code > 7:
-                code -= 16
+            for i in range(lo, hi):
+                byte = np.int32(codes[i >> 1])
+                code = ((byte >> 4) if i & 1 else byte) & 0x0F
+                out[i] = np.float32(code - ((code & 8) << 1)) * scale
         else:
-            code = np.int32(codes[i])
-        out[i] = np.float32(code) * scales[i // block]
+            for i in range(lo, hi):
+                out[i] = np.float32(codes[i]) * scale
 
 
 @kernel

@@ -174,9 +174,11 @@ class Memory:
         copy per push (nothing is read back)."""
         if indices.size == 0:
             return
-        xp = self.dev.xp if self.dev is not None else np
-        indices = xp.asarray(np.asarray(indices, dtype=np.int64))
-        error = xp.asarray(np.asarray(error, dtype=np.float32))
+        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        error = np.ascontiguousarray(error, dtype=np.float32)
+        if self.dev is not None:  # asynchronous, through pinned buffers (psparse.gpu.backend)
+            indices = self.dev.upload("feedback-indices", indices)
+            error = self.dev.upload("feedback-error", error)
         if self.filtered is not None:  # the indices of one push are distinct: no add.at
             self.filtered[indices] += np.float32(self.beta) * error
         else:
