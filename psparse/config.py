@@ -105,9 +105,7 @@ class RunConfig:
     memory_beta: float | None = option(None,
         "with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain error "
         f"feedback (default: {SCALECOM_BETA})")
-    # What each sent value costs: its format on the wire (docs/protocol.md, "Value formats").
-    # Not in the run's config: the run description's "values" field carries it (so a float32
-    # run's description is what it always was), and every worker must agree on it.
+    # The values' wire format: agreed through the run description's "values" field, not config
     values: str = option("fp32",
         "format of every pushed and broadcast value: fp32 (4 bytes), bf16 or fp16 (2), int8 "
         "(1, plus a float32 scale per --value-block values) or int4 (1/2, the same scales); "
@@ -302,7 +300,6 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
 
     def _check_values(self) -> None:
-        """--values, --value-block, --no-broadcast-memory."""
         from .wire.values import ValueFormat
         try:
             ValueFormat.named(self.values, self.value_block)
@@ -314,12 +311,10 @@ class RunConfig:
 
     def value_spec(self) -> dict | None:
         """The run description's ``values`` field (None for fp32: the field is left out)."""
-        if self.values == "fp32":
-            return None
-        from .wire.values import ValueFormat
-        fmt = ValueFormat.named(self.values, self.value_block)
-        return {"dtype": fmt.dtype, "block": fmt.block,
-                "server_memory": not self.no_broadcast_memory}
+        from .wire.values import FORMATS
+        return None if self.values == "fp32" else {
+            "dtype": FORMATS[self.values], "block": self.value_block,
+            "server_memory": not self.no_broadcast_memory}
 
     def _check_buckets(self) -> None:
         """--overlap / --bucket-mb: buckets of layers exchanged as parts of a round (docs/api.md,
