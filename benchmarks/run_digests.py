@@ -37,7 +37,9 @@ RUNS = {
                     "0.05"),
     "frequency-limit": ("--policy", "frequency", "--server-limit", "1.5k"),
 }
-TIMING = ("round_s", "time_s")
+# timings, and the index/value byte split that issue 39 added to every record (absent before
+# it: leaving it out lets an fp32 run be compared with one made before value formats existed)
+TIMING = ("round_s", "time_s", "upload_value_bytes", "broadcast_value_bytes")
 SUMMARY_FIELDS = ("status", "union_over_k_mean", "upload_mb", "broadcast_mb", "test_acc",
                   "final_loss")
 
