@@ -6,8 +6,9 @@ LeNet/MNIST, 8 workers, 2 epochs (468 iterations; the section 7 setup), density 
 `topk` and `vote keep=1.5` with values in fp32 (the baseline), int8 and int4 (the server's
 error memory on), seeds 0, 1, 2; bf16 and ScaleCom (`cltk` + the scalecom memory) at int8 on
 seed 0; int8 and int4 without the server's memory (``--no-broadcast-memory``) for `topk` at 1%,
-seed 0, to show what that memory buys. LeNet-5/CIFAR-10 (section 11) is not in this sweep: its
-runs are ~10x longer than this machine's session allowed (experiments/README.md, section 13).
+seed 0, to show what that memory buys. ``--cifar``: LeNet-5/CIFAR-10 at section 3's 30 epochs
+(the `cifar-lenet` sweep's settings), `vote keep=1.5` with int4 values at 1%, seeds 0-2,
+against that sweep's fp32 runs (experiments/results/cifar-lenet.json; ~7 min a run here).
 
 Per cell: final test accuracy (full test set; chance 10%) ± the sample SD over seeds, the bytes
 on the wire (pushes + broadcasts, every process) as a share of a dense ring allreduce's, the
@@ -28,7 +29,7 @@ import numpy as np
 
 from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_sd
 from experiments.run import run_one
-from experiments.sweeps import LENET, SWEEP_POLICIES
+from experiments.sweeps import LENET, SWEEP_POLICIES, SWEEPS
 
 POLICIES = {"topk": SWEEP_POLICIES["topk"], "vote": SWEEP_POLICIES["vote"],
             "scalecom": ["--policy", "cltk", "--memory", "scalecom"]}
@@ -54,6 +55,9 @@ def _runs() -> tuple[dict[str, list[str]], dict[str, list[int]]]:
 
 
 RUNS, SEEDS = _runs()
+CIFAR = [*SWEEPS["cifar-lenet"]["base"], "--density", "0.01", *POLICIES["vote"],
+         "--values", "int4"]
+CIFAR_RUN = "cifar-vote-int4-d0.01"
 
 
 def value_share(row: dict) -> float:
@@ -90,7 +94,11 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None, help="folder holding MNIST (default: data)")
     p.add_argument("--only", default=None,
                    help="comma-separated run names (default: all of RUNS)")
+    p.add_argument("--cifar", action="store_true",
+                   help="the LeNet-5/CIFAR-10 runs instead (results/values-cifar.{md,json})")
     args = p.parse_args(argv)
+    if args.cifar:
+        return cifar(args.data_dir)
     names = args.only.split(",") if args.only else list(RUNS)
     plan = [(n, s) for n in names for s in SEEDS[n]]
     rows = []
@@ -106,6 +114,33 @@ def main(argv=None) -> int:
     (RESULTS / "values.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / "values.md").write_text(table(rows) + "\n")
     print(table(rows))
+    return 0
+
+
+def cifar(data_dir: str | None) -> int:
+    """vote keep=1.5 with int4 values on LeNet-5/CIFAR-10 against the cifar-lenet sweep's
+    fp32 top-k and vote runs (same arguments but --values)."""
+    rows = [run_one("values", CIFAR_RUN, CIFAR, seed, data_dir, 0.6, progress=True,
+                    label=f"{seed + 1}/3 ") for seed in (0, 1, 2)]
+    for row in rows:
+        if "test_acc" in row:
+            row["value_share"] = value_share(row)
+    earlier = json.loads((RESULTS / "cifar-lenet.json").read_text())
+    base = [r for r in earlier if r["run"] == "topk-d0.01"]
+    base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base])
+    lines = []
+    for name, got in (("topk-fp32-d0.01", base),
+                      ("vote-fp32-d0.01", [r for r in earlier if r["run"] == "vote-d0.01"]),
+                      (CIFAR_RUN, [r for r in rows if "test_acc" in r])):
+        lines.append([name, len(got), mean_sd([100 * r["test_acc"] for r in got]),
+                      f"{100 * np.mean([r['sent_over_allreduce'] for r in got]):.2f}",
+                      f"{np.mean([r['sent_bytes_per_iteration'] for r in got]) / base_bytes:.3f}",
+                      " ".join(sorted({str(r.get('code'))[:7] for r in got}))])
+    text = md_table(["run", "seeds", "final acc % (± sample SD)", "bytes, % of dense allreduce",
+                     "bytes / topk-fp32's", "made by"], lines)
+    (RESULTS / "values-cifar.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "values-cifar.md").write_text(text + "\n")
+    print(text)
     return 0
 
 
