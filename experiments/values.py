@@ -7,7 +7,7 @@ LeNet/MNIST, 8 workers, 2 epochs (468 iterations; the section 7 setup), density 
 error memory on), seeds 0, 1, 2; bf16 and ScaleCom (`cltk` + the scalecom memory) at int8 on
 seed 0; int8 and int4 without the server's memory (``--no-broadcast-memory``) for `topk` at 1%,
 seed 0, to show what that memory buys. ``--cifar``: LeNet-5/CIFAR-10 at section 3's 30 epochs
-(the `cifar-lenet` sweep's settings), `vote keep=1.5` with int4 values at 1%, seeds 0-2,
+(the `cifar-lenet` sweep's settings), `vote keep=1.5` with int4 values at 1% and 0.1%, seeds 0-2,
 against that sweep's fp32 runs (experiments/results/cifar-lenet.json; ~7 min a run here).
 
 Per cell: final test accuracy (full test set; chance 10%) ± the sample SD over seeds, the bytes
@@ -55,9 +55,9 @@ def _runs() -> tuple[dict[str, list[str]], dict[str, list[int]]]:
 
 
 RUNS, SEEDS = _runs()
-CIFAR = [*SWEEPS["cifar-lenet"]["base"], "--density", "0.01", *POLICIES["vote"],
-         "--values", "int4"]
-CIFAR_RUN = "cifar-vote-int4-d0.01"
+CIFAR = {f"cifar-vote-int4-d{d}": [*SWEEPS["cifar-lenet"]["base"], "--density", d,
+                                    *POLICIES["vote"], "--values", "int4"]
+         for d in ("0.01", "0.001")}
 
 
 def value_share(row: dict) -> float:
@@ -120,22 +120,29 @@ def main(argv=None) -> int:
 def cifar(data_dir: str | None) -> int:
     """vote keep=1.5 with int4 values on LeNet-5/CIFAR-10 against the cifar-lenet sweep's
     fp32 top-k and vote runs (same arguments but --values)."""
-    rows = [run_one("values", CIFAR_RUN, CIFAR, seed, data_dir, 0.6, progress=True,
-                    label=f"{seed + 1}/3 ") for seed in (0, 1, 2)]
+    plan = [(name, seed) for name in CIFAR for seed in (0, 1, 2)]
+    rows = [run_one("values", name, CIFAR[name], seed, data_dir, 0.6, progress=True,
+                    label=f"{i + 1}/{len(plan)} ") for i, (name, seed) in enumerate(plan)]
     for row in rows:
         if "test_acc" in row:
             row["value_share"] = value_share(row)
     earlier = json.loads((RESULTS / "cifar-lenet.json").read_text())
-    base = [r for r in earlier if r["run"] == "topk-d0.01"]
-    base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base])
     lines = []
-    for name, got in (("topk-fp32-d0.01", base),
-                      ("vote-fp32-d0.01", [r for r in earlier if r["run"] == "vote-d0.01"]),
-                      (CIFAR_RUN, [r for r in rows if "test_acc" in r])):
-        lines.append([name, len(got), mean_sd([100 * r["test_acc"] for r in got]),
-                      f"{100 * np.mean([r['sent_over_allreduce'] for r in got]):.2f}",
-                      f"{np.mean([r['sent_bytes_per_iteration'] for r in got]) / base_bytes:.3f}",
-                      " ".join(sorted({str(r.get('code'))[:7] for r in got}))])
+    for density in ("0.01", "0.001"):
+        base = [r for r in earlier if r["run"] == f"topk-d{density}"]
+        base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base])
+        for name, got in ((f"topk-fp32-d{density}", base),
+                          (f"vote-fp32-d{density}",
+                           [r for r in earlier if r["run"] == f"vote-d{density}"]),
+                          (f"cifar-vote-int4-d{density}",
+                           [r for r in rows if r["run"] == f"cifar-vote-int4-d{density}"
+                            and "test_acc" in r])):
+            if not got:
+                continue
+            lines.append([name, len(got), mean_sd([100 * r["test_acc"] for r in got]),
+                          f"{100 * np.mean([r['sent_over_allreduce'] for r in got]):.2f}",
+                          f"{np.mean([r['sent_bytes_per_iteration'] for r in got]) / base_bytes:.3f}",
+                          " ".join(sorted({str(r.get('code'))[:7] for r in got}))])
     text = md_table(["run", "seeds", "final acc % (± sample SD)", "bytes, % of dense allreduce",
                      "bytes / topk-fp32's", "made by"], lines)
     (RESULTS / "values-cifar.json").write_text(json.dumps(rows, indent=1))
