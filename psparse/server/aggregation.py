@@ -321,12 +321,12 @@ class BroadcastMemory:
               offset: int = 0) -> np.ndarray:
         """The whole ``vector`` to broadcast (``values`` at ``indices``, zero elsewhere: the
         layout a dense frame rounds in), rounded."""
+        if self.residual is None:
+            return self.value_format.round(vector)
         keys = np.asarray(indices, dtype=np.int64) + offset
-        if self.residual is not None:
-            vector[indices] += self.residual[keys]
+        vector[indices] += self.residual[keys]
         sent = self.value_format.round(vector)
-        if self.residual is not None:
-            self.residual[keys] = vector[indices] - sent[indices]
+        self.residual[keys] = vector[indices] - sent[indices]
         return sent
 
     def state(self) -> dict:

@@ -41,7 +41,6 @@ class Rounds:
         self.limit = limit
         # --values: the broadcasts' format and their rounding error (None: float32 values)
         self.value_memory = value_memory
-        self.value_format = aggregators[0].value_format
         self.shard = shard
         self.sharded = shard[1] > 1
         self.closing: set[int] = set()  # ranks whose final report came instead of a round
@@ -162,7 +161,7 @@ class Rounds:
         totals["sent"] += int(sent_idx.size)
         offset = 0 if self.parts is None else int(self.parts[part])  # the part's first key
         if self.value_memory is not None:
-            fields["value_format"] = self.value_format
+            fields["value_format"] = self.value_memory.value_format
         if agg.goes_dense(sent_idx.size):
             totals["dense"] = True
             vector = agg.densify(sent_idx, sent_val)

@@ -132,14 +132,17 @@ def index_dtype_for(numel: int) -> str:
 
 def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray | None = None,
            *, model_size: int | None = None, cache: KeyCache | None = None,
-           shared: dict | None = None, value_format: ValueFormat = FP32, **fields) -> list:
+           shared: dict | None = None, value_format: ValueFormat = FP32,
+           value_frame: np.ndarray | None = None, **fields) -> list:
     """Build the frames of one message. Sparse types take ``indices`` and ``values``.
 
     With ``model_size`` the index frame takes the smallest of the raw, delta and bitmap encodings
     (``codec``); with a ``cache`` too, a set the receiver already holds goes as an 8-byte key.
     ``shared``: the same dict for every message of one broadcast (the same indices to several
     connections): the index frame is encoded once, and the key caches share one copy.
-    ``value_format``: the value frame's format (float32 by default; psparse/wire/values.py).
+    ``value_format``: the value frame's format (float32 by default; psparse/wire/values.py);
+    ``value_frame``: that frame, packed already (``ValueFormat.encode``), else packed here,
+    once per broadcast with ``shared``.
     """
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
@@ -148,7 +151,8 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         values = np.ascontiguousarray(values, dtype=np.float32)
         header.update(count=int(values.size), index_dtype="int32",
                       value_dtype=value_format.dtype, **value_format.header())
-        return [msgpack.packb(header), b"", value_format.pack(values)]
+        return [msgpack.packb(header), b"", _value_frame(values, value_format, value_frame,
+                                                         shared)]
     if msg_type in SPARSE_TYPES:
         if indices is None or values is None:
             raise ValueError(f"{msg_type} needs indices and values")
@@ -159,7 +163,8 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),
                       value_dtype=value_format.dtype, **value_format.header())
         frame = _index_frame(header, indices, model_size, cache, shared)  # may set index_format
-        return [msgpack.packb(header), frame, value_format.pack(values)]
+        return [msgpack.packb(header), frame, _value_frame(values, value_format, value_frame,
+                                                           shared)]
     if msg_type in INDEX_TYPES:
         if indices is None:
             raise ValueError(f"{msg_type} needs indices")
@@ -170,6 +175,19 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         frame = _index_frame(header, indices, model_size, cache, shared)
         return [msgpack.packb(header), frame]
     return [msgpack.packb(header)]
+
+
+def _value_frame(values: np.ndarray, value_format: ValueFormat,
+                 packed: np.ndarray | None, shared: dict | None) -> np.ndarray:
+    """The value frame: ``packed`` when given, else ``values`` packed (once for all the
+    messages of a broadcast that share ``shared``)."""
+    if packed is not None:
+        return packed
+    if shared is None:
+        return value_format.pack(values)
+    if "value_frame" not in shared:
+        shared["value_frame"] = value_format.pack(values)
+    return shared["value_frame"]
 
 
 def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: KeyCache | None,

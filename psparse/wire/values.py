@@ -116,12 +116,17 @@ class ValueFormat:
                                     codes if self.dtype == "int4" else codes.view(np.int8))
         return frame
 
+    def encode(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(``pack(values)``, what a receiver decodes from it): one pack, one unpack, for a
+        sender that sends the frame and feeds the rounding error back."""
+        frame = self.pack(values)
+        return frame, values if self.exact else unpack(frame, self.dtype, values.size,
+                                                       self.block)
+
     def round(self, values: np.ndarray) -> np.ndarray:
         """What a receiver decodes from ``pack(values)``: float32, a new array (``values``
         itself for float32)."""
-        if self.exact:
-            return values
-        return unpack(self.pack(values), self.dtype, values.size, self.block)
+        return self.encode(values)[1]
 
 
 FP32 = ValueFormat()

@@ -369,17 +369,20 @@ def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, siz
         dense = dense_buffer if dense_buffer is not None else np.empty(size, dtype=np.float32)
         dense[:] = 0.0
         dense[indices] = values
+        frame = None
         if feedback is not None:  # (values at other entries are 0: they round to 0)
-            feedback(indices, values - value_format.round(dense)[indices])
+            frame, sent = value_format.encode(dense)
+            feedback(indices, values - sent[indices])
         return protocol.encode("push", None, dense, dense=True, value_format=value_format,
-                               **header)
+                               value_frame=frame, **header)
+    frame = None
     if feedback is not None:
         values = np.ascontiguousarray(values, dtype=np.float32)
-        sent = value_format.round(values)
+        frame, sent = value_format.encode(values)
         feedback(indices, values - sent)
-        values = sent  # (encodes to the same frame: rounding is idempotent)
     return protocol.encode("push", indices.astype(index_dtype, copy=False), values,
-                           model_size=size, cache=cache, value_format=value_format, **header)
+                           model_size=size, cache=cache, value_format=value_format,
+                           value_frame=frame, **header)
 
 
 def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protocol.Message:
