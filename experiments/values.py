@@ -1,22 +1,25 @@
 """Issue 39: fewer bits per entry. Value formats with error feedback at both ends, measured.
 
-    python -m experiments.values            # make exp-values (about 40 min here)
+    python -m experiments.values            # make exp-values: LeNet/MNIST (about 25 min here)
+    python -m experiments.values --cifar    # LeNet-5/CIFAR-10 (about 5 min a run here)
+    python -m experiments.values --cifar --only cifar-ema-int4-d0.01,cifar-topk-int4-d0.01
 
-LeNet/MNIST, 8 workers, 2 epochs (468 iterations; the section 7 setup), density 1% and 0.1%:
-`topk` and `vote keep=1.5` with values in fp32 (the baseline), int8 and int4 (the server's
-error memory on), seeds 0, 1, 2; bf16 and ScaleCom (`cltk` + the scalecom memory) at int8 on
-seed 0; int8 and int4 without the server's memory (``--no-broadcast-memory``) for `topk` at 1%,
-seed 0, to show what that memory buys. ``--cifar``: LeNet-5/CIFAR-10 at section 3's 30 epochs
-(the `cifar-lenet` sweep's settings), `vote keep=1.5` with int4 values at 1% and 0.1%, seeds 0-2,
-against that sweep's fp32 runs (experiments/results/cifar-lenet.json; ~7 min a run here).
+LeNet/MNIST, 8 workers, 2 epochs (468 iterations; the section 7 setup), density 1% and 0.1%,
+seeds 0, 1, 2: `topk`, `vote keep=1.5` and `ema` with values in fp32 (the baseline), int8, int4
+and bf16 (the server's error memory on); ScaleCom (`cltk` + the scalecom memory) at int8; int8
+and int4 without the server's memory (``--no-broadcast-memory``) for `topk` at 1%, to show what
+that memory buys. ``--cifar``: LeNet-5/CIFAR-10 at section 3's 30 epochs (the `cifar-lenet`
+sweep's settings), the same grid where it was run (CIFAR_SEEDS says which seeds), against that
+sweep's fp32 runs (experiments/results/cifar-lenet.json: the same arguments but --values).
 
 Per cell: final test accuracy (full test set; chance 10%) ± the sample SD over seeds, the bytes
 on the wire (pushes + broadcasts, every process) as a share of a dense ring allreduce's, the
 same as a share of `topk`-fp32's at that density, and the share of the bytes that are values
 (metrics.jsonl's upload_value_bytes + broadcast_value_bytes; the rest is index frames and
-headers).
+headers). A run is reused when it has finished (runs/values/); ``--only`` runs just the named
+cells, in the order given, and the tables are written from every finished run of the grid.
 
-Results: experiments/results/values.{md,json}; runs in runs/values/.
+Results: experiments/results/values.{md,json} and values-cifar.{md,json}.
 """
 
 from __future__ import annotations
@@ -27,37 +30,43 @@ import sys
 
 import numpy as np
 
-from experiments.harness import RESULTS, ROOT, RunDir, made_by, md_table, mean_sd
-from experiments.run import run_one
+from experiments.harness import RESULTS, ROOT, RunCache, RunDir, made_by, md_table, mean_sd
+from experiments.run import run_one, run_paths
 from experiments.sweeps import LENET, SWEEP_POLICIES, SWEEPS
 
 POLICIES = {"topk": SWEEP_POLICIES["topk"], "vote": SWEEP_POLICIES["vote"],
+            "ema": SWEEP_POLICIES["ema"],
+            "vote2": ["--policy", "vote", "--policy-arg", "keep=2"],
             "scalecom": ["--policy", "cltk", "--memory", "scalecom"]}
+DENSITIES = ("0.01", "0.001")
+SEEDS = (0, 1, 2)
 
 
-def _runs() -> tuple[dict[str, list[str]], dict[str, list[int]]]:
-    runs, seeds = {}, {}
-    for density in ("0.01", "0.001"):
-        d = ["--density", density]
-        for policy in ("topk", "vote"):
-            for values in ("fp32", "int8", "int4", "bf16"):
-                name = f"{policy}-{values}-d{density}"
-                runs[name] = [*d, *POLICIES[policy], "--values", values]
-                seeds[name] = [0] if values == "bf16" else [0, 1, 2]
-        runs[f"scalecom-int8-d{density}"] = [*d, *POLICIES["scalecom"], "--values", "int8"]
-        seeds[f"scalecom-int8-d{density}"] = [0]
+def _grid(prefix: str, base: list[str], fp32: bool) -> dict[str, list[str]]:
+    """Run name -> psparse-launch arguments (without the seed) of one dataset's grid; ``fp32``:
+    include the fp32 cells (CIFAR-10 takes them from the cifar-lenet sweep instead)."""
+    runs = {}
+    for density in DENSITIES:
+        d = [*base, "--density", density]
+        for policy in ("topk", "vote", "ema"):
+            for values in ("fp32", "int8", "int4", "bf16")[0 if fp32 else 1:]:
+                runs[f"{prefix}{policy}-{values}-d{density}"] = [*d, *POLICIES[policy],
+                                                                 "--values", values]
+        runs[f"{prefix}vote2-int4-d{density}"] = [*d, *POLICIES["vote2"], "--values", "int4"]
+        runs[f"{prefix}scalecom-int8-d{density}"] = [*d, *POLICIES["scalecom"],
+                                                     "--values", "int8"]
     for values in ("int8", "int4"):
-        name = f"topk-{values}-nomemory-d0.01"
-        runs[name] = ["--density", "0.01", *POLICIES["topk"], "--values", values,
-                      "--no-broadcast-memory"]
-        seeds[name] = [0]
-    return runs, seeds
+        runs[f"{prefix}topk-{values}-nomemory-d0.01"] = [
+            *base, "--density", "0.01", *POLICIES["topk"], "--values", values,
+            "--no-broadcast-memory"]
+    return runs
 
 
-RUNS, SEEDS = _runs()
-CIFAR = {f"cifar-vote-int4-d{d}": [*SWEEPS["cifar-lenet"]["base"], "--density", d,
-                                    *POLICIES["vote"], "--values", "int4"]
-         for d in ("0.01", "0.001")}
+RUNS = _grid("", LENET, fp32=True)
+CIFAR = _grid("cifar-", SWEEPS["cifar-lenet"]["base"], fp32=False)
+# the cifar-lenet sweep's fp32 runs that stand for the grid's fp32 cells
+CIFAR_FP32 = {f"cifar-{p}-fp32-d{d}": f"{p}-d{d}" for d in DENSITIES
+              for p in ("topk", "vote", "ema")}
 
 
 def value_share(row: dict) -> float:
@@ -68,85 +77,96 @@ def value_share(row: dict) -> float:
     return values / total
 
 
-def table(rows: list[dict]) -> str:
+def _short(code: str | None) -> str:
+    """A code id as the table's column shows it: the commit's 7 digits, "+dirty" when it had
+    uncommitted changes (the line under the table gives them whole)."""
+    code = str(code)
+    return code[:7] + ("+dirty" if "+dirty" in code else "")
+
+
+def _density(name: str) -> str:
+    return name.rsplit("-d", 1)[1]
+
+
+def table(rows: list[dict], names, base_name) -> str:
+    """One line per cell of ``names`` that has finished runs in ``rows``; ``base_name(density)``
+    names the cell whose bytes are 1.000 (topk-fp32 at that density)."""
     lines = []
-    for name in RUNS:
+    for name in names:
         got = [r for r in rows if r["run"] == name and "test_acc" in r]
         if not got:
             continue
-        density = name.rsplit("-d", 1)[1]
-        base = [r for r in rows if r["run"] == f"topk-fp32-d{density}" and "test_acc" in r]
+        base = [r for r in rows if r["run"] == base_name(_density(name)) and "test_acc" in r]
         base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base]) if base else None
+        shares = [r["value_share"] for r in got if r.get("value_share") is not None]
         lines.append([
             name, len(got), mean_sd([100 * r["test_acc"] for r in got]),
             f"{100 * np.mean([r['sent_over_allreduce'] for r in got]):.2f}",
             "-" if base_bytes is None else
             f"{np.mean([r['sent_bytes_per_iteration'] for r in got]) / base_bytes:.3f}",
-            f"{100 * np.mean([r['value_share'] for r in got]):.0f}"])
+            f"{100 * np.mean(shares):.0f}" if shares else "-",
+            " ".join(sorted({_short(r.get("code")) for r in got}))])
     return md_table(["run", "seeds", "final acc % (± sample SD)",
                      "bytes, % of dense allreduce", "bytes / topk-fp32's",
-                     "values, % of bytes"], lines) + "\n\n" + made_by(rows)
+                     "values, % of bytes", "made by"], lines) + "\n\n" + made_by(rows)
+
+
+def _row(name: str, args: list[str], seed: int, data_dir, target: float, run: bool,
+         progress: bool, label: str) -> dict | None:
+    """The row of one run: run (or resumed) when ``run``, else only if it has finished."""
+    if not run:
+        out, _, identity = run_paths("values", name, args, seed, data_dir)
+        if not RunCache(out, identity).finished():
+            return None
+    row = run_one("values", name, args, seed, data_dir, target, progress=progress, label=label)
+    if "test_acc" in row:
+        row["value_share"] = value_share(row)
+    return row
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.values", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=None, help="folder holding MNIST (default: data)")
+    p.add_argument("--data-dir", default=None, help="folder holding the data (default: data)")
     p.add_argument("--only", default=None,
-                   help="comma-separated run names (default: all of RUNS)")
+                   help="comma-separated run names to run, in this order (default: all of "
+                        "the grid); the tables still show every finished run")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds to run (default: 0,1,2)")
     p.add_argument("--cifar", action="store_true",
-                   help="the LeNet-5/CIFAR-10 runs instead (results/values-cifar.{md,json})")
+                   help="the LeNet-5/CIFAR-10 grid instead (results/values-cifar.{md,json})")
     args = p.parse_args(argv)
-    if args.cifar:
-        return cifar(args.data_dir)
-    names = args.only.split(",") if args.only else list(RUNS)
-    plan = [(n, s) for n in names for s in SEEDS[n]]
-    rows = []
+    grid = CIFAR if args.cifar else RUNS
+    names = args.only.split(",") if args.only else list(grid)
+    unknown = [n for n in names if n not in grid]
+    if unknown:
+        p.error(f"unknown run(s) {', '.join(unknown)}; the grid has: {', '.join(grid)}")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
+    target, stem = (0.6, "values-cifar") if args.cifar else (0.98, "values")
+    plan = [(n, s) for n in names for s in seeds]
     for i, (name, seed) in enumerate(plan):
-        row = run_one("values", name, [*LENET, *RUNS[name]], seed, args.data_dir, 0.98,
-                      label=f"{i + 1}/{len(plan)} ")
-        if "test_acc" in row:
-            row["value_share"] = value_share(row)
-        rows.append(row)
+        row = _row(name, grid[name], seed, args.data_dir, target, True, args.cifar,
+                   f"{i + 1}/{len(plan)} ")
         print(f"{i + 1}/{len(plan)} {name} seed {seed}: "
               f"{row.get('test_acc', row.get('failed'))}", flush=True)
+    rows = [r for n in grid for s in SEEDS
+            if (r := _row(n, grid[n], s, args.data_dir, target, False, False, "")) is not None]
+    if args.cifar:
+        earlier = json.loads((RESULTS / "cifar-lenet.json").read_text())
+        for name, sweep_name in CIFAR_FP32.items():
+            rows += [{**r, "run": name, "value_share": None}
+                     for r in earlier if r["run"] == sweep_name]
+        order = [n for n in [*CIFAR_FP32, *grid] if not n.endswith("nomemory-d0.01")]
+        order = sorted(order, key=lambda n: (DENSITIES.index(_density(n)), order.index(n)))
+        order += [n for n in grid if n.endswith("nomemory-d0.01")]
+        text = table(rows, order, lambda d: f"cifar-topk-fp32-d{d}")
+        text += ("\n\nThe fp32 rows are the cifar-lenet sweep's runs (same arguments but "
+                 "--values; results/cifar-lenet.json), without a value share.")
+    else:
+        text = table(rows, grid, lambda d: f"topk-fp32-d{d}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "values.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "values.md").write_text(table(rows) + "\n")
-    print(table(rows))
-    return 0
-
-
-def cifar(data_dir: str | None) -> int:
-    """vote keep=1.5 with int4 values on LeNet-5/CIFAR-10 against the cifar-lenet sweep's
-    fp32 top-k and vote runs (same arguments but --values)."""
-    plan = [(name, seed) for name in CIFAR for seed in (0, 1, 2)]
-    rows = [run_one("values", name, CIFAR[name], seed, data_dir, 0.6, progress=True,
-                    label=f"{i + 1}/{len(plan)} ") for i, (name, seed) in enumerate(plan)]
-    for row in rows:
-        if "test_acc" in row:
-            row["value_share"] = value_share(row)
-    earlier = json.loads((RESULTS / "cifar-lenet.json").read_text())
-    lines = []
-    for density in ("0.01", "0.001"):
-        base = [r for r in earlier if r["run"] == f"topk-d{density}"]
-        base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base])
-        for name, got in ((f"topk-fp32-d{density}", base),
-                          (f"vote-fp32-d{density}",
-                           [r for r in earlier if r["run"] == f"vote-d{density}"]),
-                          (f"cifar-vote-int4-d{density}",
-                           [r for r in rows if r["run"] == f"cifar-vote-int4-d{density}"
-                            and "test_acc" in r])):
-            if not got:
-                continue
-            lines.append([name, len(got), mean_sd([100 * r["test_acc"] for r in got]),
-                          f"{100 * np.mean([r['sent_over_allreduce'] for r in got]):.2f}",
-                          f"{np.mean([r['sent_bytes_per_iteration'] for r in got]) / base_bytes:.3f}",
-                          " ".join(sorted({str(r.get('code'))[:7] for r in got}))])
-    text = md_table(["run", "seeds", "final acc % (± sample SD)", "bytes, % of dense allreduce",
-                     "bytes / topk-fp32's", "made by"], lines)
-    (RESULTS / "values-cifar.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "values-cifar.md").write_text(text + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(text)
     return 0
 
