@@ -6,8 +6,9 @@ benchmarks/README.md). Steps, each with its own time limit, all within ``--budge
 1. device and versions (nvidia-smi, torch, CuPy, pyzmq, numba, llvmlite);
 2. the kernel gate (``python -m psparse.gpu.kernel_check``: NVRTC compiles every kernel);
 3. the kernel tests (tests/test_kernels.py, test_kernel_check.py, test_radix.py,
-   test_device_policies.py: on a GPU the radix engine and every policy's device path run on
-   the device, against the host's selections); no test may be skipped for "no CUDA device";
+   test_device_policies.py, test_device_values.py: on a GPU the radix engine, every policy's
+   device path and the value formats' rounding run on the device, against the host's); no
+   test may be skipped for "no CUDA device";
 4. the selection benchmark (benchmarks/gpu_select.py): the radix engine (eager and as a CUDA
    graph) vs torch.topk vs a device copy, and each policy's device selection vs top-k's;
 5. LeNet/MNIST, 8 workers sharing the GPU, ``--device cuda --server-device cuda``, 2 epochs,
@@ -139,7 +140,8 @@ def kernel_gate_and_tests(check: Check) -> None:
     code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",
                                            "-p", "no:cacheprovider", "tests/test_kernels.py",
                                            "tests/test_kernel_check.py", "tests/test_radix.py",
-                                           "tests/test_device_policies.py"], 150,
+                                           "tests/test_device_policies.py",
+                                           "tests/test_device_values.py"], 150,
                           "test_kernels.log")
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", out)}
     check.figures["kernel_tests"] = counts

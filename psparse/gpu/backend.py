@@ -23,7 +23,7 @@ import numpy as np
 from . import sources
 
 THREADS = 256
-SOURCES = (sources.CUDA_SOURCE, sources.RADIX_SOURCE)
+SOURCES = (sources.CUDA_SOURCE, sources.RADIX_SOURCE, sources.VALUES_SOURCE)
 
 
 class HostSync(RuntimeError):

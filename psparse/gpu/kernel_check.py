@@ -73,11 +73,13 @@ class Report:
 def package_sources() -> list[CudaSource]:
     """Every CUDA C source in the package with the kernels the runtime launches from it (the
     backends build exactly these: psparse.gpu.backend.SOURCES)."""
-    from .sources import RADIX_SOURCE
+    from .sources import RADIX_SOURCE, VALUES_SOURCE
     return [CudaSource("psparse/gpu/elementwise.cu", sources.CUDA_SOURCE,
                        tuple(sources.CUDA_KERNELS)),
             CudaSource("psparse/gpu/radix.cu", RADIX_SOURCE,
-                       tuple(sources.kernel_signatures(RADIX_SOURCE)))]
+                       tuple(sources.kernel_signatures(RADIX_SOURCE))),
+            CudaSource("psparse/gpu/values.cu", VALUES_SOURCE,
+                       tuple(sources.kernel_signatures(VALUES_SOURCE)))]
 
 
 def package_elementwise() -> list[ElementwiseSpec]:

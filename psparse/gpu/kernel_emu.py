@@ -154,6 +154,7 @@ static inline int __ffs(unsigned v) { return __builtin_ffs(v); }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+static inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // nearest even
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }

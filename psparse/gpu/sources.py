@@ -25,6 +25,7 @@ import numpy as np
 _HERE = Path(__file__).resolve().parent
 CUDA_SOURCE = (_HERE / "elementwise.cu").read_text()
 RADIX_SOURCE = (_HERE / "radix.cu").read_text()
+VALUES_SOURCE = (_HERE / "values.cu").read_text()
 
 
 # C parameter type -> (array or scalar, dtype) that a launch must pass for it
@@ -34,6 +35,8 @@ C_TYPES = {
     "unsigned long long*": ("array", np.uint64), "const unsigned long long*": ("array", np.uint64),
     "unsigned int*": ("array", np.uint32), "const unsigned char*": ("array", np.uint8),
     "unsigned char*": ("array", np.uint8), "int*": ("array", np.int32),
+    "signed char*": ("array", np.int8), "const signed char*": ("array", np.int8),
+    "unsigned short*": ("array", np.uint16),
     "const int*": ("array", np.int32), "double": ("scalar", np.float64),
     "double*": ("array", np.float64), "const double*": ("array", np.float64),
     "long long": ("scalar", np.int64), "float": ("scalar", np.float32), "int": ("scalar", np.int32),

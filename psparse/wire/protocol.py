@@ -141,8 +141,8 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
     ``shared``: the same dict for every message of one broadcast (the same indices to several
     connections): the index frame is encoded once, and the key caches share one copy.
     ``value_format``: the value frame's format (float32 by default; psparse/wire/values.py);
-    ``value_frame``: that frame, packed already (``ValueFormat.encode``), else packed here,
-    once per broadcast with ``shared``.
+    ``value_frame``: that frame, packed already (``ValueFormat.encode``; ``values`` may then
+    be None), else packed here, once per broadcast with ``shared``.
     """
     if msg_type not in SCHEMAS:
         raise ValueError(f"unknown message type {msg_type!r}")
@@ -154,10 +154,11 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
         return [msgpack.packb(header), b"", _value_frame(values, value_format, value_frame,
                                                          shared)]
     if msg_type in SPARSE_TYPES:
-        if indices is None or values is None:
+        if indices is None or (values is None and value_frame is None):
             raise ValueError(f"{msg_type} needs indices and values")
         indices = np.ascontiguousarray(indices)
-        values = np.ascontiguousarray(values, dtype=np.float32)
+        if value_frame is None:
+            values = np.ascontiguousarray(values, dtype=np.float32)
         if indices.dtype not in (np.int32, np.int64):
             raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
         header.update(count=int(indices.size), index_dtype=str(indices.dtype),

@@ -24,7 +24,20 @@ from ..wire import protocol, run_description
 from ..wire.codec import KeyCache
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel, PeerGone, TransportTimeout
-from ..wire.values import FP32, ValueFormat
+from ..wire.values import FP32, ValueFormat, unpack
+
+
+class RoundedValues:
+    """A push's values already in the run's value format, their rounding error already fed
+    back: one value frame per key-range shard the push goes to, in shard order, with the
+    entries each holds (the GPU path rounds on the device: psparse/worker/device_values.py).
+    ``push_frames`` sends such a frame as it is."""
+
+    def __init__(self, frames: list[np.ndarray], counts: list[int]):
+        self.frames, self.counts = frames, counts
+
+    def shard(self, n: int) -> RoundedValues:
+        return RoundedValues([self.frames[n]], [self.counts[n]])
 
 
 class WorkerError(RuntimeError):
@@ -365,7 +378,19 @@ def push_frames(it: int, rank: int, indices: np.ndarray, values: np.ndarray, siz
     if overflow:
         header["overflow"] = True
     index_dtype = protocol.index_dtype_for(size)
-    if protocol.dense_is_smaller(indices.size, size, index_dtype, value_format):
+    dense = protocol.dense_is_smaller(indices.size, size, index_dtype, value_format)
+    if isinstance(values, RoundedValues):  # rounded on the device, the error fed back there
+        if values.counts[0] != indices.size:
+            raise AssertionError(f"a rounded frame of {values.counts[0]} values for "
+                                 f"{indices.size} indices")
+        if not dense:
+            return protocol.encode("push", indices.astype(index_dtype, copy=False), None,
+                                   model_size=size, cache=cache, value_format=value_format,
+                                   value_frame=values.frames[0], **header)
+        # dense is smaller: what the frame decodes to is rounded again in the dense layout
+        # below, and that second error goes back too (value - decoded in all)
+        values = unpack(values.frames[0], value_format.dtype, indices.size, value_format.block)
+    if dense:
         dense = dense_buffer if dense_buffer is not None else np.empty(size, dtype=np.float32)
         dense[:] = 0.0
         dense[indices] = values

@@ -3,6 +3,8 @@
 ``SelectionCopy`` takes what a policy chose on the device (the radix engine's selection, or
 plain indices checked for range and order by a kernel) and brings the pairs to pinned host
 memory with the round's other small results in the same copy (``psparse/worker/device_round.py``).
+With a value format other than float32 a push's values come back already rounded, as the
+frames' scales and codes (``psparse/worker/device_values.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from ..gpu.device_policy import DeviceSelection
 from ..gpu.radix import RP_W
 from ..policies import PolicyError, check_output
 from .client import WorkerError
+from .device_values import DeviceValues
 from .exchange import RoundContext
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
@@ -28,13 +31,14 @@ class SelectionCopy:
         self.s, self.dev = ctx, dev
         self.numel = ctx.net.numel
         self.flags = dev.xp.zeros(2, dtype=dev.xp.uint64)  # the check kernel's findings
+        self.rounding = DeviceValues(ctx, dev)  # --values: a push rounded on the device
 
     def copy_back(self, it, chosen, limit, method, extra=(), part: int = 0):
         if isinstance(chosen, DeviceSelection):
-            return self._engine(it, chosen, f"{method}{part}", method, extra)
-        return self._indices(it, chosen, limit, method, f"{method}{part}", extra)
+            return self._engine(it, chosen, f"{method}{part}", method, extra, part)
+        return self._indices(it, chosen, limit, method, f"{method}{part}", extra, part)
 
-    def _engine(self, it, chosen: DeviceSelection, tag: str, method: str, extra):
+    def _engine(self, it, chosen: DeviceSelection, tag: str, method: str, extra, part: int):
         """The engine's selection: its report, indices and values (and earlier reports)."""
         dev = self.dev
         cap = chosen.capacity
@@ -44,7 +48,14 @@ class SelectionCopy:
         if chosen.taken:  # gathered and zeroed by the engine: what follows a take
             self.s.memory.after_take()
         pairs = [(chosen.report, report), (chosen.indices, idx)]
-        if chosen.values is not None:
+        rounded = None
+        if chosen.values is not None and method == "select" and \
+                self.rounding.active(cap, part):
+            more, rounded = self.rounding.stage(
+                tag, chosen.indices, chosen.values, chosen.starts, chosen.ks,
+                chosen.report if chosen.variable else None)
+            pairs += more  # the frames' codes come back instead of the float32 values
+        elif chosen.values is not None:
             pairs.append((chosen.values, val))
         earlier = [dev.pinned(f"report-{n}", r.size, np.int64)
                    for n, r in enumerate(chosen.also)]
@@ -63,9 +74,9 @@ class SelectionCopy:
             idx, val = idx[keep], val[keep]
         if chosen.values is None:
             raise AssertionError(f"{method}: a selection without its values")
-        return idx, val
+        return idx, (val if rounded is None else rounded())
 
-    def _indices(self, it, chosen, limit, method: str, tag: str, extra):
+    def _indices(self, it, chosen, limit, method: str, tag: str, extra, part: int):
         """Plain indices from the policy (device or host): checked on the device (range,
         order), their values taken, one copy back."""
         dev, policy = self.dev, self.s.policy
@@ -89,11 +100,14 @@ class SelectionCopy:
         flags = dev.pinned("flags", 2, np.uint64)
         idx = dev.pinned(f"{tag}-idx", chosen.size, np.int64)
         val = dev.pinned(f"{tag}-val", chosen.size, np.float32)
-        dev.copy_back([(self.flags, flags), (chosen, idx), (values, val)] + list(extra))
+        pairs, rounded = [(values, val)], None
+        if method == "select" and self.rounding.active(chosen.size, part):  # codes instead
+            pairs, rounded = self.rounding.stage(tag, chosen, values, [0], [chosen.size])
+        dev.copy_back([(self.flags, flags), (chosen, idx), *pairs] + list(extra))
         where = f"policy {type(policy).__name__}.{method}() at iteration {it}"
         if flags[FLAG_RANGE]:
             raise PolicyError(f"{where} returned an index out of range [0, {self.numel})")
         if flags[FLAG_ORDER]:
             raise PolicyError(f"{where} returned indices that are not strictly increasing "
                               "(they must be sorted, without duplicates)")
-        return idx, val
+        return idx, (val if rounded is None else rounded())

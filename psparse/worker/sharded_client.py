@@ -13,7 +13,7 @@ import numpy as np
 from ..config import ConfigError, RunConfig
 from ..server.aggregation import agg_kernels, top_k
 from ..wire import keyranges, protocol, run_description
-from .client import PSClient, global_indices, merge_aggregates
+from .client import PSClient, RoundedValues, global_indices, merge_aggregates
 
 
 class ShardedClient:
@@ -90,6 +90,10 @@ class ShardedClient:
     def feedback(self):
         return self.shards[0].feedback
 
+    @property
+    def value_format(self):  # the run's (every shard's ready carries the same run)
+        return self.shards[0].value_format
+
     @feedback.setter
     def feedback(self, feed_back) -> None:  # each shard's rounding error, at global indices
         for c in self.shards:
@@ -113,7 +117,8 @@ class ShardedClient:
         indices = np.ascontiguousarray(indices, dtype=np.int64)
         for n, (c, part, local) in enumerate(self._parts(indices)):
             lo = int(self.edges[n])
-            c.send_push(it, local, values[part], loss, checksum,
+            c.send_push(it, local, values.shard(n) if isinstance(values, RoundedValues)
+                        else values[part], loss, checksum,
                         None if dense_buffer is None else dense_buffer[lo:lo + c.numel],
                         overflow)  # every shard sees the overflow, so every shard skips
         got = [c.await_aggregate(it) for c in self.shards]
