@@ -84,6 +84,26 @@ def test_the_kernels_equal_the_numpy_reference_bit_for_bit():
     assert np.array_equal(out.view(np.uint32), quantize.bf16_values(bf).view(np.uint32))
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_pack_and_unpack_into_given_buffers_write_the_same_bytes(name):
+    """``out=``: a frame and values written into reused buffers (stale bytes in them) equal
+    new ones; a buffer of the wrong size or dtype is refused naming it."""
+    fmt = ValueFormat.named(name)
+    v = awkward_values(5_001, seed=4)
+    frame = np.full(fmt.frame_bytes(v.size), 0xAB, np.uint8)
+    got = fmt.pack(v, out=frame)
+    assert got is frame and np.array_equal(frame, np.asarray(fmt.pack(v)).view(np.uint8))
+    values = np.full(v.size, np.nan, np.float32)
+    decoded = unpack(frame, fmt.dtype, v.size, fmt.block, out=values)
+    assert decoded is values
+    assert np.array_equal(values.view(np.uint32),
+                          unpack(frame, fmt.dtype, v.size, fmt.block).view(np.uint32))
+    with pytest.raises(ValueError, match="out must be a writeable contiguous uint8 array"):
+        fmt.pack(v, out=np.empty(frame.size + 1, np.uint8))
+    with pytest.raises(ValueError, match="out must be a writeable contiguous float32 array"):
+        unpack(frame, fmt.dtype, v.size, fmt.block, out=np.empty(v.size, np.float64))
+
+
 def test_block_scales_are_the_smallest_power_of_two_that_holds_the_block():
     v = np.array([7.0, 7.5, -3.0, 0.0, 1e-40], np.float32)
     scales, codes = quantize.block_codes(v, 1, "int4")

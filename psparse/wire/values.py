@@ -88,21 +88,25 @@ class ValueFormat:
     def frame_bytes(self, count: int) -> int:
         return frame_bytes(self.dtype, count, self.block)
 
-    def pack(self, values: np.ndarray) -> np.ndarray:
-        """The value frame of float32 ``values``."""
+    def pack(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The value frame of float32 ``values``; written into ``out`` when given (a
+        contiguous uint8 array of ``frame_bytes(values.size)`` bytes, e.g. reused from an
+        earlier push), else a new array (float32: ``values`` itself, or ``out`` filled)."""
         values = np.ascontiguousarray(values, dtype=np.float32)
+        if out is not None:
+            _check_out(out, self.frame_bytes(values.size), np.uint8, "frame")
         if self.dtype == "float32":
-            return values
+            return values if out is None else _filled(out, values.view(np.uint8))
         if self.dtype == "float16":
-            return quantize.fp16_codes(values).view(np.uint8)
+            return _filled(out, quantize.fp16_codes(values).view(np.uint8))
         fast = not REFERENCE and compiled(values.size)
         if self.dtype == "bfloat16":
             if not fast:
-                return quantize.bf16_codes(values).view(np.uint8)
-            out = np.empty(values.size, np.uint16)
-            value_kernels.encode_bf16(values, out)
-            return out.view(np.uint8)
-        frame = np.empty(self.frame_bytes(values.size), np.uint8)
+                return _filled(out, quantize.bf16_codes(values).view(np.uint8))
+            codes = np.empty(values.size, np.uint16) if out is None else out.view(np.uint16)
+            value_kernels.encode_bf16(values, codes)
+            return codes.view(np.uint8) if out is None else out
+        frame = np.empty(self.frame_bytes(values.size), np.uint8) if out is None else out
         blocks = -(-values.size // self.block)
         scales = frame[:4 * blocks].view(np.float32)
         codes = frame[4 * blocks:]
@@ -132,9 +136,28 @@ class ValueFormat:
 FP32 = ValueFormat()
 
 
-def unpack(buf, dtype: str, count: int, block: int | None = None) -> np.ndarray:
+def _check_out(out: np.ndarray, size: int, dtype, what: str) -> None:
+    if not (isinstance(out, np.ndarray) and out.dtype == dtype and out.ndim == 1
+            and out.size == size and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError(f"out must be a writeable contiguous {np.dtype(dtype)} array of "
+                         f"{size} entries (the {what}), got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} "
+                         f"{getattr(out, 'shape', '')}")
+
+
+def _filled(out: np.ndarray | None, result: np.ndarray) -> np.ndarray:
+    """``result``, or ``out`` holding it (the paths that compute into a new array)."""
+    if out is None:
+        return result
+    out[:] = result
+    return out
+
+
+def unpack(buf, dtype: str, count: int, block: int | None = None,
+           out: np.ndarray | None = None) -> np.ndarray:
     """float32 values of a value frame (a view of it for float32), refused with
-    ``ValueFrameError`` when its size or its scales are wrong."""
+    ``ValueFrameError`` when its size or its scales are wrong; written into ``out`` when given
+    (a contiguous float32 array of ``count`` entries)."""
     data = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else \
         buf.view(np.uint8)
     expected = frame_bytes(dtype, count, block)
@@ -142,16 +165,18 @@ def unpack(buf, dtype: str, count: int, block: int | None = None) -> np.ndarray:
         raise ValueFrameError(f"{dtype} value frame is {data.size} bytes, expected {expected} "
                               f"for {count} values" + (f" in blocks of {block}"
                                                        if dtype in BLOCK_FORMATS else ""))
+    if out is not None:
+        _check_out(out, count, np.float32, "values")
     if dtype == "float32":
-        return data.view("<f4")
+        return _filled(out, data.view("<f4"))
     if dtype == "float16":
-        return data.view("<f2").astype(np.float32)
+        return _filled(out, data.view("<f2").astype(np.float32))
     fast = not REFERENCE and compiled(count)
     if dtype == "bfloat16":
         codes = data.view("<u2")
         if not fast:
-            return quantize.bf16_values(codes)
-        out = np.empty(count, np.float32)
+            return _filled(out, quantize.bf16_values(codes))
+        out = np.empty(count, np.float32) if out is None else out
         value_kernels.decode_bf16(codes, out)
         return out
     blocks = -(-count // block)
@@ -162,8 +187,8 @@ def unpack(buf, dtype: str, count: int, block: int | None = None) -> np.ndarray:
     if not fast:
         unpacked = quantize.unpack_nibbles(codes, count) if dtype == "int4" else codes.view(
             np.int8)
-        return quantize.block_values(scales, unpacked, block)
-    out = np.empty(count, np.float32)
+        return _filled(out, quantize.block_values(scales, unpacked, block))
+    out = np.empty(count, np.float32) if out is None else out
     value_kernels.decode_blocks(scales, codes if dtype == "int4" else codes.view(np.int8),
                                 block, dtype == "int4", count, out)
     return out
