@@ -82,6 +82,22 @@ def test_the_kernels_equal_the_numpy_reference_bit_for_bit():
     out = np.empty(v.size, np.float32)
     value_kernels.decode_bf16(bf, out)
     assert np.array_equal(out.view(np.uint32), quantize.bf16_values(bf).view(np.uint32))
+    # fp16: every code decodes as numpy's cast does; values at, beside and between every
+    # finite fp16 (the rounding boundaries), past the clip, and the awkward ones encode as
+    # numpy's clip-then-cast
+    every = np.arange(65536, dtype=np.uint16)
+    out = np.empty(every.size, np.float32)
+    value_kernels.decode_fp16(every, out)
+    assert np.array_equal(out.view(np.uint32), every.view(np.float16).astype(np.float32)
+                          .view(np.uint32))
+    half = np.sort(out[np.isfinite(out)].astype(np.float64))
+    probes = np.concatenate([v, half, np.nextafter(half.astype(np.float32), np.float32(np.inf)),
+                             np.nextafter(half.astype(np.float32), np.float32(-np.inf)),
+                             (half[:-1] + half[1:]) / 2, [65519.0, 65520.0, 1e30, -1e30]])
+    probes = probes.astype(np.float32)
+    fp = np.empty(probes.size, np.uint16)
+    value_kernels.encode_fp16(probes, fp)
+    assert np.array_equal(fp, quantize.fp16_codes(probes).view(np.uint16))
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -1,10 +1,10 @@
-"""Value formats compiled for the CPU: bf16 and int8/int4 block coding, one pass each.
+"""Value formats compiled for the CPU: bf16, fp16 and int8/int4 block coding, one pass each.
 
 The compiled (numba) form of psparse/cpu/quantize.py's numpy reference, equal to it bit for bit
 (tests/test_values.py). Each kernel reads the values once and writes the frame's bytes where
 they go: an int8/int4 value frame is the blocks' float32 scales, then the codes (docs/protocol.md,
 "Value formats"), so the encoder takes the frame as one uint8 buffer and writes both parts.
-fp16 needs no kernel: numpy's float16 cast is C already.
+fp16 is bit manipulation too: numpy's float16 casts are exact but take 2-4 ns a value.
 """
 
 from __future__ import annotations
@@ -144,6 +144,49 @@ def decode_bf16(codes, out):
         bits[i] = np.uint32(codes[i]) << np.uint32(16)
 
 
+FP16_MAX = np.float32(65504.0)  # quantize.FP16_MAX
+
+
+@kernel
+def encode_fp16(values, out):
+    """float32 -> fp16 bit patterns (uint16), nearest even, magnitudes past 65504 clipped to
+    it (quantize.fp16_codes: numpy's clip then float16 cast), NaN kept a NaN."""
+    bits = values.view(np.uint32)
+    for i in range(bits.size):
+        u = bits[i]
+        sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+        a = u & np.uint32(0x7FFFFFFF)
+        if a > np.uint32(0x7F800000):  # NaN
+            out[i] = np.uint16(sign | np.uint32(0x7E00))
+        elif a >= np.uint32(0x477FE000):  # 65504 and past it (inf too): the largest fp16
+            out[i] = np.uint16(sign | np.uint32(0x7BFF))
+        elif a >= np.uint32(0x38800000):  # a normal fp16: rebias, round at bit 13
+            out[i] = np.uint16(sign | (((a + np.uint32(0xFFF) + ((a >> np.uint32(13)) &
+                                                                 np.uint32(1)))
+                                        >> np.uint32(13)) - np.uint32(112 << 10)))
+        else:  # subnormal (or zero): |v| / 2^-24 to the nearest even integer (exact product)
+            magnitude = values[i] if sign == 0 else -values[i]
+            out[i] = np.uint16(sign | np.uint32(np.rint(magnitude * np.float32(16777216.0))))
+
+
+@kernel
+def decode_fp16(codes, out):
+    """fp16 bit patterns -> float32 (exact)."""
+    bits = out.view(np.uint32)
+    for i in range(codes.size):
+        h = np.uint32(codes[i])
+        sign = (h & np.uint32(0x8000)) << np.uint32(16)
+        e = (h >> np.uint32(10)) & np.uint32(0x1F)
+        m = h & np.uint32(0x3FF)
+        if e == 0:  # zero or subnormal: m * 2^-24
+            out[i] = np.float32(m) * np.float32(5.9604644775390625e-08)
+            bits[i] |= sign
+        elif e == 31:  # inf or NaN
+            bits[i] = sign | np.uint32(0x7F800000) | (m << np.uint32(13))
+        else:
+            bits[i] = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+
+
 def warm_up() -> None:
     """Compile or load every kernel for the argument types the package passes (values owned or
     read-only: a received frame)."""
@@ -156,6 +199,7 @@ def warm_up() -> None:
                                            np.frombuffer(codes.tobytes(), codes.dtype))):
                 decode_blocks(s, c, 128, nibbles, 3, np.empty(3, np.float32))
         out16 = np.empty(3, np.uint16)
-        encode_bf16(vals, out16)
-        for c in (out16, np.frombuffer(out16.tobytes(), np.uint16)):
-            decode_bf16(c, np.empty(3, np.float32))
+        for encode, decode in ((encode_bf16, decode_bf16), (encode_fp16, decode_fp16)):
+            encode(vals, out16)
+            for c in (out16, np.frombuffer(out16.tobytes(), np.uint16)):
+                decode(c, np.empty(3, np.float32))

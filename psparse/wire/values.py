@@ -97,14 +97,14 @@ class ValueFormat:
             _check_out(out, self.frame_bytes(values.size), np.uint8, "frame")
         if self.dtype == "float32":
             return values if out is None else _filled(out, values.view(np.uint8))
-        if self.dtype == "float16":
-            return _filled(out, quantize.fp16_codes(values).view(np.uint8))
         fast = not REFERENCE and compiled(values.size)
-        if self.dtype == "bfloat16":
+        if self.dtype in ("bfloat16", "float16"):
+            bf16 = self.dtype == "bfloat16"
             if not fast:
-                return _filled(out, quantize.bf16_codes(values).view(np.uint8))
+                codes = quantize.bf16_codes(values) if bf16 else quantize.fp16_codes(values)
+                return _filled(out, codes.view(np.uint8))
             codes = np.empty(values.size, np.uint16) if out is None else out.view(np.uint16)
-            value_kernels.encode_bf16(values, codes)
+            (value_kernels.encode_bf16 if bf16 else value_kernels.encode_fp16)(values, codes)
             return codes.view(np.uint8) if out is None else out
         frame = np.empty(self.frame_bytes(values.size), np.uint8) if out is None else out
         blocks = -(-values.size // self.block)
@@ -169,15 +169,15 @@ def unpack(buf, dtype: str, count: int, block: int | None = None,
         _check_out(out, count, np.float32, "values")
     if dtype == "float32":
         return _filled(out, data.view("<f4"))
-    if dtype == "float16":
-        return _filled(out, data.view("<f2").astype(np.float32))
     fast = not REFERENCE and compiled(count)
-    if dtype == "bfloat16":
+    if dtype in ("bfloat16", "float16"):
         codes = data.view("<u2")
+        bf16 = dtype == "bfloat16"
         if not fast:
-            return _filled(out, quantize.bf16_values(codes))
+            return _filled(out, quantize.bf16_values(codes) if bf16 else
+                           codes.view("<f2").astype(np.float32))
         out = np.empty(count, np.float32) if out is None else out
-        value_kernels.decode_bf16(codes, out)
+        (value_kernels.decode_bf16 if bf16 else value_kernels.decode_fp16)(codes, out)
         return out
     blocks = -(-count // block)
     scales, codes = data[:4 * blocks].view("<f4"), data[4 * blocks:]
