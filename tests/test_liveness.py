@@ -71,8 +71,12 @@ def test_lost_worker_ends_the_run_within_the_timeout(tmp_path, how, cause):
     assert summary["status"] == "failed" and "rank 1" in summary["error"]
 
 
-def test_elastic_run_continues_without_the_lost_worker(tmp_path):
-    server, workers = start(tmp_path, 3, "--elastic")
+@pytest.mark.parametrize("values", ["fp32", "int8"])
+def test_elastic_run_continues_without_the_lost_worker(tmp_path, values):
+    """(int8: the server's rounding memory and the survivors' feedback carry on across the
+    loss; the survivors stay bit-identical.)"""
+    server, workers = start(tmp_path, 3, "--elastic",
+                            worker_args=("--iterations", "1500", "--values", values))
     try:
         os.kill(workers[2].pid, signal.SIGKILL)
         lost_at = len(read_jsonl(tmp_path / "metrics.jsonl"))
@@ -90,6 +94,9 @@ def test_elastic_run_continues_without_the_lost_worker(tmp_path):
     assert lost_at <= summary["lost_workers"][0]["iter"] + 1
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # survivors still identical
+    if values != "fp32":
+        assert summary["values"]["format"] == values and summary["values"]["broadcast_memory"]
+        assert all(0 < m["broadcast_value_bytes"] < m["broadcast_bytes"] for m in metrics)
 
 
 def test_elastic_loss_of_rank_0_moves_evaluation_and_cltk_leaders_to_live_ranks(tmp_path):
