@@ -237,6 +237,25 @@ def test_selection_as_a_graph_replays_what_launch_by_launch_runs(tmp_path, monke
         assert crossings["copy_backs"] == 30
 
 
+def test_a_capture_refuses_array_work_that_allocates():
+    """Inside a graph capture only kernel launches (and views) may run: a method that makes
+    new memory (.astype, .copy, .sum) or a gather would, under CuPy's relaxed capture, take a
+    pool allocation that later work may alias."""
+    import numpy as np
+
+    from psparse.gpu.backend import CaptureFailed
+    from psparse.gpu.emulated import EmulatedBackend
+    dev = EmulatedBackend(strict=True)
+    a = dev.upload("a", np.arange(8, dtype=np.float32))
+    where = dev.upload("where", np.array([1, 2], np.int64))
+    for what, work in ((".astype()", lambda: a.astype(np.int64)), (".copy()", a.copy),
+                       (".sum()", a.sum), ("indexing with a device array", lambda: a[where])):
+        with pytest.raises(CaptureFailed, match=what.replace("(", r"\(").replace(")", r"\)")):
+            dev.capture(work)
+    graph = dev.capture(lambda: (a.reshape(2, 4), a.view(np.int32), a[2:5]))  # views: fine
+    assert graph is not None
+
+
 def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
     import numpy as np
 
@@ -257,14 +276,23 @@ def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
         "a host numpy array mixed": lambda: a + np.ones(10, np.float32),
         "xp.asarray of host data": lambda: xp.asarray(np.ones(3)),
         "indexing a device array with a host array": lambda: a[np.array([1, 2])],
+        # CuPy sizes these from the data, or prints the values: each a read and a wait
+        "xp.bincount()": lambda: xp.bincount(a.astype(np.int64)),
+        "xp.where() with one argument": lambda: xp.where(a > 3),
+        "xp.histogram() without device bin edges": lambda: xp.histogram(a, bins=4),
+        "str()": lambda: str(a), "an f-string": lambda: f"{scalar:.3f}",
     }
     for what, attempt in refused.items():
         with pytest.raises(HostSync, match=what.split(" (")[0].replace("(", r"\(").replace(
                 ")", r"\)")):
             attempt()
-    # what a device allows: arithmetic, reductions to device scalars, gathers, metadata
+    # what a device allows: arithmetic, reductions to device scalars, gathers, metadata,
+    # three-argument where, a histogram over device bin edges, repr (metadata only)
+    assert dev.read(xp.where(a > 3, a, 0))[4] == 4.0 and "shape=(10,)" in repr(a)
+    assert dev.read(xp.histogram(a, bins=dev.upload("e", np.array([0, 5, 10.0])))[0]).tolist() \
+        == [5, 5]
     b = (a * 2 + 1)[dev.upload("i", np.array([1, 9], np.int64))]
     assert b.shape == (2,) and a.size == 10 and len(a) == 10
-    assert dev.read(b).tolist() == [3.0, 19.0] and dev.reads == 1
+    assert dev.read(b).tolist() == [3.0, 19.0] and dev.reads == 3  # (with the two above)
     dev.copy_back([(scalar.reshape(1), out := np.zeros(1, np.float32))])
     assert out[0] == 9.0 and dev.copy_backs == 1

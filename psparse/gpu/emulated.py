@@ -133,7 +133,13 @@ def _not_while_capturing(what: str) -> None:
 
 _REFUSED = {"nonzero", "flatnonzero", "argwhere", "unique", "partition", "argpartition",
             "extract", "compress", "setdiff1d", "union1d", "intersect1d", "in1d", "isin",
-            "trim_zeros", "array_equal", "allclose", "tolist"}
+            "trim_zeros", "array_equal", "allclose", "tolist",
+            # CuPy sizes the result from the data: int(x.max()) + 1, a read and a wait
+            "bincount"}
+# array methods that make a view, not new memory: allowed inside a graph capture (any other
+# method allocates, and CuPy's relaxed capture lets a pool allocation alias memory the graph
+# writes later)
+_VIEWS = {"view", "reshape", "transpose", "swapaxes", "squeeze"}
 
 
 def _unwrap(value):
@@ -182,10 +188,14 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
     def __len__(self):
         return len(self._a)
 
-    def __repr__(self):
+    def __repr__(self):  # metadata only: for tracebacks and debuggers
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
 
-    __str__ = __repr__
+    def __str__(self):  # CuPy prints the values: a read and a wait
+        _refuse("str() (or print, or %s)")
+
+    def __format__(self, spec):
+        _refuse("an f-string or format()")
 
     def __bool__(self):
         _refuse("bool()")
@@ -231,6 +241,8 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
         return key
 
     def __getitem__(self, key):
+        if _CAPTURING and _gathers(key):
+            _not_while_capturing("indexing with a device array (a gather: new memory)")
         return DeviceArray(np.asarray(self._a[self._key(key)]))
 
     def __setitem__(self, key, value):
@@ -259,8 +271,16 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
             return _rewrap(attr)
 
         def method(*args, **kwargs):
+            if name not in _VIEWS:
+                _not_while_capturing(f".{name}() (new memory)")
             return _rewrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
         return method
+
+
+def _gathers(key) -> bool:
+    if isinstance(key, tuple):
+        return any(_gathers(k) for k in key)
+    return isinstance(key, DeviceArray)
 
 
 def _unwrap_kwargs(kwargs):
@@ -280,6 +300,16 @@ class StrictXP:
 
     def ascontiguousarray(self, a, dtype=None):
         return self.asarray(a, dtype)
+
+    def where(self, condition, *branches):
+        if not branches:  # one argument: nonzero, a result of data-dependent size
+            _refuse("xp.where() with one argument")
+        return self.__getattr__("where")(condition, *branches)
+
+    def histogram(self, a, bins=10, range=None, **kwargs):
+        if not isinstance(bins, DeviceArray):  # bins from the data's min and max: a read
+            _refuse("xp.histogram() without device bin edges")
+        return self.__getattr__("histogram")(a, bins, range=range, **kwargs)
 
     def __getattr__(self, name):
         if name in _REFUSED:
