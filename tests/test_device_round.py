@@ -296,3 +296,27 @@ def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
     assert dev.read(b).tolist() == [3.0, 19.0] and dev.reads == 3  # (with the two above)
     dev.copy_back([(scalar.reshape(1), out := np.zeros(1, np.float32))])
     assert out[0] == 9.0 and dev.copy_backs == 1
+
+
+def test_a_variable_selection_copies_back_near_its_count_not_its_capacity(tmp_path):
+    """threshold's capacity is the whole model (cap=0): its selection is compacted on the
+    device and copied back up to twice its recent counts (at least 1,024 entries), not the
+    2,410 entries of capacity; a round that selects more than expected gets the rest in a
+    second copy back, and the run still equals the host's to the bit."""
+    few = launch(tmp_path / "few", "--policy", "threshold", "--policy-arg", "lam=0.02")
+    assert few.returncode == 0, few.stderr
+    device = ranks(tmp_path / "few")[0]["device"]
+    numel = json.loads((tmp_path / "few" / "summary.json").read_text())["numel"]
+    whole_capacity = numel * (4 + 4)  # int32 index + float32 value per entry
+    assert device["copy_backs_per_iteration"] == 1.0
+    assert device["copy_back_bytes_per_iteration"] < 0.7 * whole_capacity, device
+    many = ("--policy", "threshold", "--policy-arg", "lam=0.000001")  # nearly every entry
+    host = launch(tmp_path / "host", *many, emulate=None)
+    dev_run = launch(tmp_path / "device", *many)
+    assert host.returncode == 0 and dev_run.returncode == 0, host.stderr + dev_run.stderr
+    assert without_timing(read_jsonl(tmp_path / "device" / "metrics.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "host" / "metrics.jsonl"))
+    assert [r["checksum"] for r in ranks(tmp_path / "device")] == \
+        [r["checksum"] for r in ranks(tmp_path / "host")]
+    iterations = len(read_jsonl(tmp_path / "device" / "metrics.jsonl"))
+    assert ranks(tmp_path / "device")[0]["device"]["copy_backs"] == iterations + 1

@@ -177,3 +177,31 @@ def test_device_rounding_runs_as_the_host_does(tmp_path, extra):
         assert fp32.returncode == 0, fp32.stderr
         assert [r["device"]["uploads"] for r in ranks(tmp_path / "device")] == \
             [r["device"]["uploads"] for r in ranks(tmp_path / "fp32")]
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+def test_compact_makes_a_variable_selection_contiguous(dev, wide):
+    """psparse_compact (a threshold's selection before its bounded copy back): compact
+    position p gets the index and value stored for it, segment after segment."""
+    rng = np.random.default_rng(2)
+    up = dev.xp.asarray
+    indices, values, starts, report, keys, compact = selection(rng, wide)
+    idx32 = up(indices if not wide else np.zeros(1, np.int32))
+    idx64 = up(indices if wide else np.zeros(1, np.int64))
+    seg_first = up(np.zeros(3, np.int64))
+    layout = up(np.zeros(1 + LAYOUT_W, np.int64))
+    starts_dev = up(starts)
+    dev.launch("psparse_value_layout", 1, (
+        up(report), np.int32(RP_W), np.int32(1), up(np.zeros(3, np.int64)), starts_dev,
+        np.int32(3), idx32, idx64, np.int32(wide), up(np.zeros(1, np.int64)), np.int32(1),
+        np.int64(1), np.int32(0), seg_first, layout))
+    out32 = up(np.zeros(indices.size if not wide else 1, np.int32))
+    out64 = up(np.zeros(indices.size if wide else 1, np.int64))
+    out_values = up(np.zeros(indices.size, np.float32))
+    dev.launch("psparse_compact", 2, (idx32, idx64, np.int32(wide), up(values), seg_first,
+                                      starts_dev, np.int32(3), layout, out32, out64,
+                                      out_values))
+    got = dev.read(out64 if wide else out32)[:keys.size]
+    assert dev.read(layout)[0] == keys.size and np.array_equal(got, keys)
+    assert np.array_equal(dev.read(out_values)[:keys.size].view(np.uint32),
+                          compact.view(np.uint32))

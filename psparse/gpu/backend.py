@@ -49,6 +49,7 @@ class Backend:
     def __init__(self):
         self.signatures = signatures()
         self.copy_backs = 0  # synchronising device-to-host crossings of the rounds so far
+        self.copy_back_bytes = 0  # what they moved
         self.copied = None  # where the last copy back ended on the device's timeline
         self.uploads = 0
         self.reads = 0  # reads outside the rounds (checkpoints, digests, the final report)
@@ -62,6 +63,7 @@ class Backend:
         per = (lambda n: round(n / rounds, 3)) if rounds else (lambda n: None)
         return {"backend": self.name, "copy_backs": self.copy_backs, "uploads": self.uploads,
                 "reads": self.reads, "copy_backs_per_iteration": per(self.copy_backs),
+                "copy_back_bytes_per_iteration": per(self.copy_back_bytes),
                 "uploads_per_iteration": per(self.uploads)}
 
     # --------------------------------------------------------------------------- kernels
@@ -220,6 +222,7 @@ class CudaBackend(Backend):
 
     def copy_back(self, pairs):
         self.copy_backs += 1
+        self.copy_back_bytes += sum(host.nbytes for _, host in pairs)
         for device, host in pairs:  # asynchronous each (CuPy >= 13 would wait on every get)
             try:
                 device.get(stream=self.stream, out=host, blocking=False)

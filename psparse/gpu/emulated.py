@@ -96,6 +96,7 @@ class EmulatedBackend(Backend):
 
     def copy_back(self, pairs):
         self.copy_backs += 1
+        self.copy_back_bytes += sum(host.nbytes for _, host in pairs)
         for device, host in pairs:
             host[...] = raw(device)
         self.copied = self.mark()

@@ -1,5 +1,6 @@
-// Value formats on the device (--values; docs/protocol.md, "Value formats"): a push's values
-// rounded to the run's format where the selection left them, the frames' bytes written for the
+// Value formats on the device (--values; docs/protocol.md, "Value formats"), and a variable
+// selection's compaction (psparse_compact, at the end): a push's values rounded to the run's
+// format where the selection left them, the frames' bytes written for the
 // round's one copy back, and what rounding took from each value fed back into the worker's
 // memory, all before the copy. Bit for bit the numpy reference (psparse/cpu/quantize.py) and
 // the numba kernels (psparse/cpu/value_kernels.py): power-of-two block scales, integer peaks,
@@ -226,5 +227,23 @@ extern "C" __global__ void psparse_value_halves(const float* values, const int* 
         codes[p] = (unsigned short)code;
         pv_feed_back(memory, numel, pv_index(idx32, idx64, wide, q), value, decoded, beta,
                      scaled);
+    }
+}
+
+// A variable selection (a threshold's: its count known only from the report) made contiguous,
+// so that the copy back can stop near its count instead of moving the whole capacity
+// (psparse/worker/device_copy.py): compact position p of the layout (psparse_value_layout with
+// one frame) gets the index and value stored for it.
+extern "C" __global__ void psparse_compact(const int* idx32, const long long* idx64, int wide,
+                                           const float* values, const long long* seg_first,
+                                           const long long* starts, int nseg,
+                                           const long long* layout, int* out32,
+                                           long long* out64, float* out_values) {
+    long long total = layout[0];
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < total;
+         p += (long long)gridDim.x * blockDim.x) {
+        long long q = pv_stored(seg_first, starts, nseg, p);
+        if (wide) out64[p] = idx64[q]; else out32[p] = idx32[q];
+        out_values[p] = values[q];
     }
 }

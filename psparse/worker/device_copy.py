@@ -19,6 +19,8 @@ from .device_values import DeviceValues
 from .exchange import RoundContext
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
+BOUNDED_FROM = 1024  # a variable selection of more capacity is copied back near its count
+RECENT = 8  # rounds whose largest count sets the next round's copy
 
 
 class SelectionCopy:
@@ -32,6 +34,11 @@ class SelectionCopy:
         self.numel = ctx.net.numel
         self.flags = dev.xp.zeros(2, dtype=dev.xp.uint64)  # the check kernel's findings
         self.rounding = DeviceValues(ctx, dev)  # --values: a push rounded on the device
+        # variable selections (_bounded): the entries to copy back next round, per tag, from
+        # the counts of the last rounds; and how often a round needed a second copy
+        self.expected: dict[str, int] = {}
+        self.recent: dict[str, list[int]] = {}
+        self.overflowed_copies = 0
 
     def copy_back(self, it, chosen, limit, method, extra=(), part: int = 0):
         if isinstance(chosen, DeviceSelection):
@@ -40,6 +47,8 @@ class SelectionCopy:
 
     def _engine(self, it, chosen: DeviceSelection, tag: str, method: str, extra, part: int):
         """The engine's selection: its report, indices and values (and earlier reports)."""
+        if chosen.variable and chosen.capacity > BOUNDED_FROM and chosen.values is not None:
+            return self._bounded(it, chosen, tag, extra)
         dev = self.dev
         cap = chosen.capacity
         report = dev.pinned("report", chosen.report.size, np.int64)
@@ -75,6 +84,41 @@ class SelectionCopy:
         if chosen.values is None:
             raise AssertionError(f"{method}: a selection without its values")
         return idx, (val if rounded is None else rounded())
+
+    def _bounded(self, it, chosen: DeviceSelection, tag: str, extra):
+        """A variable selection whose capacity is far above what it selects (``threshold``'s
+        is the whole model by default): compacted on the device, then copied back only up to
+        ``expected`` entries, an estimate from the last rounds (twice the largest recent count).
+        A round that selected more copies the rest in a second copy back (a second wait,
+        counted); the estimate then grows. Values are rounded on the host here (--values)."""
+        dev = self.dev
+        cap = chosen.capacity
+        if chosen.taken:
+            self.s.memory.after_take()
+        indices, values, layout = self.rounding.compact(tag, chosen)
+        expect = min(cap, self.expected.get(tag, max(BOUNDED_FROM, 2 * self.s.policy.k)))
+        report = dev.pinned("report", chosen.report.size, np.int64)
+        idx = dev.pinned(f"{tag}-idx", cap, chosen.indices.dtype)
+        val = dev.pinned(f"{tag}-val", cap, np.float32)
+        earlier = [dev.pinned(f"report-{n}", r.size, np.int64) for n, r in enumerate(chosen.also)]
+        dev.copy_back([(chosen.report, report), (indices[:expect], idx[:expect]),
+                       (values[:expect], val[:expect]), *zip(chosen.also, earlier), *extra])
+        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
+        if bad and self.s.scaling is not None:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        if bad:
+            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
+                              f"{bad} NaN or inf entries")
+        total = sum(count for _, count in chosen.host_parts(report))
+        if total > expect:  # more than expected: the rest, in a second copy back
+            dev.copy_back([(indices[expect:total], idx[expect:total]),
+                           (values[expect:total], val[expect:total])])
+            self.overflowed_copies += 1
+        recent = self.recent.setdefault(tag, [])
+        recent.append(total)
+        del recent[:-RECENT]
+        self.expected[tag] = max(BOUNDED_FROM, 2 * max(recent))
+        return idx[:total], val[:total]
 
     def _indices(self, it, chosen, limit, method: str, tag: str, extra, part: int):
         """Plain indices from the policy (device or host): checked on the device (range,

@@ -87,6 +87,33 @@ class DeviceValues:
         return [] if edges is None else [int(e) for e in edges[1:-1]]
 
     # ------------------------------------------------------------------------------- a push
+    def compact(self, tag: str, chosen):
+        """A variable selection made contiguous on the device (``psparse_compact``): (its
+        indices, its values, the device layout whose first entry is its count), each of the
+        selection's capacity; nothing is read."""
+        dev = self.dev
+        cap = chosen.capacity
+        wide = np.int32(chosen.indices.dtype == np.int64)
+        idx32 = chosen.indices if not wide else dev.or_dummy(None, np.int32)
+        idx64 = chosen.indices if wide else dev.or_dummy(None, np.int64)
+        seg_first = self._buffer(f"{tag}-compact-first", len(chosen.starts), np.int64)
+        layout = self._buffer(f"{tag}-compact-layout", 1 + LAYOUT_W, np.int64)
+        starts = self._constant("starts", chosen.starts)
+        dev.launch("psparse_value_layout", 1, (
+            chosen.report, np.int32(RP_W), np.int32(1), self._constant("counts", chosen.ks),
+            starts, np.int32(len(chosen.starts)), idx32, idx64, wide,
+            self._constant("edges", []), np.int32(1), np.int64(1), np.int32(0), seg_first,
+            layout))
+        indices = self._buffer(f"{tag}-compact-idx", cap, chosen.indices.dtype)
+        values = self._buffer(f"{tag}-compact-val", cap, np.float32)
+        if cap:
+            dev.launch_over("psparse_compact", cap, (
+                idx32, idx64, wide, chosen.values, seg_first, starts,
+                np.int32(len(chosen.starts)), layout,
+                indices if not wide else dev.or_dummy(None, np.int32),
+                indices if wide else dev.or_dummy(None, np.int64), values))
+        return indices, values, layout
+
     def stage(self, tag: str, indices, values, starts, counts, report=None):
         """Round the selection on the device: ``indices``/``values`` (device arrays, index
         dtype int32 or int64), segment s from ``starts[s]`` holding ``counts[s]`` entries, or
