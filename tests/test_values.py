@@ -291,21 +291,3 @@ def test_no_broadcast_memory_needs_a_rounded_format(tmp_path):
                                      "--no-broadcast-memory"), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "no-broadcast-memory is for rounded values" in r.stderr
-
-
-@pytest.mark.parametrize("policy", ["vote"])
-def test_the_gpu_path_rounds_as_the_host_path_does(tmp_path, policy):
-    """On the strict emulated device (PSPARSE_EMULATE_GPU=strict: the GPU path, one copy
-    back per round) an int8 run is bit-identical to the host path's (a two-phase policy: the
-    group's indices taken by the take kernel; tests/test_device_values.py runs the engine's
-    selections, shards, parts and ScaleCom)."""
-    from test_device_round import launch as launch_device
-    from test_device_round import ranks, without_timing
-    extra = ["--values", "int8", "--policy", policy]
-    host = launch_device(tmp_path / "host", *extra, emulate=None)
-    device = launch_device(tmp_path / "device", *extra)
-    assert host.returncode == 0 and device.returncode == 0, host.stderr + device.stderr
-    assert without_timing(read_jsonl(tmp_path / "device" / "metrics.jsonl")) == \
-        without_timing(read_jsonl(tmp_path / "host" / "metrics.jsonl"))
-    assert [r["checksum"] for r in ranks(tmp_path / "device")] == \
-        [r["checksum"] for r in ranks(tmp_path / "host")]
