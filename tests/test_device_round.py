@@ -320,3 +320,22 @@ def test_a_variable_selection_copies_back_near_its_count_not_its_capacity(tmp_pa
         [r["checksum"] for r in ranks(tmp_path / "host")]
     iterations = len(read_jsonl(tmp_path / "device" / "metrics.jsonl"))
     assert ranks(tmp_path / "device")[0]["device"]["copy_backs"] == iterations + 1
+
+
+def test_the_backend_counts_kernel_launches_and_a_graphs_replays():
+    import numpy as np
+
+    from psparse.gpu.emulated import EmulatedBackend
+    dev = EmulatedBackend(strict=True)
+    grad = dev.upload("grad", np.zeros(8, np.float32))
+    indices = dev.upload("i", np.array([1, 5], np.int64))
+    values = dev.upload("v", np.array([2.0, 3.0], np.float32))
+
+    def scatter():
+        dev.launch_over("psparse_scatter", 2, (indices, values, np.int64(2), grad))
+    scatter()
+    graph = dev.capture(lambda: (scatter(), scatter()))
+    assert dev.kernel_launches == 1  # a capture records, it does not launch
+    graph.launch()
+    graph.launch()
+    assert dev.kernel_launches == 5 and dev.report(5)["kernel_launches_per_iteration"] == 1.0

@@ -50,6 +50,7 @@ class Backend:
         self.signatures = signatures()
         self.copy_backs = 0  # synchronising device-to-host crossings of the rounds so far
         self.copy_back_bytes = 0  # what they moved
+        self.kernel_launches = 0  # kernels launched (a graph's replay counts its kernels)
         self.copied = None  # where the last copy back ended on the device's timeline
         self.uploads = 0
         self.reads = 0  # reads outside the rounds (checkpoints, digests, the final report)
@@ -64,6 +65,7 @@ class Backend:
         return {"backend": self.name, "copy_backs": self.copy_backs, "uploads": self.uploads,
                 "reads": self.reads, "copy_backs_per_iteration": per(self.copy_backs),
                 "copy_back_bytes_per_iteration": per(self.copy_back_bytes),
+                "kernel_launches_per_iteration": per(self.kernel_launches),
                 "uploads_per_iteration": per(self.uploads)}
 
     # --------------------------------------------------------------------------- kernels
@@ -192,6 +194,7 @@ class CudaBackend(Backend):
             return
         if not checked:
             self.check(name, args)
+        self.kernel_launches += 1
         self.functions[name]((int(grid),), (THREADS,), args, stream=self.stream)
 
     @property
@@ -274,6 +277,7 @@ class CudaBackend(Backend):
     def capture(self, work):
         stream = self.stream
         crossings = (self.copy_backs, self.uploads, self.reads)
+        launches = self.kernel_launches
         with stream:
             stream.begin_capture()
             try:
@@ -290,4 +294,10 @@ class CudaBackend(Backend):
                 raise CaptureFailed(f"{type(exc).__name__}: {exc}") from None
         if (self.copy_backs, self.uploads, self.reads) != crossings:
             raise CaptureFailed("the captured work crossed to the host")
-        return Graph(lambda: graph.launch(stream))
+        recorded = self.kernel_launches - launches  # counted when the graph is replayed
+        self.kernel_launches = launches
+
+        def replay():
+            self.kernel_launches += recorded
+            graph.launch(stream)
+        return Graph(replay)

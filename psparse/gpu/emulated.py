@@ -52,6 +52,7 @@ class EmulatedBackend(Backend):
         raw = tuple(a._a if isinstance(a, DeviceArray) else a for a in args)
         self.emulators[name].launch(name, int(grid), THREADS, raw)
         self.launches.append(name)
+        self.kernel_launches += 1
 
     def capture(self, work):
         """As CUDA Graphs do: the launches recorded, not run; a crossing to the host, or array
