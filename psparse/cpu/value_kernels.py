@@ -9,8 +9,6 @@ fp16 is bit manipulation too: numpy's float16 casts are exact but take 2-4 ns a 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .numba_jit import inlined, kernel
@@ -22,12 +20,15 @@ CLIP_BITS = np.uint32(0x7B800000)  # BLOCK_CLIP's float32 bits
 
 @inlined
 def _peak_bits(bits, base, count):
-    """The largest magnitude of ``count`` values from ``base``, as its float32 bits (for
-    non-negative floats integer order is float order, and an integer max vectorises)."""
-    peak = np.uint32(0)
+    """The largest magnitude of ``count`` values from ``base`` (``bits``: their int32 view), as
+    its float32 bits (for non-negative floats integer order is float order, and an integer max
+    vectorises; kept in int32 lanes, which numba would otherwise widen to int64)."""
+    peak = np.int32(0)
+    magnitude = np.int32(0x7FFFFFFF)
     for j in range(count):
-        peak = max(peak, bits[base + j] & np.uint32(0x7FFFFFFF))
-    return peak
+        x = np.int32(bits[base + j] & magnitude)
+        peak = np.int32(x if x > peak else peak)
+    return np.uint32(peak)
 
 
 @inlined
@@ -54,16 +55,23 @@ def _encode_int4(values, base, count, inverse, codes):
 
 
 @inlined
-def _block_scale(peak_bits, qmax, qbits, scratch):
-    """(scale, inverse scale, clipped?) of a block whose largest magnitude has these bits:
-    the smallest power of two 2^e >= peak / qmax, e >= MIN_EXPONENT."""
+def _block_scale(peak_bits, qbits, threshold):
+    """(the bits of the scale 2^e, of its inverse 2^-e, clipped?) of a block whose largest
+    magnitude has these bits: the smallest power of two with peak <= qmax * 2^e, e >=
+    MIN_EXPONENT, in integer arithmetic on the bits (frexp and ldexp per block cost three
+    times the block's coding). A normal peak 1.f * 2^(E - 127) needs e = E - 126 - qbits, one
+    more when its fraction bits f exceed ``threshold``, (2 qmax - 2^qbits) << (23 - qbits),
+    where 1.f passes 2 qmax / 2^qbits; a zero or subnormal peak gets MIN_EXPONENT, as any e
+    under it does."""
     clipped = peak_bits > CLIP_BITS
-    scratch[0] = CLIP_BITS if clipped else peak_bits
-    peak = scratch.view(np.float32)[0]
-    mantissa, exponent = math.frexp(peak)
-    e = exponent - qbits + (1 if mantissa > qmax / 2.0 ** qbits else 0)
-    e = max(e, MIN_EXPONENT) if peak > 0 else MIN_EXPONENT  # (frexp(0) is (0, 0))
-    return np.float32(math.ldexp(1.0, e)), np.float32(math.ldexp(1.0, -e)), clipped
+    if clipped:
+        peak_bits = CLIP_BITS
+    biased = np.int64(peak_bits >> np.uint32(23))
+    e = np.int64(MIN_EXPONENT)
+    if biased != 0:
+        e = max(biased - 126 - qbits + (1 if (peak_bits & np.uint32(0x7FFFFF)) > threshold
+                                         else 0), np.int64(MIN_EXPONENT))
+    return np.uint32((e + 127) << 23), np.uint32((127 - e) << 23), clipped
 
 
 @kernel
@@ -76,27 +84,29 @@ def encode_blocks(values, block, qmax, qbits, nibbles, scales, codes):
     blocks' inner loops run ``block`` times from the block's start, which LLVM vectorises (a
     trip count of min(n, end) - start defeats it: 20x slower); the last block follows."""
     n = values.size
-    bits = values.view(np.uint32)
-    scratch = np.empty(1, np.uint32)
+    bits = values.view(np.int32)
+    pair = np.empty(2, np.uint32)  # a scale and its inverse, as bits and as floats
+    floats = pair.view(np.float32)
+    threshold = np.uint32((2 * qmax - (1 << qbits)) << (23 - qbits))  # (_block_scale's)
     full = n // block
     for b in range(full):  # (the same loop as the last block's, with a loop-invariant count)
         base = b * block
-        scale, inverse, clipped = _block_scale(_peak_bits(bits, base, block), qmax, qbits,
-                                               scratch)
-        scales[b] = scale
+        pair[0], pair[1], clipped = _block_scale(_peak_bits(bits, base, block), qbits,
+                                                 threshold)
+        scales[b] = floats[0]
         if nibbles:
-            _encode_int4(values, base, block, inverse, codes)
+            _encode_int4(values, base, block, floats[1], codes)
         else:
-            _encode_int8(values, base, block, inverse, clipped, codes)
+            _encode_int8(values, base, block, floats[1], clipped, codes)
     if full < scales.size:
         base = full * block
-        scale, inverse, clipped = _block_scale(_peak_bits(bits, base, n - base), qmax, qbits,
-                                               scratch)
-        scales[full] = scale
+        pair[0], pair[1], clipped = _block_scale(_peak_bits(bits, base, n - base), qbits,
+                                                 threshold)
+        scales[full] = floats[0]
         if nibbles:
-            _encode_int4(values, base, n - base, inverse, codes)
+            _encode_int4(values, base, n - base, floats[1], codes)
         else:
-            _encode_int8(values, base, n - base, inverse, clipped, codes)
+            _encode_int8(values, base, n - base, floats[1], clipped, codes)
 
 
 @kernel
