@@ -35,10 +35,9 @@ class SelectionCopy:
         self.flags = dev.xp.zeros(2, dtype=dev.xp.uint64)  # the check kernel's findings
         self.rounding = DeviceValues(ctx, dev)  # --values: a push rounded on the device
         # variable selections (_bounded): the entries to copy back next round, per tag, from
-        # the counts of the last rounds; and how often a round needed a second copy
+        # the counts of the last rounds
         self.expected: dict[str, int] = {}
         self.recent: dict[str, list[int]] = {}
-        self.overflowed_copies = 0
 
     def copy_back(self, it, chosen, limit, method, extra=(), part: int = 0):
         if isinstance(chosen, DeviceSelection):
@@ -70,12 +69,8 @@ class SelectionCopy:
                    for n, r in enumerate(chosen.also)]
         pairs += list(zip(chosen.also, earlier))
         dev.copy_back(pairs + list(extra))
-        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
-        if bad and self.s.scaling is not None:  # an overflow (the round's flag says so)
+        if self._overflowed(it, [report, *earlier]):
             return np.empty(0, np.int64), np.empty(0, np.float32)
-        if bad:
-            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
-                              f"{bad} NaN or inf entries")
         parts = chosen.host_parts(report)
         if len(parts) > 1 or parts[0][0] != 0 or parts[0][1] != cap:
             keep = np.concatenate([np.arange(b, b + c) for b, c in parts]) if parts else \
@@ -103,22 +98,26 @@ class SelectionCopy:
         earlier = [dev.pinned(f"report-{n}", r.size, np.int64) for n, r in enumerate(chosen.also)]
         dev.copy_back([(chosen.report, report), (indices[:expect], idx[:expect]),
                        (values[:expect], val[:expect]), *zip(chosen.also, earlier), *extra])
-        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in [report, *earlier])
-        if bad and self.s.scaling is not None:
+        if self._overflowed(it, [report, *earlier]):
             return np.empty(0, np.int64), np.empty(0, np.float32)
-        if bad:
-            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
-                              f"{bad} NaN or inf entries")
         total = sum(count for _, count in chosen.host_parts(report))
         if total > expect:  # more than expected: the rest, in a second copy back
             dev.copy_back([(indices[expect:total], idx[expect:total]),
                            (values[expect:total], val[expect:total])])
-            self.overflowed_copies += 1
         recent = self.recent.setdefault(tag, [])
         recent.append(total)
         del recent[:-RECENT]
         self.expected[tag] = max(BOUNDED_FROM, 2 * max(recent))
         return idx[:total], val[:total]
+
+    def _overflowed(self, it: int, reports) -> bool:
+        """Whether the engine's copied-back reports count NaN or inf scores: an overflow
+        under a GradScaler (the round sends nothing), else a diverged run (WorkerError)."""
+        bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in reports)
+        if bad and self.s.scaling is None:
+            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
+                              f"{bad} NaN or inf entries")
+        return bool(bad)
 
     def _indices(self, it, chosen, limit, method: str, tag: str, extra, part: int):
         """Plain indices from the policy (device or host): checked on the device (range,
