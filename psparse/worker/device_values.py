@@ -12,8 +12,9 @@ slices them (``RoundedValues``). A selection large enough that a frame could go 
 (SparCML's switch, which the host decides once the count is back) is rounded on the host
 instead, as before (``DeviceValues.active``).
 
-Bit for bit the host's rounding (psparse/cpu/quantize.py): tests/test_device_values.py runs
-both through the strict emulated backend.
+Bit for bit the host's rounding (psparse/cpu/quantize.py): tests/test_device_values.py holds
+the kernels to it on the emulator (and on a GPU when there is one), and whole runs on the strict
+emulated device to the host path's.
 """
 
 from __future__ import annotations
