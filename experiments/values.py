@@ -19,7 +19,8 @@ same as a share of `topk`-fp32's at that density, and the share of the bytes tha
 headers). A run is reused when it has finished (runs/values/); ``--only`` runs just the named
 cells, in the order given, and the tables are written from every finished run of the grid.
 
-Results: experiments/results/values.{md,json} and values-cifar.{md,json}.
+Results: experiments/results/values.{md,json,png} and values-cifar.{md,json,png} (the figure:
+accuracy against bytes as a share of topk-fp32's, per density, the goal's 0.3x drawn).
 """
 
 from __future__ import annotations
@@ -111,6 +112,49 @@ def table(rows: list[dict], names, base_name) -> str:
                      "values, % of bytes", "made by"], lines) + "\n\n" + made_by(rows)
 
 
+def figure(rows: list[dict], base_name, path) -> None:
+    """Accuracy (mean ± sample SD over seeds) against bytes as a share of topk-fp32's, one
+    panel per density, one marker per policy, the format written beside each point; the
+    goal's 0.3x and top-k-fp32's band (its mean ± SD) drawn."""
+    from experiments.figures import pyplot, save
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(DENSITIES), figsize=(11, 4.2))
+    markers = {"topk": "o", "vote": "s", "vote2": "D", "ema": "^", "scalecom": "v"}
+    for ax, density in zip(axes, DENSITIES):
+        base = [r for r in rows if r["run"] == base_name(density) and "test_acc" in r]
+        if not base:
+            continue
+        base_bytes = np.mean([r["sent_bytes_per_iteration"] for r in base])
+        acc = [100 * r["test_acc"] for r in base]
+        sd = np.std(acc, ddof=1) if len(acc) > 1 else 0.0
+        ax.axhspan(np.mean(acc) - sd, np.mean(acc) + sd, color="0.9", label="topk-fp32 ± SD")
+        ax.axvline(0.3, color="0.5", linestyle=":", label="0.3x (the goal)")
+        names = sorted({r["run"] for r in rows if r["run"].endswith(f"-d{density}")
+                        and "nomemory" not in r["run"]})
+        for name in names:
+            got = [r for r in rows if r["run"] == name and "test_acc" in r]
+            if not got:
+                continue
+            policy, fmt = name.removeprefix("cifar-").split("-")[:2]
+            acc = [100 * r["test_acc"] for r in got]
+            x = np.mean([r["sent_bytes_per_iteration"] for r in got]) / base_bytes
+            ax.errorbar(x, np.mean(acc), yerr=np.std(acc, ddof=1) if len(acc) > 1 else None,
+                        marker=markers.get(policy, "x"), color=f"C{list(markers).index(policy)}"
+                        if policy in markers else "k", linestyle="none", capsize=2,
+                        alpha=1.0 if len(got) > 1 else 0.5)
+            ax.annotate(fmt, (x, np.mean(acc)), fontsize=7, xytext=(3, 2),
+                        textcoords="offset points")
+        for policy, marker in markers.items():
+            ax.plot([], [], marker=marker, linestyle="none", color=f"C{list(markers).index(policy)}",
+                    label=policy)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes on the wire / topk-fp32's (log)")
+        ax.set_ylabel("final test accuracy % (chance 10%)")
+        ax.set_title(f"density {float(density):.1%} (faint: one seed)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    save(fig, path)
+
+
 def _row(name: str, args: list[str], seed: int, data_dir, target: float, run: bool,
          progress: bool, label: str) -> dict | None:
     """The row of one run: run (or resumed) when ``run``, else only if it has finished."""
@@ -159,12 +203,15 @@ def main(argv=None) -> int:
         order = [n for n in [*CIFAR_FP32, *grid] if not n.endswith("nomemory-d0.01")]
         order = sorted(order, key=lambda n: (DENSITIES.index(_density(n)), order.index(n)))
         order += [n for n in grid if n.endswith("nomemory-d0.01")]
-        text = table(rows, order, lambda d: f"cifar-topk-fp32-d{d}")
+        base_name = lambda d: f"cifar-topk-fp32-d{d}"  # noqa: E731
+        text = table(rows, order, base_name)
         text += ("\n\nThe fp32 rows are the cifar-lenet sweep's runs (same arguments but "
                  "--values; results/cifar-lenet.json), without a value share.")
     else:
-        text = table(rows, grid, lambda d: f"topk-fp32-d{d}")
+        base_name = lambda d: f"topk-fp32-d{d}"  # noqa: E731
+        text = table(rows, grid, base_name)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    figure(rows, base_name, RESULTS / f"{stem}.png")
     (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     print(text)
