@@ -20,7 +20,7 @@ from psparse.cpu.sparsify import topk_exact
 from psparse.server.aggregation import Aggregator, ServerLimit, top_k
 from psparse.wire import codec, protocol
 from psparse.wire.codec import CodecError
-from psparse.worker.client import global_indices, merge_aggregates
+from psparse.worker.frames import global_indices, merge_aggregates
 
 HYPOTHESIS = settings(max_examples=150, deadline=None,
                       suppress_health_check=[HealthCheck.too_slow])

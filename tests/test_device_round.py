@@ -300,9 +300,10 @@ def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
 
 def test_a_variable_selection_copies_back_near_its_count_not_its_capacity(tmp_path):
     """threshold's capacity is the whole model (cap=0): its selection is compacted on the
-    device and copied back up to twice its recent counts (at least 1,024 entries), not the
-    2,410 entries of capacity; a round that selects more than expected gets the rest in a
-    second copy back, and the run still equals the host's to the bit."""
+    device and, after a first round that copies it all, copied back up to twice its recent
+    counts (at least 1,024 entries), not the 2,410 entries of capacity; a round that selects
+    more than expected (here the first, told to expect 1,024 by PSPARSE_COPY_BACK_FIRST) gets
+    the rest in a second copy back, and the run still equals the host's to the bit."""
     few = launch(tmp_path / "few", "--policy", "threshold", "--policy-arg", "lam=0.02")
     assert few.returncode == 0, few.stderr
     device = ranks(tmp_path / "few")[0]["device"]
@@ -312,7 +313,11 @@ def test_a_variable_selection_copies_back_near_its_count_not_its_capacity(tmp_pa
     assert device["copy_back_bytes_per_iteration"] < 0.7 * whole_capacity, device
     many = ("--policy", "threshold", "--policy-arg", "lam=0.000001")  # nearly every entry
     host = launch(tmp_path / "host", *many, emulate=None)
-    dev_run = launch(tmp_path / "device", *many)
+    os.environ["PSPARSE_COPY_BACK_FIRST"] = "1024"
+    try:
+        dev_run = launch(tmp_path / "device", *many)
+    finally:
+        del os.environ["PSPARSE_COPY_BACK_FIRST"]
     assert host.returncode == 0 and dev_run.returncode == 0, host.stderr + dev_run.stderr
     assert without_timing(read_jsonl(tmp_path / "device" / "metrics.jsonl")) == \
         without_timing(read_jsonl(tmp_path / "host" / "metrics.jsonl"))

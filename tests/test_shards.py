@@ -408,7 +408,7 @@ def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):
 def test_merged_aggregate_is_dense_when_a_shard_went_dense():
     """A shard that sent its part dense covers its whole range: the worker then takes the
     merged aggregate as dense, as from one server that went dense."""
-    from psparse.worker.client import merge_aggregates
+    from psparse.worker.frames import merge_aggregates
 
     edges = keyranges.bounds(10, 2)
     sparse = protocol.Message("aggregate", {"iter": 0, "workers": 2, "count": 1},

@@ -17,7 +17,7 @@ from psparse.server.aggregation import BroadcastMemory
 from psparse.wire import protocol
 from psparse.wire.codec import KeyCache
 from psparse.wire.values import FORMATS, ValueFormat, unpack
-from psparse.worker.client import push_frames
+from psparse.worker.frames import push_frames
 
 ROUNDED = [name for name in FORMATS if name != "fp32"]
 

@@ -87,7 +87,7 @@ def limit_apply(limit, union: np.ndarray, mean: np.ndarray, entries: int):
 
 
 def merge_parts(parts: list, edges: np.ndarray):
-    """client.merge_aggregates' arrays: (indices, values, dense) of S shards' aggregates (each
+    """frames.merge_aggregates' arrays: (indices, values, dense) of S shards' aggregates (each
     (indices or None for dense, values)) over the whole vector."""
     numel = int(edges[-1])
     if any(i is None for i, _ in parts):

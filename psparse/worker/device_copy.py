@@ -9,6 +9,8 @@ frames' scales and codes (``psparse/worker/device_values.py``).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..gpu.device_policy import DeviceSelection
@@ -83,15 +85,20 @@ class SelectionCopy:
     def _bounded(self, it, chosen: DeviceSelection, tag: str, extra):
         """A variable selection whose capacity is far above what it selects (``threshold``'s
         is the whole model by default): compacted on the device, then copied back only up to
-        ``expected`` entries, an estimate from the last rounds (twice the largest recent count).
-        A round that selected more copies the rest in a second copy back (a second wait,
-        counted); the estimate then grows. Values are rounded on the host here (--values)."""
+        ``expected`` entries, an estimate from the last rounds (twice the largest count of the
+        last RECENT, at least BOUNDED_FROM; the first round copies its whole capacity). A round
+        that selected more copies the rest in a second copy back (a second wait, counted in
+        the backend's copy_backs); the estimate then grows. Values are rounded on the host
+        here (--values)."""
         dev = self.dev
         cap = chosen.capacity
         if chosen.taken:
             self.s.memory.after_take()
         indices, values, layout = self.rounding.compact(tag, chosen)
-        expect = min(cap, self.expected.get(tag, max(BOUNDED_FROM, 2 * self.s.policy.k)))
+        # the first round has no count to go by: all of its capacity, unless
+        # PSPARSE_COPY_BACK_FIRST gives a first estimate (entries; the tests use it)
+        first = os.environ.get("PSPARSE_COPY_BACK_FIRST", "")
+        expect = min(cap, self.expected.get(tag, int(first) if first.isdigit() else cap))
         report = dev.pinned("report", chosen.report.size, np.int64)
         idx = dev.pinned(f"{tag}-idx", cap, chosen.indices.dtype)
         val = dev.pinned(f"{tag}-val", cap, np.float32)

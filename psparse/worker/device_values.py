@@ -25,7 +25,7 @@ from ..cpu.quantize import QBITS, QMAX
 from ..gpu.radix import RP_W
 from ..wire import protocol
 from ..wire.values import ValueFormat
-from .client import RoundedValues
+from .frames import RoundedValues
 
 FORMAT_IDS = {"bfloat16": 1, "float16": 2, "int8": 3, "int4": 4}  # values.cu's PV_*
 LAYOUT_W = 4  # values.cu's PV_W: (first position, count, first block, first code byte)

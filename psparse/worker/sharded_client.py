@@ -2,7 +2,7 @@
 
 ``ShardedClient`` splits every push and proposal by key range (``psparse.wire.keyranges``), sends
 each shard its part through a ``PSClient`` of its own, and merges the shards' answers into one
-message over the whole vector (``client.merge_aggregates``), so the session above
+message over the whole vector (``frames.merge_aggregates``), so the session above
 sees one server (docs/cli.md, "Server shards"). ``open_client`` picks the one or the other.
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 from ..config import ConfigError, RunConfig
 from ..server.aggregation import agg_kernels, top_k
 from ..wire import keyranges, protocol, run_description
-from .client import PSClient, RoundedValues, global_indices, merge_aggregates
+from .client import PSClient
+from .frames import RoundedValues, global_indices, merge_aggregates
 
 
 class ShardedClient:
