@@ -9,7 +9,7 @@ seeds 0, 1, 2: `topk`, `vote keep=1.5` and `ema` with values in fp32 (the baseli
 and bf16 (the server's error memory on); ScaleCom (`cltk` + the scalecom memory) at int8; int8
 and int4 without the server's memory (``--no-broadcast-memory``) for `topk` at 1%, to show what
 that memory buys. ``--cifar``: LeNet-5/CIFAR-10 at section 3's 30 epochs (the `cifar-lenet`
-sweep's settings), the same grid where it was run (CIFAR_SEEDS says which seeds), against that
+sweep's settings), the same grid (the table says how many seeds each cell has), against that
 sweep's fp32 runs (experiments/results/cifar-lenet.json: the same arguments but --values).
 
 Per cell: final test accuracy (full test set; chance 10%) ± the sample SD over seeds, the bytes
@@ -17,7 +17,10 @@ on the wire (pushes + broadcasts, every process) as a share of a dense ring allr
 same as a share of `topk`-fp32's at that density, and the share of the bytes that are values
 (metrics.jsonl's upload_value_bytes + broadcast_value_bytes; the rest is index frames and
 headers). A run is reused when it has finished (runs/values/); ``--only`` runs just the named
-cells, in the order given, and the tables are written from every finished run of the grid.
+cells, in the order given, and the tables are written from every finished run of the grid. A
+run whose folder is gone keeps the row the results JSON recorded for it (with the commit that
+made it); ``--keep-recorded`` also skips rerunning such runs, so a fresh clone can add cells to
+the committed tables without redoing them.
 
 Results: experiments/results/values.{md,json,png} and values-cifar.{md,json,png} (the figure:
 accuracy against bytes as a share of topk-fp32's, per density, the goal's 0.3x drawn).
@@ -168,6 +171,15 @@ def _row(name: str, args: list[str], seed: int, data_dir, target: float, run: bo
     return row
 
 
+def _recorded(path) -> list[dict]:
+    """The finished runs' rows in an earlier results JSON, but for the fp32 rows copied in from
+    cifar-lenet.json (they are read afresh from there)."""
+    if not path.is_file():
+        return []
+    return [r for r in json.loads(path.read_text())
+            if "test_acc" in r and r["run"] not in CIFAR_FP32]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.values", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,6 +191,10 @@ def main(argv=None) -> int:
                    help="comma-separated seeds to run (default: 0,1,2)")
     p.add_argument("--cifar", action="store_true",
                    help="the LeNet-5/CIFAR-10 grid instead (results/values-cifar.{md,json})")
+    p.add_argument("--keep-recorded", action="store_true",
+                   help="do not rerun a run whose row the results JSON already holds (its "
+                        "folder under runs/values/ is gone, e.g. on a fresh clone); the row, "
+                        "with the commit that made it, goes into the tables as it is")
     args = p.parse_args(argv)
     grid = CIFAR if args.cifar else RUNS
     names = args.only.split(",") if args.only else list(grid)
@@ -187,14 +203,19 @@ def main(argv=None) -> int:
         p.error(f"unknown run(s) {', '.join(unknown)}; the grid has: {', '.join(grid)}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(SEEDS)
     target, stem = (0.6, "values-cifar") if args.cifar else (0.98, "values")
-    plan = [(n, s) for n in names for s in seeds]
+    # A run whose folder is gone (a fresh clone) keeps the row the last table recorded for it;
+    # that row names the commit that made it, so the table still says which code made what.
+    recorded = {(r["run"], r["seed"]): r for r in _recorded(RESULTS / f"{stem}.json")}
+    plan = [(n, s) for n in names for s in seeds
+            if not (args.keep_recorded and (n, s) in recorded)]
     for i, (name, seed) in enumerate(plan):
         row = _row(name, grid[name], seed, args.data_dir, target, True, args.cifar,
                    f"{i + 1}/{len(plan)} ")
         print(f"{i + 1}/{len(plan)} {name} seed {seed}: "
               f"{row.get('test_acc', row.get('failed'))}", flush=True)
     rows = [r for n in grid for s in SEEDS
-            if (r := _row(n, grid[n], s, args.data_dir, target, False, False, "")) is not None]
+            if (r := _row(n, grid[n], s, args.data_dir, target, False, False, "")
+                or recorded.get((n, s))) is not None]
     if args.cifar:
         earlier = json.loads((RESULTS / "cifar-lenet.json").read_text())
         for name, sweep_name in CIFAR_FP32.items():
