@@ -245,3 +245,80 @@ def test_a_negative_score_is_counted_not_selected_past_k(dev):
 def test_engines_over_empty_segments_launch_nothing_that_writes(dev):
     engine, report, _, _, _, _ = _run(dev, np.zeros(0, np.float32), [(0, 0), (0, 0)], [0, 0])
     assert report.tolist() == [[0, 0], [0, 0]] and engine.total_k == 0
+
+
+def test_a_selection_is_two_passes_and_at_most_six_launches(dev):
+    """A 32-bit top-k: hist0 and write_cand read every entry, the two further levels and the
+    final write only the candidates (one launch each: each scan runs in the block that
+    completes a histogram, the offsets come from a look-back in the writing launch). 64-bit
+    keys add three levels; a selection of all or none is the write alone."""
+    rng = np.random.default_rng(10)
+    n = 50_000
+    x = rng.standard_normal(n).astype(np.float32)
+    xd = _up(dev, x)
+
+    def launches(engine, accumulate=None):
+        before, names = dev.kernel_launches, len(getattr(dev, "launches", []))
+        engine.run(accumulate)
+        return dev.kernel_launches - before, getattr(dev, "launches", [])[names:]
+
+    topk = RadixSelect(dev, [(0, n)], [n // 100], radix.Key(radix.KEY_ABS, xd))
+    count, names = launches(topk)
+    assert count == 5 <= 6
+    if names:
+        assert names == ["psparse_rs_hist0", "psparse_rs_write_cand", "psparse_rs_hist",
+                         "psparse_rs_hist", "psparse_rs_final_i64"]
+    freq = RadixSelect(dev, [(0, n)], [n // 100],
+                       radix.Key(radix.KEY_FREQ, xd, aux=_up(dev, np.abs(x))))
+    assert launches(freq)[0] == 8
+    everything = RadixSelect(dev, [(0, n)], [n], radix.Key(radix.KEY_ABS, xd))
+    assert launches(everything)[0] == 1
+    grad = _up(dev, x)
+    assert launches(everything, (radix.ACC_RESIDUAL, xd, grad, None, None, 0.0))[0] == 2
+
+
+def test_an_engine_run_again_selects_each_time_from_the_new_values(dev):
+    """The look-back's flags carry their launch's epoch and the fused scans reset their
+    counters: nothing is cleared between runs, and every run (here eight, over two segments,
+    one of them through the whole-segment path) selects from the values it is given."""
+    rng = np.random.default_rng(11)
+    n = 40_000
+    xd = _up(dev, np.zeros(n, np.float32))
+    engine = RadixSelect(dev, [(0, 30_000), (30_000, n)], [300, 100],
+                         radix.Key(radix.KEY_ABS, xd), values=xd)
+    for run in range(8):
+        x = rng.standard_normal(n).astype(np.float32)
+        if run % 3 == 1:  # many equal keys at the threshold: the first segment's MODE_FULL
+            x[:30_000] = np.where(rng.random(30_000) < 0.995, 1.0, 2.0)
+        xd[...] = _up(dev, x)
+        engine.run()
+        idx = _down(dev, engine.out_idx)
+        report = _down(dev, engine.report).reshape(-1, radix.RP_W)
+        assert report[:, 0].tolist() == [300, 100], run
+        np.testing.assert_array_equal(idx[:300], selection.topk_reference(x[:30_000], 300))
+        np.testing.assert_array_equal(idx[300:], selection.topk_reference(x[30_000:], 100)
+                                      + 30_000)
+        mode = _down(dev, engine.state).reshape(-1, radix.ST_W)[0, radix.ST_MODE]
+        assert mode == (radix.MODE_FULL if run % 3 == 1 else radix.MODE_BUF), run
+
+
+def test_the_first_pass_arguments_are_checked_once_per_configuration():
+    """The signature check of a launch costs Python time per launch; every fixed launch is
+    checked when the engine is planned, the first pass once per set of accumulate arrays."""
+    checked = []
+
+    class Counting(EmulatedBackend):
+        def check(self, name, args):
+            checked.append(name)
+            super().check(name, args)
+
+    dev = Counting(strict=False)
+    n = 9000
+    acc, grad = (np.random.default_rng(12).standard_normal(n).astype(np.float32)
+                 for _ in range(2))
+    engine = RadixSelect(dev, [(0, n)], [90], radix.Key(radix.KEY_ABS, acc), values=acc,
+                         take=True)
+    planned = len(checked)
+    for _ in range(3):
+        engine.run((radix.ACC_RESIDUAL, acc, grad, None, None, 0.0))
+    assert checked[planned:] == ["psparse_rs_hist0"]

@@ -25,6 +25,7 @@
 #define ST_MODE 2
 #define ST_CAND 3
 #define ST_BAD 4
+#define ST_DONE 5  // units of the level counted in so far (the fused scan's trigger)
 #define ST_W 8
 #define MODE_BUF 0
 #define MODE_FULL 1
@@ -128,25 +129,6 @@ __device__ __forceinline__ u64 rs_block_scan(u64 v, u64* sh_w, u64* total) {
     return off + x - v;
 }
 
-// the ranks of two flags among the block's threads (thread order), and their totals
-__device__ __forceinline__ void rs_rank2(int fa, int fb, unsigned* sh, unsigned* ra,
-                                         unsigned* rb, unsigned* ta, unsigned* tb) {
-    unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned ba = __ballot_sync(0xffffffffu, fa), bb = __ballot_sync(0xffffffffu, fb);
-    if (lane == 0) { sh[warp] = __popc(ba); sh[RS_WARPS + warp] = __popc(bb); }
-    __syncthreads();
-    unsigned oa = 0, ob = 0, sa = 0, sb = 0;
-    for (unsigned w = 0; w < RS_WARPS; w++) {
-        unsigned ca = sh[w], cb = sh[RS_WARPS + w];
-        if (w < warp) { oa += ca; ob += cb; }
-        sa += ca; sb += cb;
-    }
-    __syncthreads();
-    unsigned below = (1u << lane) - 1u;
-    *ra = oa + __popc(ba & below); *rb = ob + __popc(bb & below);
-    *ta = sa; *tb = sb;
-}
-
 __device__ __forceinline__ void rs_accumulate(int mode, long long g, float* acc,
                                               const float* grad, float* velocity,
                                               const float* filtered, float momentum) {
@@ -176,60 +158,108 @@ __device__ void rs_flush(unsigned* sh, int* sh_bad, int nb, long long seg, unsig
     __syncthreads();
 }
 
-// Level 0 over every tile: the histogram of the top digit of each segment's keys, the count of
-// non-finite scores, and (accumulate != ACC_NONE) error feedback folded in first, in the same
-// pass. Blocks take contiguous runs of tiles.
-extern "C" __global__ void psparse_rs_hist0(int key_mode, const float* x, const float* aux,
-        const unsigned char* mask, const long long* gather, int use_gather, float p0,
-        const float* pdev, int accumulate, float* acc,
-                                            const float* grad, float* velocity,
-                                            const float* filtered, float momentum,
-                                            const long long* tiles, long long ntiles,
-                                            const long long* segs, long long* state,
-                                            unsigned int* hist, int shift, int bits) {
-    RS_KEY_SRC;
-    __shared__ unsigned sh[RS_MAXBINS];
-    __shared__ int sh_bad;
-    int nb = 1 << bits;
-    for (int i = threadIdx.x; i < nb; i += RS_THREADS) sh[i] = 0;
-    if (threadIdx.x == 0) sh_bad = 0;
-    __syncthreads();
-    long long t0 = (long long)blockIdx.x * ntiles / gridDim.x;
-    long long t1 = ((long long)blockIdx.x + 1) * ntiles / gridDim.x;
-    long long current = -1;
-    for (long long t = t0; t < t1; t++) {
-        long long seg = tiles[3 * t], lo = tiles[3 * t + 1], hi = tiles[3 * t + 2];
-        if (seg != current) {
-            if (current >= 0) rs_flush(sh, &sh_bad, nb, current, hist, state);
-            current = seg;
+// ---- ranks in entry order within a unit --------------------------------------------------
+// A unit (a tile of positions, or a chunk of a candidate buffer: RS_TILE entries) is read as
+// RS_ITEMS rows of RS_THREADS: item j of thread t is entry j * RS_THREADS + t, so each load is
+// coalesced and a thread has several independent loads in flight (the key loops unroll by 4;
+// fully unrolled, 16 inlined copies of rs_key per kernel took NVRTC 17 s instead of ~1 s). An
+// item's rank among the flagged items, in entry order, is the count in the earlier rows and in
+// its row's earlier warps (warp 0 scans the RS_ITEMS x RS_WARPS warp counts) plus its warp's
+// earlier lanes: two barriers per unit. ba, bb: the warp's ballots of two flags per row.
+#define RS_ROWS (RS_ITEMS * RS_WARPS)
+__device__ __forceinline__ void rs_unit_rank(const unsigned* ba, const unsigned* bb,
+                                             unsigned* sh_a, unsigned* sh_b, unsigned* ra,
+                                             unsigned* rb, unsigned* ta, unsigned* tb) {
+    unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0)
+        for (int j = 0; j < RS_ITEMS; j++) {
+            sh_a[j * RS_WARPS + warp] = __popc(ba[j]);
+            sh_b[j * RS_WARPS + warp] = __popc(bb[j]);
         }
-        int selecting = segs[seg * SG_W + SG_K] > 0;
-        for (long long p = lo + threadIdx.x; p < hi; p += RS_THREADS) {
-            if (accumulate != ACC_NONE)
-                rs_accumulate(accumulate, use_gather ? gather[p] : p, acc, grad, velocity,
-                              filtered, momentum);
-            int bad = 0;
-            u64 key = rs_key(src, p, seg, &bad);
-            if (bad && selecting) atomicAdd(&sh_bad, 1);  // as the host: selected slices only
-            atomicAdd(&sh[(unsigned)(key >> shift) & (unsigned)(nb - 1)], 1u);
+    __syncthreads();
+    if (warp == 0) {  // exclusive prefix of the RS_ROWS counts, in place; totals after them
+        const int per = RS_ROWS / 32;
+        unsigned sa = 0, sb = 0;
+        for (int i = 0; i < per; i++) { sa += sh_a[lane * per + i]; sb += sh_b[lane * per + i]; }
+        unsigned xa = sa, xb = sb;
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned ya = __shfl_up_sync(0xffffffffu, xa, d);
+            unsigned yb = __shfl_up_sync(0xffffffffu, xb, d);
+            if ((int)lane >= d) { xa += ya; xb += yb; }
+        }
+        if (lane == 31) { sh_a[RS_ROWS] = xa; sh_b[RS_ROWS] = xb; }
+        unsigned oa = xa - sa, ob = xb - sb;
+        for (int i = 0; i < per; i++) {
+            unsigned ca = sh_a[lane * per + i], cb = sh_b[lane * per + i];
+            sh_a[lane * per + i] = oa; sh_b[lane * per + i] = ob;
+            oa += ca; ob += cb;
         }
     }
-    if (current >= 0) rs_flush(sh, &sh_bad, nb, current, hist, state);
+    __syncthreads();
+    unsigned below = (1u << lane) - 1u;
+    for (int j = 0; j < RS_ITEMS; j++) {
+        ra[j] = sh_a[j * RS_WARPS + warp] + __popc(ba[j] & below);
+        rb[j] = sh_b[j * RS_WARPS + warp] + __popc(bb[j] & below);
+    }
+    *ta = sh_a[RS_ROWS]; *tb = sh_b[RS_ROWS];
 }
 
-// One block per segment: in the histogram of a level, the digit where the count from the top
+// ---- units in order, and a prefix over them in the same pass (decoupled look-back) -------
+// A block takes the next unit from a ticket counter that is never reset: units are handed out
+// in order, so every unit a block waits on belongs to a block already running (none waits on
+// one that has not started), and ticket / grid + 1 is the launch's epoch.
+__device__ __forceinline__ void rs_ticket(unsigned long long* ticket, long long* unit,
+                                          u64* epoch) {
+    __shared__ u64 sh_ticket;
+    if (threadIdx.x == 0) sh_ticket = atomicAdd(ticket, 1ull);
+    __syncthreads();
+    *unit = (long long)(sh_ticket % gridDim.x);
+    *epoch = sh_ticket / gridDim.x + 1;
+}
+
+// One thread: unit u's exclusive prefix of two counts (a, b) over the units [first, u) of its
+// segment. It publishes its own counts at once (flag 1), then reads back from u - 1, adding
+// counts, until it meets a published inclusive prefix (flag 2; the segment's first unit has
+// one at once), and publishes its own. A flag holds its launch's epoch, so a flag of an
+// earlier launch reads as not ready and nothing is ever cleared.
+__device__ void rs_lookback(long long u, long long first, u64 epoch, long long a, long long b,
+                            unsigned long long* flags, long long* aggs, long long* incs,
+                            long long* ex_a, long long* ex_b) {
+    volatile unsigned long long* vf = flags;
+    volatile long long* va = aggs;
+    volatile long long* vi = incs;
+    long long pa = 0, pb = 0;
+    if (u > first) {
+        va[2 * u] = a; va[2 * u + 1] = b;
+        __threadfence();  // the counts before the flag that says they are there
+        vf[u] = (epoch << 2) | 1ull;
+        for (long long j = u - 1;; j--) {
+            u64 f;
+            do { f = vf[j]; } while ((f >> 2) != epoch);
+            __threadfence();
+            if ((f & 3ull) == 2ull) { pa += vi[2 * j]; pb += vi[2 * j + 1]; break; }
+            pa += va[2 * j]; pb += va[2 * j + 1];
+        }
+    }
+    vi[2 * u] = pa + a; vi[2 * u + 1] = pb + b;
+    __threadfence();
+    vf[u] = (epoch << 2) | 2ull;
+    *ex_a = pa; *ex_b = pb;
+}
+
+// ---- the threshold digit of a level --------------------------------------------------------
+// Segment s, by one block: in the level's histogram, the digit where the count from the top
 // reaches what is still needed; the prefix grows by it. Level 0 also decides the mode: the
 // candidates (every key in or above that digit) fit the segment's buffer (MODE_BUF) or not
 // (MODE_FULL: the next levels read the whole segment). The histogram row is left zeroed.
-extern "C" __global__ void psparse_rs_scan(const long long* segs, long long* state,
-                                           unsigned int* hist, int level, int shift, int bits,
-                                           int last, int exclude_zero) {
+__device__ void rs_scan_segment(long long s, const long long* segs, long long* state,
+                                unsigned int* hist, int level, int shift, int bits, int last,
+                                int exclude_zero) {
     __shared__ u64 sh_w[RS_WARPS];
     __shared__ long long found[2];
-    long long s = blockIdx.x;
     const long long* sg = segs + s * SG_W;
     long long* st = state + s * ST_W;
-    unsigned* h = hist + s * RS_MAXBINS;
+    volatile unsigned* h = hist + s * RS_MAXBINS;  // other blocks' counts: read past L1
     int nb = 1 << bits;
     long long n = sg[SG_HI] - sg[SG_LO], k = sg[SG_K];
     long long mode = level == 0 ? (k <= 0 ? MODE_NONE : (k >= n ? MODE_ALL : MODE_BUF))
@@ -239,6 +269,7 @@ extern "C" __global__ void psparse_rs_scan(const long long* segs, long long* sta
         if (threadIdx.x == 0 && level == 0) {
             st[ST_MODE] = mode; st[ST_PREFIX] = 0; st[ST_NEED] = 0; st[ST_CAND] = 0;
         }
+        __syncthreads();
         return;
     }
     long long need = level == 0 ? k : st[ST_NEED];
@@ -277,114 +308,143 @@ extern "C" __global__ void psparse_rs_scan(const long long* segs, long long* sta
         st[ST_PREFIX] = prefix;
         st[ST_NEED] = need;
     }
+    __syncthreads();
 }
 
-// MODE_BUF segments, one block per tile: how many of the tile's keys are candidates.
-extern "C" __global__ void psparse_rs_count_cand(int key_mode, const float* x, const float* aux,
+// The block's histogram of `done` units of segment seg is flushed: count them in; the block
+// that completes the segment's `expected` units scans its histogram (the others fenced their
+// counts before counting themselves in), so a level is one launch, not a histogram and a scan.
+__device__ void rs_arrive(long long seg, long long done, long long expected,
+                          const long long* segs, long long* state, unsigned int* hist,
+                          int level, int shift, int bits, int last, int exclude_zero) {
+    __shared__ int sh_last;
+    __threadfence();  // every thread's histogram counts before the arrival
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 before = atomicAdd((unsigned long long*)&state[seg * ST_W + ST_DONE], (u64)done);
+        sh_last = (long long)before + done == expected;
+        if (sh_last) { state[seg * ST_W + ST_DONE] = 0; __threadfence(); }  // for the next launch
+    }
+    __syncthreads();
+    if (sh_last) rs_scan_segment(seg, segs, state, hist, level, shift, bits, last, exclude_zero);
+    __syncthreads();
+}
+
+// Level 0 over every tile: the histogram of the top digit of each segment's keys, the count of
+// non-finite scores, and (accumulate != ACC_NONE) error feedback folded in first, in the same
+// pass; the block that completes a segment finds its threshold digit. Blocks take contiguous
+// runs of tiles.
+extern "C" __global__ void psparse_rs_hist0(int key_mode, const float* x, const float* aux,
         const unsigned char* mask, const long long* gather, int use_gather, float p0,
-        const float* pdev, const long long* tiles,
-                                                 const long long* state, long long* counts) {
+        const float* pdev, int accumulate, float* acc, const float* grad, float* velocity,
+        const float* filtered, float momentum, const long long* tiles, long long ntiles,
+        const long long* segs, long long* state, unsigned int* hist, int shift, int bits,
+        int last, int exclude_zero) {
     RS_KEY_SRC;
-    __shared__ u64 sh_w[RS_WARPS];
-    long long t = blockIdx.x;
-    long long seg = tiles[3 * t], lo = tiles[3 * t + 1], hi = tiles[3 * t + 2];
-    const long long* st = state + seg * ST_W;
-    if (st[ST_MODE] != MODE_BUF) {
-        if (threadIdx.x == 0) counts[t] = 0;
-        return;
-    }
-    u64 floor = (u64)st[ST_PREFIX], mine = 0;
-    for (long long p = lo + threadIdx.x; p < hi; p += RS_THREADS) {
-        int bad = 0;
-        mine += rs_key(src, p, seg, &bad) >= floor;
-    }
-    u64 total;
-    rs_block_scan(mine, sh_w, &total);
-    if (threadIdx.x == 0) counts[t] = (long long)total;
-}
-
-// One block: exclusive prefix sums of two count arrays over n units (offsets[n] = the total).
-// finish != 0: also each segment's output count, and the report (out, non-finite) it keeps;
-// the non-finite count is cleared for the next call.
-extern "C" __global__ void psparse_rs_scan_units(const long long* count_a,
-                                                 const long long* count_b, long long n,
-                                                 long long* off_a, long long* off_b,
-                                                 int finish, const long long* segs,
-                                                 long long nseg, long long ntiles,
-                                                 long long* state, long long* report) {
-    __shared__ u64 sh_w[RS_WARPS];
-    __shared__ u64 carry[2];
-    if (threadIdx.x == 0) { carry[0] = 0; carry[1] = 0; }
+    __shared__ unsigned sh[RS_MAXBINS];
+    __shared__ int sh_bad;
+    int nb = 1 << bits;
+    for (int i = threadIdx.x; i < nb; i += RS_THREADS) sh[i] = 0;
+    if (threadIdx.x == 0) sh_bad = 0;
     __syncthreads();
-    for (long long base = 0; base < n; base += RS_THREADS) {
-        long long u = base + threadIdx.x;
-        u64 a = u < n ? (u64)count_a[u] : 0, b = u < n ? (u64)count_b[u] : 0, ta, tb;
-        u64 pa = rs_block_scan(a, sh_w, &ta);
-        u64 pb = rs_block_scan(b, sh_w, &tb);
-        if (u < n) { off_a[u] = (long long)(carry[0] + pa); off_b[u] = (long long)(carry[1] + pb); }
-        __syncthreads();
-        if (threadIdx.x == 0) { carry[0] += ta; carry[1] += tb; }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) { off_a[n] = (long long)carry[0]; off_b[n] = (long long)carry[1]; }
-    __syncthreads();
-    if (!finish) return;
-    for (long long s = threadIdx.x; s < nseg; s += RS_THREADS) {
-        const long long* sg = segs + s * SG_W;
-        long long* st = state + s * ST_W;
-        long long mode = st[ST_MODE], out = 0;
-        if (mode != MODE_NONE) {
-            long long first = mode == MODE_BUF ? ntiles + sg[SG_CHUNK0] : sg[SG_TILE0];
-            long long count = mode == MODE_BUF ? sg[SG_NCHUNKS] : sg[SG_NTILES];
-            long long strict = off_a[first + count] - off_a[first];
-            long long ties = off_b[first + count] - off_b[first];
-            out = strict + (ties < st[ST_NEED] ? ties : st[ST_NEED]);
+    long long t0 = (long long)blockIdx.x * ntiles / gridDim.x;
+    long long t1 = ((long long)blockIdx.x + 1) * ntiles / gridDim.x;
+    long long current = -1, done = 0;
+    for (long long t = t0; t < t1; t++) {
+        long long seg = tiles[3 * t], lo = tiles[3 * t + 1], hi = tiles[3 * t + 2];
+        if (seg != current) {
+            if (current >= 0) {
+                rs_flush(sh, &sh_bad, nb, current, hist, state);
+                rs_arrive(current, done, segs[current * SG_W + SG_NTILES], segs, state, hist,
+                          0, shift, bits, last, exclude_zero);
+            }
+            current = seg; done = 0;
         }
-        report[s * RP_W + RP_OUT] = out;
-        report[s * RP_W + RP_BAD] = st[ST_BAD];
-        st[ST_BAD] = 0;
+        int selecting = segs[seg * SG_W + SG_K] > 0;
+        u64 key[RS_ITEMS];
+#pragma unroll 4
+        for (int j = 0; j < RS_ITEMS; j++) {  // every load of the tile issued before a count
+            long long p = lo + j * RS_THREADS + threadIdx.x;
+            key[j] = 0;
+            if (p < hi) {
+                if (accumulate != ACC_NONE)
+                    rs_accumulate(accumulate, use_gather ? gather[p] : p, acc, grad, velocity,
+                                  filtered, momentum);
+                int bad = 0;
+                key[j] = rs_key(src, p, seg, &bad);
+                if (bad && selecting) atomicAdd(&sh_bad, 1);  // as the host: selected slices only
+            }
+        }
+#pragma unroll 4
+        for (int j = 0; j < RS_ITEMS; j++)
+            if (lo + j * RS_THREADS + threadIdx.x < hi)
+                atomicAdd(&sh[(unsigned)(key[j] >> shift) & (unsigned)(nb - 1)], 1u);
+        done++;
+    }
+    if (current >= 0) {
+        rs_flush(sh, &sh_bad, nb, current, hist, state);
+        rs_arrive(current, done, segs[current * SG_W + SG_NTILES], segs, state, hist, 0, shift,
+                  bits, last, exclude_zero);
     }
 }
 
-// MODE_BUF segments, one block per tile: the tile's candidates, in position order, into the
-// segment's buffer (their keys and positions), at the offsets the unit scan gave the tiles.
+// MODE_BUF segments, one block per tile (the second and last pass over every entry): the
+// tile's candidates (keys in or above the threshold digit) into the segment's buffer, keys
+// and positions, in position order, at the tile's prefix from the look-back.
 extern "C" __global__ void psparse_rs_write_cand(int key_mode, const float* x, const float* aux,
         const unsigned char* mask, const long long* gather, int use_gather, float p0,
-        const float* pdev, const long long* tiles,
-                                                 const long long* segs, const long long* state,
-                                                 const long long* offsets, unsigned long long* cand_key,
-                                                 long long* cand_pos) {
+        const float* pdev, const long long* tiles, const long long* segs,
+        const long long* state, unsigned long long* tickets, unsigned long long* flags,
+        long long* aggs, long long* incs, unsigned long long* cand_key, long long* cand_pos) {
     RS_KEY_SRC;
-    __shared__ unsigned sh[2 * RS_WARPS];
-    long long t = blockIdx.x;
+    __shared__ unsigned sh_a[RS_ROWS + 1], sh_b[RS_ROWS + 1];
+    __shared__ long long sh_at;
+    long long t;
+    u64 epoch;
+    rs_ticket(&tickets[0], &t, &epoch);
     long long seg = tiles[3 * t], lo = tiles[3 * t + 1], hi = tiles[3 * t + 2];
     const long long* sg = segs + seg * SG_W;
     const long long* st = state + seg * ST_W;
-    if (st[ST_MODE] != MODE_BUF) return;
-    u64 floor = (u64)st[ST_PREFIX];
-    long long at = sg[SG_CBASE] + offsets[t] - offsets[sg[SG_TILE0]];
-    for (long long r = lo; r < hi; r += RS_THREADS) {
-        long long p = r + threadIdx.x;
+    if (st[ST_MODE] != MODE_BUF) return;  // the segment's every tile returns: none waits
+    u64 floor = (u64)st[ST_PREFIX], key[RS_ITEMS];
+    unsigned ba[RS_ITEMS], bb[RS_ITEMS], ra[RS_ITEMS], rb[RS_ITEMS], ta, tb;
+#pragma unroll 4
+    for (int j = 0; j < RS_ITEMS; j++) {
+        long long p = lo + j * RS_THREADS + threadIdx.x;
         int bad = 0;
-        u64 key = p < hi ? rs_key(src, p, seg, &bad) : 0;
-        int hit = p < hi && key >= floor;
-        unsigned rank, unused, total, unused_total;
-        rs_rank2(hit, 0, sh, &rank, &unused, &total, &unused_total);
-        if (hit) { cand_key[at + rank] = key; cand_pos[at + rank] = p; }
-        at += total;
+        key[j] = p < hi ? rs_key(src, p, seg, &bad) : 0;
+    }
+    for (int j = 0; j < RS_ITEMS; j++) {
+        int hit = lo + j * RS_THREADS + threadIdx.x < hi && key[j] >= floor;
+        ba[j] = __ballot_sync(0xffffffffu, hit);
+        bb[j] = 0;
+    }
+    rs_unit_rank(ba, bb, sh_a, sh_b, ra, rb, &ta, &tb);
+    if (threadIdx.x == 0) {
+        long long before, unused;
+        rs_lookback(t, sg[SG_TILE0], epoch, ta, 0, flags, aggs, incs, &before, &unused);
+        sh_at = sg[SG_CBASE] + before;
+    }
+    __syncthreads();
+    for (int j = 0; j < RS_ITEMS; j++) {
+        long long p = lo + j * RS_THREADS + threadIdx.x;
+        if (p < hi && key[j] >= floor) {
+            cand_key[sh_at + ra[j]] = key[j];
+            cand_pos[sh_at + ra[j]] = p;
+        }
     }
 }
 
 // Levels after the first. Blocks [0, full_blocks) read the tiles of MODE_FULL segments (keys
 // recomputed); the others read one buffer chunk each of MODE_BUF segments. Only keys whose
-// higher digits equal the prefix so far are counted, by the digit at `shift`.
+// higher digits equal the prefix so far are counted, by the digit at `shift`; the block that
+// completes a segment finds the level's digit.
 extern "C" __global__ void psparse_rs_hist(int key_mode, const float* x, const float* aux,
         const unsigned char* mask, const long long* gather, int use_gather, float p0,
-        const float* pdev, const long long* tiles,
-                                           long long ntiles, long long full_blocks,
-                                           const long long* chunks, const long long* segs,
-                                           long long* state, const unsigned long long* cand_key,
-                                           unsigned int* hist, int shift, int bits) {
+        const float* pdev, const long long* tiles, long long ntiles, long long full_blocks,
+        const long long* chunks, const long long* segs, long long* state,
+        const unsigned long long* cand_key, unsigned int* hist, int shift, int bits, int level,
+        int last, int exclude_zero) {
     RS_KEY_SRC;
     __shared__ unsigned sh[RS_MAXBINS];
     __shared__ int sh_bad;
@@ -395,14 +455,18 @@ extern "C" __global__ void psparse_rs_hist(int key_mode, const float* x, const f
     if ((long long)blockIdx.x < full_blocks) {
         long long t0 = (long long)blockIdx.x * ntiles / full_blocks;
         long long t1 = ((long long)blockIdx.x + 1) * ntiles / full_blocks;
-        long long current = -1;
+        long long current = -1, done = 0;
         for (long long t = t0; t < t1; t++) {
             long long seg = tiles[3 * t], lo = tiles[3 * t + 1], hi = tiles[3 * t + 2];
             const long long* st = state + seg * ST_W;
-            if (st[ST_MODE] != MODE_FULL) continue;
+            if (st[ST_MODE] != MODE_FULL) continue;  // set at level 0, never changed after
             if (seg != current) {
-                if (current >= 0) rs_flush(sh, &sh_bad, nb, current, hist, state);
-                current = seg;
+                if (current >= 0) {
+                    rs_flush(sh, &sh_bad, nb, current, hist, state);
+                    rs_arrive(current, done, segs[current * SG_W + SG_NTILES], segs, state,
+                              hist, level, shift, bits, last, exclude_zero);
+                }
+                current = seg; done = 0;
             }
             u64 prefix = (u64)st[ST_PREFIX] >> above;
             for (long long p = lo + threadIdx.x; p < hi; p += RS_THREADS) {
@@ -411,8 +475,13 @@ extern "C" __global__ void psparse_rs_hist(int key_mode, const float* x, const f
                 if ((key >> above) == prefix)
                     atomicAdd(&sh[(unsigned)(key >> shift) & (unsigned)(nb - 1)], 1u);
             }
+            done++;
         }
-        if (current >= 0) rs_flush(sh, &sh_bad, nb, current, hist, state);
+        if (current >= 0) {
+            rs_flush(sh, &sh_bad, nb, current, hist, state);
+            rs_arrive(current, done, segs[current * SG_W + SG_NTILES], segs, state, hist,
+                      level, shift, bits, last, exclude_zero);
+        }
         return;
     }
     long long c = (long long)blockIdx.x - full_blocks;
@@ -428,13 +497,17 @@ extern "C" __global__ void psparse_rs_hist(int key_mode, const float* x, const f
             atomicAdd(&sh[(unsigned)(key >> shift) & (unsigned)(nb - 1)], 1u);
     }
     rs_flush(sh, &sh_bad, nb, seg, hist, state);
+    rs_arrive(seg, 1, segs[seg * SG_W + SG_NCHUNKS], segs, state, hist, level, shift, bits,
+              last, exclude_zero);
 }
 
 // Work unit u: a tile (u < ntiles; MODE_FULL / MODE_ALL segments) or a buffer chunk (MODE_BUF).
+// static_mode: every segment takes all or none (the mode is k's, and no histogram ran).
 __device__ __forceinline__ int rs_unit(long long u, long long ntiles, const long long* tiles,
                                        const long long* chunks, const long long* segs,
-                                       const long long* state, long long* seg, long long* lo,
-                                       long long* hi, long long* first) {
+                                       const long long* state, int static_mode, long long* seg,
+                                       long long* lo, long long* hi, long long* first,
+                                       long long* count, long long* mode) {
     int in_buffer = u >= ntiles;
     if (!in_buffer) {
         *seg = tiles[3 * u]; *lo = tiles[3 * u + 1]; *hi = tiles[3 * u + 2];
@@ -444,11 +517,12 @@ __device__ __forceinline__ int rs_unit(long long u, long long ntiles, const long
         long long cand = state[*seg * ST_W + ST_CAND];
         *hi = cand < *lo + RS_TILE ? cand : *lo + RS_TILE;
     }
-    long long mode = state[*seg * ST_W + ST_MODE];
     const long long* sg = segs + *seg * SG_W;
+    *mode = static_mode ? (sg[SG_K] <= 0 ? MODE_NONE : MODE_ALL) : state[*seg * ST_W + ST_MODE];
     *first = in_buffer ? ntiles + sg[SG_CHUNK0] : sg[SG_TILE0];
-    if (in_buffer) return mode == MODE_BUF;
-    return mode == MODE_FULL || mode == MODE_ALL;
+    *count = in_buffer ? sg[SG_NCHUNKS] : sg[SG_NTILES];
+    if (in_buffer) return *mode == MODE_BUF;
+    return *mode == MODE_FULL || *mode == MODE_ALL;
 }
 
 // the key of entry i of a unit, its position, and whether it is above / at the threshold
@@ -464,74 +538,78 @@ __device__ __forceinline__ void rs_classify(const KeySrc& src, int in_buffer, lo
     else { *strict = key > threshold; *tie = key == threshold; }
 }
 
-// One block per unit: how many keys are above the final threshold, and how many equal it.
-extern "C" __global__ void psparse_rs_count_final(int key_mode, const float* x, const float* aux,
-        const unsigned char* mask, const long long* gather, int use_gather, float p0,
-        const float* pdev, const long long* tiles,
-                                                  long long ntiles, const long long* chunks,
-                                                  const long long* segs, const long long* state,
-                                                  const unsigned long long* cand_key, const long long* cand_pos,
-                                                  int exclude_zero, long long* count_a,
-                                                  long long* count_b) {
-    RS_KEY_SRC;
-    __shared__ u64 sh_w[RS_WARPS];
-    long long u = blockIdx.x, seg, lo, hi, first;
-    if (!rs_unit(u, ntiles, tiles, chunks, segs, state, &seg, &lo, &hi, &first)) {
-        if (threadIdx.x == 0) { count_a[u] = 0; count_b[u] = 0; }
+// One block per unit, in one launch: the selected entries in position order, ties at the
+// threshold to the lowest positions (the first `need` of them), at the unit's prefix from the
+// look-back: out_idx = their indices (gathered through `gather` if use_gather), out_val =
+// values[index] (write_values), then values[index] and velocity[index] zeroed (take,
+// has_velocity): the gather-and-zero of error feedback. A segment's last unit writes its
+// report (selected, non-finite) and clears the non-finite count for the next call.
+template <class IndexT>
+__device__ void rs_final(const KeySrc& src, const long long* tiles, long long ntiles,
+                         const long long* chunks, const long long* segs, long long* state,
+                         const unsigned long long* cand_key, const long long* cand_pos,
+                         int exclude_zero, int static_mode, unsigned long long* tickets,
+                         unsigned long long* flags, long long* aggs, long long* incs,
+                         long long* report, IndexT* out_idx, float* out_val, int write_values,
+                         float* values, int take, float* velocity, int has_velocity) {
+    __shared__ unsigned sh_a[RS_ROWS + 1], sh_b[RS_ROWS + 1];
+    __shared__ long long sh_ex[2];
+    long long u, seg, lo, hi, first, count, mode;
+    u64 epoch;
+    rs_ticket(&tickets[1], &u, &epoch);
+    int mine = rs_unit(u, ntiles, tiles, chunks, segs, state, static_mode, &seg, &lo, &hi,
+                       &first, &count, &mode);
+    const long long* sg = segs + seg * SG_W;
+    long long* st = state + seg * ST_W;
+    int last_unit = u == first + count - 1;
+    if (static_mode && last_unit && threadIdx.x == 0) {  // the state a scan would have left
+        st[ST_MODE] = mode; st[ST_PREFIX] = 0; st[ST_NEED] = 0; st[ST_CAND] = 0;
+    }
+    if (!mine) {  // a selection of none: its last tile reports it
+        if (mode == MODE_NONE && u < ntiles && last_unit && threadIdx.x == 0) {
+            report[seg * RP_W + RP_OUT] = 0;
+            report[seg * RP_W + RP_BAD] = st[ST_BAD];
+            st[ST_BAD] = 0;
+        }
         return;
     }
     int in_buffer = u >= ntiles;
-    const long long* st = state + seg * ST_W;
-    long long mode = st[ST_MODE], base = in_buffer ? segs[seg * SG_W + SG_CBASE] : 0;
-    u64 threshold = (u64)st[ST_PREFIX], a = 0, b = 0;
-    for (long long i = lo + threadIdx.x; i < hi; i += RS_THREADS) {
-        long long p;
-        int strict, tie;
-        rs_classify(src, in_buffer, base + i, seg, cand_key, cand_pos, mode, threshold,
-                    exclude_zero, &p, &strict, &tie);
-        a += strict; b += tie;
-    }
-    u64 ta, tb;
-    rs_block_scan(a, sh_w, &ta);
-    rs_block_scan(b, sh_w, &tb);
-    if (threadIdx.x == 0) { count_a[u] = (long long)ta; count_b[u] = (long long)tb; }
-}
-
-// One block per unit: the selected entries in position order, ties at the threshold to the
-// lowest positions (the first `need` of them): out_idx = their indices (gathered through
-// `gather` if use_gather), out_val = values[index] (write_values), then values[index] and
-// velocity[index] zeroed (take, has_velocity): the gather-and-zero of error feedback.
-template <class IndexT>
-__device__ void rs_write_final(const KeySrc& src, const long long* tiles, long long ntiles,
-                               const long long* chunks, const long long* segs,
-                               const long long* state, const unsigned long long* cand_key,
-                               const long long* cand_pos, int exclude_zero,
-                               const long long* off_a, const long long* off_b, IndexT* out_idx,
-                               float* out_val, int write_values, float* values, int take,
-                               float* velocity, int has_velocity) {
-    __shared__ unsigned sh[2 * RS_WARPS];
-    long long u = blockIdx.x, seg, lo, hi, first;
-    if (!rs_unit(u, ntiles, tiles, chunks, segs, state, &seg, &lo, &hi, &first)) return;
-    int in_buffer = u >= ntiles;
-    const long long* sg = segs + seg * SG_W;
-    const long long* st = state + seg * ST_W;
-    long long mode = st[ST_MODE], base = in_buffer ? sg[SG_CBASE] : 0, need = st[ST_NEED];
-    u64 threshold = (u64)st[ST_PREFIX];
-    long long above = off_a[u] - off_a[first], ties = off_b[u] - off_b[first];
-    IndexT* idx_out = out_idx + sg[SG_OBASE];
-    float* val_out = out_val + sg[SG_OBASE];
-    for (long long r = lo; r < hi; r += RS_THREADS) {
-        long long i = r + threadIdx.x, p = 0;
-        int strict = 0, tie = 0;
+    long long base = in_buffer ? sg[SG_CBASE] : 0;
+    long long need = mode == MODE_ALL ? 0 : st[ST_NEED];
+    u64 threshold = mode == MODE_ALL ? 0 : (u64)st[ST_PREFIX];
+    long long pos[RS_ITEMS];
+    int strict[RS_ITEMS], tie[RS_ITEMS];
+    unsigned ba[RS_ITEMS], bb[RS_ITEMS], ra[RS_ITEMS], rb[RS_ITEMS], ta, tb;
+#pragma unroll 4
+    for (int j = 0; j < RS_ITEMS; j++) {
+        long long i = lo + j * RS_THREADS + threadIdx.x;
+        pos[j] = 0; strict[j] = 0; tie[j] = 0;
         if (i < hi)
             rs_classify(src, in_buffer, base + i, seg, cand_key, cand_pos, mode, threshold,
-                        exclude_zero, &p, &strict, &tie);
-        unsigned rs, rt, ts, tt;
-        rs_rank2(strict, tie, sh, &rs, &rt, &ts, &tt);
-        long long before_tie = ties + rt;
-        long long at = above + rs + (before_tie < need ? before_tie : need);
-        if ((strict || (tie && before_tie < need)) && at < sg[SG_K]) {  // never past its k
-            long long g = src.use_gather ? src.gather[p] : p;
+                        exclude_zero, &pos[j], &strict[j], &tie[j]);
+    }
+    for (int j = 0; j < RS_ITEMS; j++) {
+        ba[j] = __ballot_sync(0xffffffffu, strict[j]);
+        bb[j] = __ballot_sync(0xffffffffu, tie[j]);
+    }
+    rs_unit_rank(ba, bb, sh_a, sh_b, ra, rb, &ta, &tb);
+    if (threadIdx.x == 0) {
+        rs_lookback(u, first, epoch, ta, tb, flags, aggs, incs, &sh_ex[0], &sh_ex[1]);
+        if (last_unit) {
+            long long ties = sh_ex[1] + tb;
+            report[seg * RP_W + RP_OUT] = sh_ex[0] + ta + (ties < need ? ties : need);
+            report[seg * RP_W + RP_BAD] = st[ST_BAD];
+            st[ST_BAD] = 0;
+        }
+    }
+    __syncthreads();
+    IndexT* idx_out = out_idx + sg[SG_OBASE];
+    float* val_out = out_val + sg[SG_OBASE];
+    for (int j = 0; j < RS_ITEMS; j++) {
+        long long before_tie = sh_ex[1] + rb[j];
+        long long at = sh_ex[0] + ra[j] + (before_tie < need ? before_tie : need);
+        if ((strict[j] || (tie[j] && before_tie < need)) && at < sg[SG_K]) {  // never past k
+            long long g = src.use_gather ? src.gather[pos[j]] : pos[j];
             idx_out[at] = (IndexT)g;
             if (write_values) val_out[at] = values[g];
             if (take) {
@@ -539,35 +617,35 @@ __device__ void rs_write_final(const KeySrc& src, const long long* tiles, long l
                 if (has_velocity) velocity[g] = 0.0f;
             }
         }
-        above += ts;
-        ties += tt;
     }
 }
 
-extern "C" __global__ void psparse_rs_write_final_i64(
+extern "C" __global__ void psparse_rs_final_i64(
         int key_mode, const float* x, const float* aux, const unsigned char* mask,
         const long long* gather, int use_gather, float p0, const float* pdev,
         const long long* tiles, long long ntiles, const long long* chunks,
-        const long long* segs, const long long* state, const unsigned long long* cand_key,
-        const long long* cand_pos, int exclude_zero, const long long* off_a,
-        const long long* off_b, long long* out_idx, float* out_val, int write_values,
+        const long long* segs, long long* state, const unsigned long long* cand_key,
+        const long long* cand_pos, int exclude_zero, int static_mode,
+        unsigned long long* tickets, unsigned long long* flags, long long* aggs,
+        long long* incs, long long* report, long long* out_idx, float* out_val, int write_values,
         float* values, int take, float* velocity, int has_velocity) {
     RS_KEY_SRC;
-    rs_write_final<long long>(src, tiles, ntiles, chunks, segs, state, cand_key, cand_pos,
-                              exclude_zero, off_a, off_b, out_idx, out_val, write_values,
-                              values, take, velocity, has_velocity);
+    rs_final<long long>(src, tiles, ntiles, chunks, segs, state, cand_key, cand_pos, exclude_zero,
+                     static_mode, tickets, flags, aggs, incs, report, out_idx, out_val,
+                     write_values, values, take, velocity, has_velocity);
 }
 
-extern "C" __global__ void psparse_rs_write_final_i32(
+extern "C" __global__ void psparse_rs_final_i32(
         int key_mode, const float* x, const float* aux, const unsigned char* mask,
         const long long* gather, int use_gather, float p0, const float* pdev,
         const long long* tiles, long long ntiles, const long long* chunks,
-        const long long* segs, const long long* state, const unsigned long long* cand_key,
-        const long long* cand_pos, int exclude_zero, const long long* off_a,
-        const long long* off_b, int* out_idx, float* out_val, int write_values,
+        const long long* segs, long long* state, const unsigned long long* cand_key,
+        const long long* cand_pos, int exclude_zero, int static_mode,
+        unsigned long long* tickets, unsigned long long* flags, long long* aggs,
+        long long* incs, long long* report, int* out_idx, float* out_val, int write_values,
         float* values, int take, float* velocity, int has_velocity) {
     RS_KEY_SRC;
-    rs_write_final<int>(src, tiles, ntiles, chunks, segs, state, cand_key, cand_pos,
-                        exclude_zero, off_a, off_b, out_idx, out_val, write_values, values,
-                        take, velocity, has_velocity);
+    rs_final<int>(src, tiles, ntiles, chunks, segs, state, cand_key, cand_pos, exclude_zero,
+                     static_mode, tickets, flags, aggs, incs, report, out_idx, out_val,
+                     write_values, values, take, velocity, has_velocity);
 }

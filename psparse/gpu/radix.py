@@ -4,22 +4,29 @@ A non-negative float32 orders as its bit pattern read as an unsigned integer, so
 of largest score, ties to the lower index" is "the k largest keys" where key = the score's bits
 (``KEY_FREQ``: 64 bits, a priority's then a magnitude's). The engine finds them in a fixed
 sequence of kernel launches whose sizes never depend on the data, so nothing is read back to the
-host until the caller's one copy of the result (docs/architecture: the GPU exchange):
+host until the caller's one copy of the result (docs/architecture: the GPU exchange). Two
+launches read every entry; the rest read only the candidates:
 
-1. ``hist0`` (one pass over every tile): a histogram of each segment's top 12 key bits in shared
-   memory, the count of non-finite scores, and error feedback folded in first (``accumulate``);
-2. ``scan`` (a block per segment): the *threshold digit*, where the count from the top reaches
-   k; the entries above it are surely selected, the candidates are those in or above it;
-3. when the candidates fit the segment's buffer (``MODE_BUF``, the usual case: a digit spans
-   4.4% of magnitude, about a third of k entries) ``count_cand``, ``scan_units`` and
-   ``write_cand`` copy them there, in index order (per-tile counts, one prefix sum, a block
-   scan per tile: no global atomic per entry); otherwise (``MODE_FULL``: many equal keys, e.g.
-   zeros) the next levels read the whole segment again;
-4. ``hist`` and ``scan`` per further digit (11 and 8 bits; 64-bit keys: five more) over the
-   candidates: the exact k-th key T, and how many entries equal to T are still needed (R);
-5. ``count_final``, ``scan_units``, ``write_final``: every key > T and the first R keys == T in
-   index order, written in index order (so the output is sorted), with their values gathered
-   and the accumulator zeroed there (``take``).
+1. ``hist0`` (the first pass over every tile): a histogram of each segment's top 12 key bits in
+   shared memory, the count of non-finite scores, and error feedback folded in first
+   (``accumulate``); the block that completes a segment's histogram (the last to count itself
+   in) finds its *threshold digit*, where the count from the top reaches k: the entries above
+   it are surely selected, the candidates are those in or above it;
+2. when the candidates fit the segment's buffer (``MODE_BUF``, the usual case: a digit spans
+   4.4% of magnitude, about a third of k entries) ``write_cand`` (the second and last pass)
+   copies them there in index order, each tile at the prefix of the earlier tiles' counts,
+   found in the same launch by a decoupled look-back; otherwise (``MODE_FULL``: many equal
+   keys, e.g. zeros) the next levels read the whole segment again;
+3. ``hist`` per further digit (11 and 8 bits; 64-bit keys: five more) over the candidates, its
+   digit found by the block that completes the segment: the exact k-th key T, and how many
+   entries equal to T are still needed (R);
+4. ``final``: every key > T and the first R keys == T in index order, written in index order
+   (so the output is sorted), at each unit's look-back prefix, with their values gathered and
+   the accumulator zeroed there (``take``); a segment's last unit writes its report.
+
+So a 32-bit top-k is five launches (64-bit keys: eight), and a selection of all or nothing
+(every segment's k is 0 or its size) one, or two with error feedback folded in. Units (tiles,
+buffer chunks) are read as 16 rows of a block: coalesced loads, several in flight per thread.
 
 Segments are the policy's slices (the whole model, or one per layer with ``--granularity
 layer``): every launch covers all of them at once, so a 65-layer model costs the launches of
@@ -32,7 +39,9 @@ base, first tile, tiles, first chunk, chunks]; ``tiles`` [segment, lo, hi] per t
 TILE positions (a tile never spans two segments); ``chunks`` [segment, lo] per TILE-sized piece
 of a segment's candidate buffer. The device-written ``state`` holds per segment the key prefix
 decided so far, what is still needed, the mode, the candidate count and the non-finite count;
-``report`` (what a caller copies back) [selected, non-finite] per segment.
+``report`` (what a caller copies back) [selected, non-finite] per segment. The look-backs
+keep per unit a flag (its launch's epoch and whether its own counts or its inclusive prefix
+are published) and the counts, and take units from ``tickets`` in order (never reset).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ THREADS = 256
 TILE = THREADS * 16
 MAXBINS = 4096
 SG_W, ST_W, RP_W = 10, 8, 2
-ST_PREFIX, ST_NEED, ST_MODE, ST_CAND = 0, 1, 2, 3
+ST_PREFIX, ST_NEED, ST_MODE, ST_CAND, ST_BAD, ST_DONE = range(6)
 MODE_BUF, MODE_FULL, MODE_ALL, MODE_NONE = 0, 1, 2, 3
 KEY_ABS, KEY_EMA, KEY_PENALTY, KEY_PRIORITY, KEY_CORE, KEY_FREQ, KEY_THRESHOLD, KEY_MASK = \
     range(8)
@@ -197,10 +206,11 @@ class RadixSelect:
         self.cand_key = xp.zeros(cap, dtype=xp.uint64)
         self.cand_pos = xp.zeros(cap, dtype=xp.int64)
         units = self.ntiles + self.nchunks
-        self.count_a = xp.zeros(units, dtype=xp.int64)
-        self.count_b = xp.zeros(units, dtype=xp.int64)
-        self.off_a = xp.zeros(units + 1, dtype=xp.int64)
-        self.off_b = xp.zeros(units + 1, dtype=xp.int64)
+        self.tickets = xp.zeros(2, dtype=xp.uint64)  # write_cand's, final's
+        self.cand_flags = xp.zeros(max(1, self.ntiles), dtype=xp.uint64)
+        self.cand_counts = xp.zeros((2, 2 * max(1, self.ntiles)), dtype=xp.int64)
+        self.final_flags = xp.zeros(max(1, units), dtype=xp.uint64)
+        self.final_counts = xp.zeros((2, 2 * max(1, units)), dtype=xp.int64)
         self.index_dtype = np.dtype(index_dtype)
         size = max(1, self.total_k)
         self.out_idx = out_idx if out_idx is not None else xp.zeros(size, dtype=self.index_dtype)
@@ -208,6 +218,7 @@ class RadixSelect:
         self.values, self.take, self.velocity = values, take, velocity
         self.hist_blocks = max(1, min(self.ntiles, HIST_BLOCKS_PER_SM * dev.sm_count))
         self._launches = self._plan_launches()
+        self._hist0 = {}  # accumulate's arrays -> hist0's arguments, checked once
 
     def set_key(self, key: Key) -> None:
         """Rank another key of the same mode (other arrays): the launches are re-planned, the
@@ -216,6 +227,7 @@ class RadixSelect:
             raise ValueError(f"a RadixSelect for key mode {self.key.mode} given mode {key.mode}")
         self.key = key
         self._launches = self._plan_launches()
+        self._hist0 = {}
 
     def _tables(self):
         segs, tiles, chunks = [], [], []
@@ -243,69 +255,63 @@ class RadixSelect:
 
     def _plan_launches(self) -> list:
         """Every launch after the first, with its arguments: fixed for this configuration."""
-        dev, key_args = self.dev, self._key_args()
-        nseg, ntiles = len(self.segments), self.ntiles
-        units = ntiles + self.nchunks
-        ex = np.int32(self.exclude_zero)
-        (shift0, bits0), later = self.levels[0], self.levels[1:]
-        if self.selects_all:  # every segment takes all (or none): no threshold to find
-            later = ()
-        launches = [
-            ("psparse_rs_scan", nseg, (self.segs, self.state, self.hist, np.int32(0),
-                                       np.int32(shift0), np.int32(bits0), np.int32(not later),
-                                       ex))]
+        key_args = self._key_args()
+        ntiles, ex = self.ntiles, np.int32(self.exclude_zero)
+        later = () if self.selects_all else self.levels[1:]  # all or none: no threshold
+        launches = []
         if not self.selects_all:
-            launches += [
-            ("psparse_rs_count_cand", ntiles, (*key_args, self.tiles, self.state, self.count_a)),
-            ("psparse_rs_scan_units", 1, (self.count_a, self.count_a, np.int64(ntiles),
-                                          self.off_a, self.off_b, np.int32(0), self.segs,
-                                          np.int64(nseg), np.int64(ntiles), self.state,
-                                          self.report)),
-            ("psparse_rs_write_cand", ntiles, (*key_args, self.tiles, self.segs, self.state,
-                                               self.off_a, self.cand_key, self.cand_pos))]
+            launches.append(("psparse_rs_write_cand", ntiles, (
+                *key_args, self.tiles, self.segs, self.state, self.tickets, self.cand_flags,
+                self.cand_counts[0], self.cand_counts[1], self.cand_key, self.cand_pos)))
         for level, (shift, bits) in enumerate(later, start=1):
             launches.append(("psparse_rs_hist", self.hist_blocks + self.nchunks, (
                 *key_args, self.tiles, np.int64(ntiles), np.int64(self.hist_blocks),
                 self.chunks, self.segs, self.state, self.cand_key, self.hist,
-                np.int32(shift), np.int32(bits))))
-            launches.append(("psparse_rs_scan", nseg, (
-                self.segs, self.state, self.hist, np.int32(level), np.int32(shift),
-                np.int32(bits), np.int32(level == len(self.levels) - 1), ex)))
-        launches.append(("psparse_rs_count_final", units, (
-            *key_args, self.tiles, np.int64(ntiles), self.chunks, self.segs, self.state,
-            self.cand_key, self.cand_pos, ex, self.count_a, self.count_b)))
-        launches.append(("psparse_rs_scan_units", 1, (
-            self.count_a, self.count_b, np.int64(units), self.off_a, self.off_b, np.int32(1),
-            self.segs, np.int64(nseg), np.int64(ntiles), self.state, self.report)))
-        write = "psparse_rs_write_final_i32" if self.index_dtype == np.int32 else \
-            "psparse_rs_write_final_i64"
+                np.int32(shift), np.int32(bits), np.int32(level),
+                np.int32(level == len(self.levels) - 1), ex)))
+        final = "psparse_rs_final_i32" if self.index_dtype == np.int32 else \
+            "psparse_rs_final_i64"
         values = self.values
-        launches.append((write, units, (
+        launches.append((final, ntiles + self.nchunks, (
             *key_args, self.tiles, np.int64(ntiles), self.chunks, self.segs, self.state,
-            self.cand_key, self.cand_pos, ex, self.off_a, self.off_b, self.out_idx,
-            self.out_val, np.int32(values is not None), dev.or_dummy(values, np.float32),
-            np.int32(bool(self.take)), dev.or_dummy(self.velocity, np.float32),
-            np.int32(self.velocity is not None))))
+            self.cand_key, self.cand_pos, ex, np.int32(self.selects_all), self.tickets,
+            self.final_flags, self.final_counts[0], self.final_counts[1], self.report,
+            self.out_idx, self.out_val, np.int32(values is not None),
+            self.dev.or_dummy(values, np.float32), np.int32(bool(self.take)),
+            self.dev.or_dummy(self.velocity, np.float32), np.int32(self.velocity is not None))))
         for name, _, args in launches:
-            dev.check(name, args)
+            self.dev.check(name, args)
         return launches
+
+    def _hist0_args(self, accumulate) -> tuple:
+        """hist0's arguments for one ``accumulate``, checked against the signature the first
+        time those arrays are given (a round passes the same ones every time)."""
+        dev = self.dev
+        mode, acc, grad, velocity, filtered, momentum = accumulate or (ACC_NONE,) + (None,) * 5
+        cache_key = (mode, *(id(a) for a in (acc, grad, velocity, filtered)), momentum)
+        cached = self._hist0.get(cache_key)
+        if cached is None:
+            (shift, bits), ex = self.levels[0], np.int32(self.exclude_zero)
+            args = (*self._key_args(), np.int32(mode), dev.or_dummy(acc, np.float32),
+                    dev.or_dummy(grad, np.float32), dev.or_dummy(velocity, np.float32),
+                    dev.or_dummy(filtered, np.float32), np.float32(momentum or 0.0),
+                    self.tiles, np.int64(self.ntiles), self.segs, self.state, self.hist,
+                    np.int32(shift), np.int32(bits),
+                    np.int32(self.selects_all or len(self.levels) == 1), ex)
+            dev.check("psparse_rs_hist0", args)
+            if len(self._hist0) >= 8:  # a caller that passes fresh arrays every time
+                self._hist0.clear()
+            # the arrays are held with their arguments, so their ids are not reused meanwhile
+            cached = self._hist0[cache_key] = (args, (acc, grad, velocity, filtered))
+        return cached[0]
 
     def run(self, accumulate=None) -> None:
         """Enqueue the selection. ``accumulate``: (mode, acc, grad, velocity, filtered,
         momentum) folded into the first pass (acc must be ``key.x``), or None."""
         dev = self.dev
-        mode, acc, grad, velocity, filtered, momentum = accumulate or (ACC_NONE,) + (None,) * 5
-        if self.selects_all and mode == ACC_NONE:  # no histogram needed: straight to the write
-            for name, grid, args in self._launches:
-                dev.launch(name, grid, args, checked=True)
-            return
-        shift, bits = self.levels[0]
-        dev.launch("psparse_rs_hist0", self.hist_blocks, (
-            *self._key_args(), np.int32(mode), dev.or_dummy(acc, np.float32),
-            dev.or_dummy(grad, np.float32), dev.or_dummy(velocity, np.float32),
-            dev.or_dummy(filtered, np.float32), np.float32(momentum or 0.0), self.tiles,
-            np.int64(self.ntiles), self.segs, self.state, self.hist, np.int32(shift),
-            np.int32(bits)))
+        if not (self.selects_all and (accumulate is None or accumulate[0] == ACC_NONE)):
+            dev.launch("psparse_rs_hist0", self.hist_blocks, self._hist0_args(accumulate),
+                       checked=True)
         for name, grid, args in self._launches:
             dev.launch(name, grid, args, checked=True)
 
