@@ -9,14 +9,20 @@ benchmarks/README.md). Steps, each with its own time limit, all within ``--budge
    test_device_policies.py, test_device_values.py: on a GPU the radix engine, every policy's
    device path and the value formats' rounding run on the device, against the host's); no
    test may be skipped for "no CUDA device";
+   then compute-sanitizer's racecheck and initcheck over the radix tests on the device,
+   where the image has the tool;
 4. the selection benchmark (benchmarks/gpu_select.py): the radix engine (eager and as a CUDA
-   graph) vs torch.topk vs a device copy, and each policy's device selection vs top-k's;
+   graph) vs torch.topk vs a device copy, each policy's device selection vs top-k's, and the
+   engine's launches at 25M / 0.1% each timed alone;
 5. LeNet/MNIST, 8 workers sharing the GPU, ``--device cuda --server-device cuda``, 2 epochs,
    against the same run selecting on the host (``--device cpu``, same seed): accuracy and
    union/k within seed noise (1 point; 15%), the time split, and the device's crossings per
    iteration (rank-R.json ``device``: copy backs, graph rounds: a graph that captured holds no
    synchronisation); again under MPS where ``nvidia-cuda-mps-control`` exists (started and
-   stopped here);
+   stopped here); then vote, cltk, threshold and core with ``--overlap`` on the device (2
+   workers, 8 rounds): copy backs and reads per steady-state iteration (after 3 warm-up
+   rounds: engines built, graph captured), allocations and launches; a copy back beyond one
+   per message, or any other read, fails the check;
 6. one worker on the GPU, the real deployment: ResNet-20/CIFAR-10, batch 128, its exchange's
    device time (accumulate, select, copy back, apply: CUDA events) against its compute, and
    the same run with the host-selection fallback (``PSPARSE_GPU_PATH=host``);
@@ -316,6 +322,64 @@ def lenet(check: Check) -> None:
                    f"{host['union_over_k_mean']} on the host")
 
 
+# Policies beyond LeNet's core, each on the device for a few rounds (2 workers): the copy backs
+# and reads per steady-state iteration (the synchronisations), the allocations and launches.
+# vote sends a proposal and a push (two copies back); cltk's leader a proposal too.
+DEVICE_POLICIES = {"vote": ["--policy", "vote"], "cltk": ["--policy", "cltk"],
+                   "threshold": ["--policy", "threshold", "--policy-arg", "lam=0.002"],
+                   "core-overlap": ["--policy", "core", "--granularity", "layer", "--overlap",
+                                    "--bucket-mb", "0.005"]}
+MESSAGES_PER_ITERATION = {"vote": 2.0, "cltk": 2.0}  # at most; the others: 1 (overlap: parts)
+
+
+def policies_on_device(check: Check) -> None:
+    common = ["--workers", "2", "--model", "lenet", "--dataset", "mnist", "--seed", "0",
+              "--quiet", "--iterations", "8", "--eval-every", "0", "--density", "0.05"]
+    device = ["--device", "cpu"] if check.cpu else ["--device", "cuda", "--server-device", "cuda"]
+    emulate = {"PSPARSE_EMULATE_GPU": "strict", "PSPARSE_CUDA_GRAPH": "1"} if check.cpu else None
+    table = {}
+    for name, args in DEVICE_POLICIES.items():
+        run = train(check, f"policy-{name}", [*common, *args, *device], 60, env=emulate)
+        steady = ((run or {}).get("device") or {}).get("steady_state")
+        if not steady:
+            check.fail(f"policy {name} on the device: no steady-state counts (run: {run})")
+            continue
+        ranks = sorted((check.work / f"policy-{name}").glob("rank-*.json"))
+        parts = json.loads(ranks[0].read_text()).get("overlap", {}).get("parts") if ranks \
+            else None
+        most = len(parts) - 1 if parts else MESSAGES_PER_ITERATION.get(name, 1.0)
+        table[name] = {**steady, "reads": run["device"].get("reads"),
+                       "graph_rounds": run["device"].get("graph_rounds"),
+                       "messages_per_iteration_at_most": most}
+        if run["device"].get("reads") or steady["copy_backs_per_iteration"] > most:
+            check.fail(f"policy {name} on the device: {steady['copy_backs_per_iteration']} "
+                       f"copy backs per iteration (at most {most}: one per message), "
+                       f"{run['device'].get('reads')} other reads")
+    check.figures["policies_on_device"] = table
+
+
+def sanitizer(check: Check) -> None:
+    """compute-sanitizer's racecheck and initcheck over the radix engine's tests on the
+    device, where the image has the tool (CPU mode and machines without it: recorded as not
+    run)."""
+    tool = shutil.which("compute-sanitizer")
+    if check.cpu or tool is None:
+        why = "CPU mode" if check.cpu else "no compute-sanitizer on this machine"
+        check.say(f"\n=== compute-sanitizer: not run ({why})")
+        check.figures["sanitizer"] = f"not run ({why})"
+        return
+    tests = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+             "tests/test_radix.py", "-k", "cuda and (65537 or overflows or many_segments or "
+             "run_again or fused)"]
+    results = {}
+    for kind in ("racecheck", "initcheck"):
+        code, out = check.run(f"sanitizer {kind}", [tool, "--tool", kind, "--error-exitcode",
+                                                    "3", *tests], 120, f"sanitizer_{kind}.log")
+        results[kind] = {"exit": code, "summary": (re.findall(r"=+ (ERROR SUMMARY.*|RACECHECK "
+                                                              r"SUMMARY.*)", out) or [""])[-1]}
+    check.figures["sanitizer"] = results
+
+
 def with_mps(check: Check, work) -> None:
     """``work()`` under the CUDA Multi-Process Service, started and stopped here, where the
     machine has nvidia-cuda-mps-control (8 processes then share the GPU without time slices)."""
@@ -455,8 +519,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.log").unlink(missing_ok=True)
     check = Check(out, args.budget, args.cpu)
-    for step in (device_info, kernel_gate_and_tests, selection_benchmark, lenet, one_worker,
-                 resnet):
+    for step in (device_info, kernel_gate_and_tests, sanitizer, selection_benchmark, lenet,
+                 policies_on_device, one_worker, resnet):
         if check.left() < 20:
             check.fail(f"{step.__name__}: no time left in the {args.budget:.0f} s budget")
             break

@@ -344,3 +344,34 @@ def test_the_backend_counts_kernel_launches_and_a_graphs_replays():
     graph.launch()
     graph.launch()
     assert dev.kernel_launches == 5 and dev.report(5)["kernel_launches_per_iteration"] == 1.0
+
+
+def test_the_steady_state_counts_start_after_the_warm_up_rounds():
+    """rank-R.json's ``device.steady_state``: per round after the first three (engines built,
+    graph captured), what crossed, what was launched and the device arrays allocated (on the
+    strict emulator: arrays with memory of their own, as a pool allocation on a GPU)."""
+    import numpy as np
+
+    from psparse.gpu.backend import STEADY_AFTER
+    from psparse.gpu.emulated import EmulatedBackend
+    dev = EmulatedBackend(strict=True)
+    host = np.zeros(4, np.float32)
+    indices = dev.upload("i", np.array([0, 3], np.int64))
+    a = dev.xp.zeros(4, dtype=dev.xp.float32)
+    for r in range(STEADY_AFTER + 4):
+        dev.upload("a", np.arange(4, dtype=np.float32), out=a)  # into its buffer: no allocation
+        if r < STEADY_AFTER:  # warm-up work: more launches and a fresh array each round
+            dev.xp.zeros(1000, dtype=dev.xp.float32)
+            dev.launch_over("psparse_scatter", 2, (indices, a[:2], np.int64(2), a))
+        _ = a.reshape(2, 2)  # a view: no allocation
+        doubled = a + a  # a new array: one allocation
+        dev.launch_over("psparse_scatter", 2, (indices, a[:2], np.int64(2), doubled))
+        dev.copy_back([(doubled, host)])
+        assert dev.steady_state() is None or r >= STEADY_AFTER
+        dev.end_round()
+    steady = dev.report(STEADY_AFTER + 4)["steady_state"]
+    assert steady["rounds"] == 4
+    assert steady["copy_backs_per_iteration"] == 1.0 and steady["uploads_per_iteration"] == 1.0
+    assert steady["kernel_launches_per_iteration"] == 1.0
+    assert steady["allocations_per_iteration"] == 1.0
+    assert steady["copy_back_bytes_per_iteration"] == 16.0

@@ -23,6 +23,8 @@ import numpy as np
 from . import sources
 
 THREADS = 256
+STEADY_AFTER = 3  # rounds before the steady state: the first builds the engines, the second
+#                   captures a graph (where rounds replay one)
 SOURCES = (sources.CUDA_SOURCE, sources.RADIX_SOURCE, sources.VALUES_SOURCE)
 
 
@@ -56,8 +58,26 @@ class Backend:
         self.reads = 0  # reads outside the rounds (checkpoints, digests, the final report)
         self._dummies: dict = {}
         self._staging: dict = {}
+        self.rounds_ended = 0
+        self._steady_from = None  # the counters when the steady state began
 
     name = "host"
+
+    def allocations(self) -> int | None:
+        """Device memory allocations so far (pool hits included), or None where not counted."""
+        return None
+
+    def _counters(self) -> dict:
+        return {"copy_backs": self.copy_backs, "copy_back_bytes": self.copy_back_bytes,
+                "kernel_launches": self.kernel_launches, "uploads": self.uploads,
+                "allocations": self.allocations()}
+
+    def end_round(self) -> None:
+        """A round's device work is enqueued: the steady state's counters start after
+        STEADY_AFTER of them."""
+        self.rounds_ended += 1
+        if self.rounds_ended == STEADY_AFTER:
+            self._steady_from = self._counters()
 
     def report(self, rounds: int) -> dict:
         """rank-R.json's ``device``: the crossings made, in all and per round."""
@@ -66,7 +86,20 @@ class Backend:
                 "reads": self.reads, "copy_backs_per_iteration": per(self.copy_backs),
                 "copy_back_bytes_per_iteration": per(self.copy_back_bytes),
                 "kernel_launches_per_iteration": per(self.kernel_launches),
-                "uploads_per_iteration": per(self.uploads)}
+                "uploads_per_iteration": per(self.uploads),
+                "allocations_per_iteration": None if self.allocations() is None else
+                per(self.allocations()), "steady_state": self.steady_state()}
+
+    def steady_state(self) -> dict | None:
+        """Per round after the first STEADY_AFTER (warm-up: engines built, graph captured):
+        copy backs, their bytes, launches, uploads and allocations; None before."""
+        rounds = self.rounds_ended - STEADY_AFTER
+        if self._steady_from is None or rounds <= 0:
+            return None
+        now = self._counters()
+        return {"rounds": rounds, **{f"{name}_per_iteration": None if now[name] is None else
+                                     round((now[name] - self._steady_from[name]) / rounds, 3)
+                                     for name in now}}
 
     # --------------------------------------------------------------------------- kernels
     def check(self, name: str, args: tuple) -> None:
@@ -188,6 +221,12 @@ class CudaBackend(Backend):
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
         self._staged: dict = {}  # pinned buffer name -> the event after its last upload
+        self._pool_mallocs = _count_pool_mallocs(cupy)
+
+    def allocations(self) -> int:
+        """CuPy memory-pool allocations made on this thread since the backend was built
+        (a hook counts them; those of an --overlap hook's thread are not seen)."""
+        return self._pool_mallocs.count
 
     def launch(self, name, grid, args, checked=False):
         if grid <= 0:  # nothing to do (CuPy would launch one block)
@@ -301,3 +340,19 @@ class CudaBackend(Backend):
             self.kernel_launches += recorded
             graph.launch(stream)
         return Graph(replay)
+
+
+def _count_pool_mallocs(cupy):
+    """A CuPy memory hook, entered on this thread for the process's life, that counts every
+    allocation from the pool (a reuse included): what a steady-state round should not make."""
+    class PoolMallocs(cupy.cuda.MemoryHook):
+        name = "psparse-pool-mallocs"
+
+        def __init__(self):
+            self.count = 0
+
+        def malloc_preprocess(self, **kwargs):
+            self.count += 1
+    hook = PoolMallocs()
+    hook.__enter__()
+    return hook

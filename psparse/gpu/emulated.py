@@ -38,6 +38,12 @@ class EmulatedBackend(Backend):
                 self.emulators[name] = emu
         self.launches: list[str] = []
         self._recording = None  # a capture's launches
+        self._allocations_before = ALLOCATIONS
+
+    def allocations(self) -> int | None:
+        """Strict device arrays made with memory of their own since the backend was built
+        (what would be pool allocations on a GPU); None when not strict (plain numpy)."""
+        return ALLOCATIONS - self._allocations_before if self.strict else None
 
     @property
     def capturing(self) -> bool:
@@ -126,6 +132,7 @@ def wrap(a):
 
 # ---------------------------------------------------------------------- the strict arrays
 _CAPTURING = False  # an emulated graph capture is recording: array work would not replay
+ALLOCATIONS = 0  # strict device arrays made with memory of their own, in this process
 
 
 def _not_while_capturing(what: str) -> None:
@@ -176,7 +183,10 @@ class DeviceArray(np.lib.mixins.NDArrayOperatorsMixin):
     __slots__ = ("_a",)
 
     def __init__(self, a: np.ndarray):
+        global ALLOCATIONS
         self._a = a
+        if a.base is None:  # memory of its own (not a view): a pool allocation on a GPU
+            ALLOCATIONS += 1
 
     # metadata is host-side on a GPU too
     shape = property(lambda self: self._a.shape)

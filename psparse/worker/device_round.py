@@ -102,6 +102,7 @@ class DeviceRound:
             self._apply_marks = (begin, dev.mark())
             dev.lead_torch()
         self._after(agg, it, skipped)
+        dev.end_round()
         s.clock.add("select_s", t2 - t1)
         s.clock.add("wait_s", t3 - t2)
         s.clock.end(t3)
@@ -206,6 +207,7 @@ class DeviceRound:
             self.s.scaling.restore(self.s.memory)
             self.dev.lead_torch()
         self._after(agg, it, True)
+        self.dev.end_round()
 
     def _time_device(self, phase: str, start, stop) -> None:
         self.device_ms[phase] += self.dev.elapsed_ms(start, stop)
@@ -355,6 +357,7 @@ class DeviceRound:
             self._apply(agg, it)
             self._apply_marks = (begin, dev.mark())
             dev.lead_torch()
+        dev.end_round()
 
     def _apply(self, agg, it: int) -> None:
         """The aggregate up (once), observed by the policy there, into the gradient."""
