@@ -41,7 +41,10 @@ of a segment's candidate buffer. The device-written ``state`` holds per segment 
 decided so far, what is still needed, the mode, the candidate count and the non-finite count;
 ``report`` (what a caller copies back) [selected, non-finite] per segment. The look-backs
 keep per unit a flag (its launch's epoch and whether its own counts or its inclusive prefix
-are published) and the counts, and take units from ``tickets`` in order (never reset).
+are published) and the counts, and take units from ``tickets`` in order (never reset). So
+an engine's launches must run one at a time and each to its end (one stream, or a graph whose
+launches form a chain, as a captured ``run()``'s do): the tickets count whole launches, and a
+launch cut short, or two runs of one engine at once, would put every later run out of step.
 """
 
 from __future__ import annotations
