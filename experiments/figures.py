@@ -3,7 +3,7 @@
 * ``lenet-mnist``: accuracy against bytes broadcast, one point per run, per density (the
   thesis's question in one picture: does aligning shrink the broadcast without costing
   accuracy?), and test accuracy against iterations for the main policies at density 1%.
-* ``time-to-accuracy``: test accuracy against wall time on the emulated link.
+* ``paced-*``: test accuracy against wall time on the emulated link (--bandwidth).
 * ``resnet20-cifar10``: test accuracy against iterations.
 * ``cifar-lenet``: per density, test accuracy against iterations and against MB broadcast so
   far, seeds averaged (their range shaded).
@@ -189,7 +189,7 @@ def build(sweep: str, stem: str, rows: list[dict]) -> list[Path]:
                                             "vote-d0.01", "cltk-d0.01") if n in ok]
         written.append(curves(main, RESULTS / f"{stem}-accuracy.png", "iter",
                               "LeNet-5 / MNIST, 8 workers: test accuracy", target))
-    elif sweep.startswith("time-to-accuracy"):
+    elif sweep.startswith("paced-"):
         rate = "20 Mbit/s" if sweep.endswith("20mbit") else "100 Mbit/s"
         written.append(curves([(n, r["dir"]) for n, r in ok.items()],
                               RESULTS / f"{stem}.png", "time",

@@ -100,7 +100,7 @@ SWEEPS: dict[str, dict] = {
     },
     # issue 6: the same LeNet runs on an emulated 100 Mbit/s link at the server (the thesis's
     # question: does a smaller broadcast make training reach an accuracy sooner in time?)
-    "time-to-accuracy": {
+    "paced-100mbit": {
         "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
                  "--eval-every", "117", "--bandwidth", "100Mbit"],
         "runs": {
@@ -115,7 +115,7 @@ SWEEPS: dict[str, dict] = {
     },
     # the same question on a slower link, where communication outweighs compute even with 8
     # workers sharing 2 cores (dense is left out: ~1.6 s per iteration, see psparse-model)
-    "time-to-accuracy-20mbit": {
+    "paced-20mbit": {
         "base": ["--workers", "8", "--model", "lenet", "--dataset", "mnist", "--epochs", "5",
                  "--eval-every", "117", "--bandwidth", "20Mbit"],
         "runs": {

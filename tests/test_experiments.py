@@ -35,25 +35,25 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     for module in (run, figures):
         monkeypatch.setattr(module, "ROOT", tmp_path)
         monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
-    monkeypatch.setitem(run.SWEEPS, "time-to-accuracy", {
+    monkeypatch.setitem(run.SWEEPS, "paced-100mbit", {
         "base": ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations",
                  "30", "--eval-every", "10", "--threads", "1"],
         "runs": {"dense": ["--density", "1"], "topk-d0.05": ["--density", "0.05"]},
         "target": 0.5,
     })
-    assert run.main(["time-to-accuracy"]) == 0
+    assert run.main(["paced-100mbit"]) == 0
     out = capsys.readouterr().out
     assert out.count("seed 0 ...") == 2
-    table = (tmp_path / "results" / "time-to-accuracy.md").read_text()
+    table = (tmp_path / "results" / "paced-100mbit.md").read_text()
     assert "| dense | 1 |" in table and "| topk-d0.05 | 1 |" in table and "s to 50%" in table
-    png = tmp_path / "results" / "time-to-accuracy.png"
+    png = tmp_path / "results" / "paced-100mbit.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # total bytes against a dense ring allreduce (2 workers: each sends numel x 4 B): dense
     # exchange through the server moves twice that, plus message headers
     import json
 
     rows = {r["run"]: r for r in json.loads((tmp_path / "results" /
-                                              "time-to-accuracy.json").read_text())}
+                                              "paced-100mbit.json").read_text())}
     assert rows["dense"]["allreduce_bytes_per_iteration"] == 2 * rows["dense"]["numel"] * 4
     assert 2.0 < rows["dense"]["sent_over_allreduce"] < 2.1
     assert rows["topk-d0.05"]["sent_over_allreduce"] < 0.5
@@ -71,16 +71,16 @@ def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkey
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in drawn)
     tradeoff = figures.low_density_tradeoff(named, tmp_path / "tradeoff.png")
     assert tradeoff.read_bytes()[:4] == b"\x89PNG"
-    assert run.main(["time-to-accuracy"]) == 0
+    assert run.main(["paced-100mbit"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out  # reused
     # --report: the finished runs' table, a run not made yet named and not started
-    run.SWEEPS["time-to-accuracy"]["runs"]["topk-d0.1"] = ["--density", "0.1"]
-    assert run.main(["time-to-accuracy", "--report", "--stem", "report"]) == 0
+    run.SWEEPS["paced-100mbit"]["runs"]["topk-d0.1"] = ["--density", "0.1"]
+    assert run.main(["paced-100mbit", "--report", "--stem", "report"]) == 0
     assert "seed 0 ..." not in capsys.readouterr().out
     report = (tmp_path / "results" / "report.md").read_text()
     assert "| dense | 1 |" in report and "| topk-d0.05 | 1 |" in report
     assert "Not finished yet (1): topk-d0.1-s0." in report
-    assert not (tmp_path / "runs" / "time-to-accuracy" / "topk-d0.1-s0").exists()
+    assert not (tmp_path / "runs" / "paced-100mbit" / "topk-d0.1-s0").exists()
     assert "epochs to within 1 pt of best" in report
     assert all(r["epochs_to_near_best"] is not None for r in json.loads(
         (tmp_path / "results" / "report.json").read_text()))

@@ -1,0 +1,94 @@
+"""The time-to-accuracy composition (experiments/time_to_accuracy.py, issue 38): its runs are the
+cluster's configurations, its arithmetic, and its premise: a run's training does not depend on
+how long it is or how it is evaluated, so iterations to a target measured in a long run on one
+machine hold for the shorter cluster run of the same arguments."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import python_module, read_jsonl
+
+from psparse.launch import build_parser
+from psparse.options import resolve_config
+
+
+def test_accuracy_runs_are_the_cluster_runs_but_for_length_and_evaluation():
+    from experiments import time_to_accuracy as tta
+    from experiments.cluster_sweep import MODELS, RUNS
+
+    for model in tta.TTA:
+        for name in tta.TTA_RUNS:
+            long = resolve_config(build_parser().parse_args(
+                ["--out", "x", *tta.accuracy_args(model, name)]))
+            short = resolve_config(build_parser().parse_args(
+                ["--out", "x", *MODELS[model]["base"], *RUNS[name]]))
+            assert long.iterations == tta.TTA[model]["iterations"]
+            assert long.eval_samples is None  # the whole test set
+            differ = {k for k in vars(long) if getattr(long, k) != getattr(short, k)}
+            assert differ <= {"iterations", "eval_every", "eval_samples"}, (model, name, differ)
+    # every timing run is a cluster run; PowerSGD's w1000 runs are timed by their w100 run
+    assert set(tta.TIMING_RUNS) <= set(RUNS)
+    assert all(tta.timing_of(n) in tta.TIMING_RUNS for n in tta.TTA_RUNS)
+
+
+def test_composition_counts_iterations_and_splits_a_dense_warm_up():
+    from experiments import time_to_accuracy as tta
+
+    evals = [{"iter": 24, "test_acc": 0.95}, {"iter": 49, "test_acc": 0.981},
+             {"iter": 74, "test_acc": 0.979}]
+    assert tta.iterations_to(evals, 0.98) == 50  # 0-based iteration 49 is the 50th
+    assert tta.iterations_to(evals, 0.99) is None
+    steady = {"ddp": 200.0, "topk": 50.0, "powersgd-r2": 80.0}
+    assert tta.composed_s("topk", 50, steady) == pytest.approx(2.5)
+    # PowerSGD warm-up 100: 100 dense iterations at DDP's time, then the compressed ones
+    assert tta.composed_s("powersgd-r2-w100", 300, steady) == pytest.approx(20 + 16)
+    assert tta.composed_s("powersgd-r2-w100", 60, steady) == pytest.approx(12)
+    # after its warm-up a setting runs at the iteration of the same rank compressing from the
+    # start (powersgd-r2); without DDP's timing it cannot be composed
+    assert tta.composed_s("powersgd-r2-w1000", 1200, steady) == pytest.approx(200 + 16)
+    assert tta.composable("powersgd-r2-w1000", steady)
+    assert not tta.composable("powersgd-r2-w1000", {"powersgd-r2": 80.0})
+    assert not tta.composable("powersgd-r4-w100", steady)
+
+
+def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
+    from experiments import time_to_accuracy as tta
+
+    def acc(name, per_seed):
+        return [{"run": name, "seed": s, "to": {"0.98": n}} for s, n in enumerate(per_seed)]
+
+    runs = {"ddp": acc("ddp", [400, 500, 600]), "topk": acc("topk", [600, 750, 900]),
+            "ddp-fp16": acc("ddp-fp16", [400, 500, 600])}
+    steady = {"ddp": 200.0, "topk": 60.0, "ddp-fp16": 120.0}
+    rows = {"topk": {"compute_ms": 40.0}}
+    _, recs = tta.records("lenet", "25mbit", 0.98, runs, steady, rows, "abc")
+    (r,) = recs
+    assert r["best_peer"] == "ddp-fp16" and r["psparse_run"] == "topk"
+    assert r["iterations_vs_dense"] == pytest.approx(1.5)
+    assert r["iteration_time_vs_compute"] == pytest.approx(1.5)
+    assert r["vs_limit"] == pytest.approx(2.25) and r["sd_vs_limit"] == pytest.approx(0.0)
+    assert r["vs_ddp"] == pytest.approx(1.5 * 60 / 200)
+    assert r["vs_best_peer"] == pytest.approx(1.5 * 60 / 120)
+    assert r["dense_ring_share"] == pytest.approx(0.8)
+    assert r["seeds"] == [0, 1, 2] and r["commit"] == "abc"
+
+
+def test_training_does_not_depend_on_length_or_evaluation(tmp_path):
+    """The premise of the composition, on real runs: 12 iterations evaluated on a subset every
+    4 equal the first 12 of 24 evaluated on the whole test set every 6 (losses, checksums)."""
+    base = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--seed", "1",
+            "--quiet", "--check-every", "4", "--policy", "vote", "--density", "0.05"]
+    short, long = tmp_path / "short", tmp_path / "long"
+    for out, extra in ((short, ["--iterations", "12", "--eval-every", "4",
+                                "--eval-samples", "100"]),
+                       (long, ["--iterations", "24", "--eval-every", "6"])):
+        r = subprocess.run(python_module("psparse.launch", "--out", str(out), *base, *extra),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    keep = ("iter", "loss", "upload_bytes", "broadcast_entries")
+    a = [{k: m.get(k) for k in keep} for m in read_jsonl(short / "metrics.jsonl")]
+    b = [{k: m.get(k) for k in keep} for m in read_jsonl(long / "metrics.jsonl")][:12]
+    assert len(a) == 12 and a == b
+    assert read_jsonl(short / "eval.jsonl")[0]["iter"] == 3  # the 4th iteration's evaluation
