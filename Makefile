@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -52,7 +52,7 @@ test-fast: install data
 demo: install data
 	$(PY) -m experiments.demo --out runs/demo
 
-# experiment sweeps: make exp-lenet-mnist, exp-time-to-accuracy, exp-resnet20-cifar10,
+# experiment sweeps: make exp-lenet-mnist, exp-paced-100mbit, exp-resnet20-cifar10,
 # exp-cifar-lenet, exp-policies, exp-cost-model (see experiments/README.md)
 # issue 15: psparse against DDP and DDP + PowerSGD on an emulated cluster (root: network
 # namespaces, tc, cgroups; see experiments/README.md section 6)
@@ -75,6 +75,11 @@ exp-partitions: install data
 # issue 39: value formats (bf16, int8, int4) with error feedback at both ends, against fp32
 exp-values: install data
 	$(PY) -m experiments.values
+
+# issue 38: time to accuracy composed from full-length runs here and cluster iterations (root),
+# LeNet-5 to 98% against DDP, its fp16/bf16 hooks and PowerSGD's warm-up grid (~1.5 h)
+exp-tta: install data
+	$(PY) -m experiments.time_to_accuracy --only lenet
 
 exp-%: install data
 	$(PY) -m experiments.run $*
@@ -113,6 +118,7 @@ bench: install
 	$(PY) benchmarks/bench_aggregation.py
 	$(PY) benchmarks/bench_protocol.py
 	$(PY) benchmarks/bench_values.py
+	$(PY) benchmarks/bench_memory.py --policies topk,vote
 	$(PY) benchmarks/bench_server.py
 	$(PY) benchmarks/bench_restart.py
 

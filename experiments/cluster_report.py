@@ -134,7 +134,8 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
     if baseline == "powersgd":
         s.powersgd_entries = sum(powersgd_sizes(shapes, config["powersgd_rank"]))
         scheme = "PowerSGD"
-    elif baseline == "ddp":
+    elif baseline in ("ddp", "fp16", "bf16"):  # DDP's own hooks: the ring in 2-byte floats
+        s.ring_value_bytes = 4 if baseline == "ddp" else 2
         scheme = "dense ring allreduce"
     else:
         s.up_bytes = statistics.mean(m["upload_bytes"] for m in metrics)

@@ -22,6 +22,9 @@ PEER_RUNS = {
                     "--density", "1"],
     "powersgd-r4": ["--baseline", "powersgd", "--powersgd-rank", "4", "--powersgd-warmup", "2",
                     "--density", "1"],
+    # the rank-2 iteration after warm-up, for time_to_accuracy.py's powersgd-r2-w* runs
+    "powersgd-r2": ["--baseline", "powersgd", "--powersgd-rank", "2", "--powersgd-warmup", "2",
+                    "--density", "1"],
     "ddp-fp16": ["--baseline", "fp16", "--density", "1"],
     "ddp-bf16": ["--baseline", "bf16", "--density", "1"],
     **{f"powersgd-r{r}-w{w}": ["--baseline", "powersgd", "--powersgd-rank", str(r),

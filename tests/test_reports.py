@@ -63,6 +63,10 @@ def test_model_formulas():
     assert p["dense ring allreduce"] == pytest.approx(0.5 + 2 * 3 / 4 * 4000 / 1e6)
     slow = predict(s, 8e6, latency_s=0.01)
     assert slow["dense ring allreduce"] - p["dense ring allreduce"] == pytest.approx(0.06)
+    # DDP's fp16/bf16 compression hooks: the same ring in 2-byte values
+    half = predict(Setting(numel=1000, k=10, workers=4, union=20, compute_s=0.5,
+                           ring_value_bytes=2), 8e6)
+    assert half["dense ring allreduce"] == pytest.approx(0.5 + 2 * 3 / 4 * 2000 / 1e6)
 
 
 def test_model_cpu_terms_on_cpu_shares():

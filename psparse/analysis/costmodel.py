@@ -70,6 +70,7 @@ class Setting:
     up_bytes: float | None = None  # measured bytes per iteration, all workers' pushes
     down_bytes: float | None = None  # measured bytes per iteration, all broadcasts
     powersgd_entries: int | None = None  # u + p + q of powersgd_sizes, when known
+    ring_value_bytes: int = 4  # a dense ring's bytes per value: 2 with DDP's fp16/bf16 hooks
     # CPU of the exchange itself, in CPU seconds per iteration at full speed (0: not counted),
     # and the fraction of a core each host gets (None: a whole core). On a host limited to a
     # share s, W CPU seconds take W / s of wall time (CFS quota: s of every period).
@@ -107,7 +108,8 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
         + (N - 1) * latency_s,
         "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
         + 2 * latency_s,
-        "dense ring allreduce": s.compute_s + 2 * (N - 1) / N * 4 * s.numel / B + worker_cpu
+        "dense ring allreduce": s.compute_s
+        + 2 * (N - 1) / N * s.ring_value_bytes * s.numel / B + worker_cpu
         + ring * latency_s,
         **extra,
     }
