@@ -58,12 +58,15 @@ from psparse.provenance import provenance
 VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, against direct times
 
 # Per model: the accuracy runs' length and evaluation grain (whole test set), the targets, the
-# rates of the cluster timing runs. ResNet-20's entry is the issue's setup; its accuracy runs
-# (to 80%: ~30k iterations x 9 runs at ~1 s an iteration on this machine) do not fit a session.
+# rates of the cluster timing runs. LeNet: 1,000 iterations (4.3 epochs; DDP reaches 98% in
+# 300-500). ResNet-20: 8,000 iterations (41 epochs of 8 x 32 images; the resnet20-cifar10-long
+# sweep reached 80% at ~17 epochs), evaluated every epoch, and a third rate, 100 Mbit/s, where
+# DDP's ring is ~15% of an iteration. Its runs take ~1.8 h each on this machine (~0.8 s an
+# iteration): experiments/README.md section 6.1 says what has run.
 TTA = {
     "lenet": {"iterations": 1000, "eval_every": 25, "targets": [0.98],
               "rates": ["80mbit", "25mbit"]},
-    "resnet20": {"iterations": 32000, "eval_every": 250, "targets": [0.7, 0.8],
+    "resnet20": {"iterations": 8000, "eval_every": 195, "targets": [0.7, 0.8],
                  "rates": ["40mbit", "10mbit", "100mbit"]},
 }
 THREE_SEEDS = ("topk", "vote", "ddp")  # and the best peer, once known (--seeds 1,2 --runs X)
@@ -274,7 +277,10 @@ def records(model: str, rate: str, target: float, acc: dict[str, list[dict]],
                 "iterations_vs_dense": float(np.mean(reached) / np.mean(ddp_its))
                 if reached and ddp_its else None,
                 "iteration_time_vs_compute": step / compute_ms if step else None,
-                "seeds": sorted(composed[name]), "commit": commit})
+                "seeds": sorted(composed[name]),
+                # the code of its accuracy runs and of its cluster timing run, and the report's
+                "commit": ",".join(sorted({r["code"] or "not recorded" for r in acc[name]})),
+                "timing_commit": rows.get(name, {}).get("code_id"), "report_commit": commit})
     lines += [f"### {model}, {rate}, to {100 * target:g}%", "",
               f"Compute per iteration on these hosts: {compute_ms:.1f} ms; "
               f"best psparse run `{best_ps}`, best peer `{best_peer}`.", "",
@@ -383,6 +389,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default=None,
                    help="accuracy stage seeds (default: 0, 1, 2 for "
                         f"{', '.join(THREE_SEEDS)}, 0 for the others)")
+    p.add_argument("--rates", default=None,
+                   help="timing stage link rates (default the model's: LeNet 80mbit,25mbit; "
+                        "ResNet-20 40mbit,10mbit,100mbit); a rate's runs overwrite its earlier "
+                        "ones in runs/cluster/<model>-<rate>/")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
     args = p.parse_args(argv)
     models, stages = args.only.split(","), args.stage.split(",")
@@ -404,7 +414,7 @@ def main(argv=None) -> int:
         if "timing" in stages:
             from experiments.cluster import emulated_cluster, run_one
             code_id = provenance()["code_id"]
-            for rate in TTA[model]["rates"]:
+            for rate in args.rates.split(",") if args.rates else TTA[model]["rates"]:
                 with emulated_cluster(rate) as hosts:
                     for name in names:
                         if name in TIMING_RUNS:

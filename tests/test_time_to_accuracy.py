@@ -57,12 +57,13 @@ def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
     from experiments import time_to_accuracy as tta
 
     def acc(name, per_seed):
-        return [{"run": name, "seed": s, "to": {"0.98": n}} for s, n in enumerate(per_seed)]
+        return [{"run": name, "seed": s, "to": {"0.98": n}, "code": "c1"}
+                for s, n in enumerate(per_seed)]
 
     runs = {"ddp": acc("ddp", [400, 500, 600]), "topk": acc("topk", [600, 750, 900]),
             "ddp-fp16": acc("ddp-fp16", [400, 500, 600])}
     steady = {"ddp": 200.0, "topk": 60.0, "ddp-fp16": 120.0}
-    rows = {"topk": {"compute_ms": 40.0}}
+    rows = {"topk": {"compute_ms": 40.0, "code_id": "c2"}}
     _, recs = tta.records("lenet", "25mbit", 0.98, runs, steady, rows, "abc")
     (r,) = recs
     assert r["best_peer"] == "ddp-fp16" and r["psparse_run"] == "topk"
@@ -72,7 +73,8 @@ def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
     assert r["vs_ddp"] == pytest.approx(1.5 * 60 / 200)
     assert r["vs_best_peer"] == pytest.approx(1.5 * 60 / 120)
     assert r["dense_ring_share"] == pytest.approx(0.8)
-    assert r["seeds"] == [0, 1, 2] and r["commit"] == "abc"
+    assert r["seeds"] == [0, 1, 2] and r["report_commit"] == "abc"
+    assert r["commit"] == "c1" and r["timing_commit"] == "c2"
 
 
 def test_training_does_not_depend_on_length_or_evaluation(tmp_path):
