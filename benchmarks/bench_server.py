@@ -115,23 +115,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="rounds per block")
+    parser.add_argument("--numel", type=int, default=NUMEL,
+                        help=f"model entries (default {NUMEL:,}; LeNet-5's 61,706 gives its "
+                             "round, where per-message costs, not bytes, dominate; recorded as "
+                             "shard_round_vs_relay_<numel> when not the default)")
+    parser.add_argument("--density", type=float, default=DENSITY,
+                        help=f"k / numel per push (default {DENSITY})")
     args = parser.parse_args(argv)
+    numel, density = args.numel, args.density
     rng = np.random.default_rng(0)
-    k = round(NUMEL * DENSITY)
-    sets = [pushes(rng, NUMEL, k, WORKERS) for _ in range(SETS)]
-    agg = Aggregator(NUMEL)
+    k = round(numel * density)
+    sets = [pushes(rng, numel, k, WORKERS) for _ in range(SETS)]
+    agg = Aggregator(numel)
     total_rounds = 2 + args.blocks * args.rounds  # warm-up rounds, then the timed ones
     # precomputed frames: every rank's push of every round (headers carry the iteration)
     push_frames = []
     for t in range(total_rounds):
         idx, val = sets[t % SETS]
-        push_frames.append([protocol.encode("push", i, v, model_size=NUMEL, iter=t, rank=r)
+        push_frames.append([protocol.encode("push", i, v, model_size=numel, iter=t, rank=r)
                             for r, (i, v) in enumerate(zip(idx, val))])
     answers = []
     for idx, val in sets:
         union, mean = agg.mean(idx, val)
         answers.append([bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
-                        for f in protocol.encode("aggregate", union, mean, model_size=NUMEL,
+                        for f in protocol.encode("aggregate", union, mean, model_size=numel,
                                                  iter=0, workers=WORKERS)])
     bytes_in = sum(sum(len(memoryview(f).cast("B")) for f in fr) for fr in push_frames[0])
     bytes_out = WORKERS * sum(len(f) for f in answers[0])
@@ -152,7 +159,7 @@ def main(argv=None) -> int:
             time.sleep(0.05)
         ours = Clients(ctx, int(port_file.read_text()), WORKERS)
         raw = Clients(ctx, int(relay.stdout.readline()), WORKERS)
-        run = {"numel": NUMEL, "iterations": total_rounds, "two_phase": False,
+        run = {"numel": numel, "iterations": total_rounds, "two_phase": False,
                "steps": [[0, k, k, k]], "config": {"bench": "shard_round"}}
         for r, s in enumerate(ours.socks):
             s.send_multipart(protocol.encode("register", rank=r, world_size=WORKERS,
@@ -208,7 +215,7 @@ def main(argv=None) -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    floor = scatter_floor_seconds(sets)
+    floor = scatter_floor_seconds(sets, numel)
     w = {n: statistics.median(v) for n, v in wall.items()}
     # /proc counts CPU in clock ticks (10 ms): the mean over every block, not a median of blocks
     c = {n: statistics.fmean(v) for n, v in cpu.items()}
@@ -217,12 +224,15 @@ def main(argv=None) -> int:
     ratio, wall_ratio = c["relay"] / c["ours"], w["relay"] / w["ours"]
     core_entries = entries / c["ours"]
     core_gbit = (bytes_in + bytes_out) * 8 / c["ours"] / 1e9
-    print(f"A server shard's round at {NUMEL / 1e6:.1f}M / {DENSITY:.0%}, N = {WORKERS} "
+    print(f"A server shard's round at {numel / 1e6:.1f}M / {density:.0%}, N = {WORKERS} "
           f"(k = {k:,} each, union {answers_union(sets, agg):,}; {bytes_in / 1e6:.2f} MB in, "
           f"{bytes_out / 1e6:.2f} MB out per round), on loopback, {cores} cores")
     print(table([[n, f"{w[n] * 1e3:.2f}", f"{c[n] * 1e3:.2f}"] for n in ("ours", "relay")],
                 ["", "wall ms/round", "process CPU ms/round"]))
-    print(f"ours / relay: {ratio:.0%} by CPU (target {TARGET:.0%}), {wall_ratio:.0%} by wall "
+    # the 70% target is issue 33's, for the default size's bytes-bound round; none elsewhere
+    target = TARGET if numel == NUMEL else None
+    print(f"ours / relay: {ratio:.0%} by CPU"
+          f"{f' (target {target:.0%})' if target else ''}, {wall_ratio:.0%} by wall "
           f"time; one core at ours' CPU per round: {core_entries / 1e6:.0f} M entries/s in, "
           f"{core_gbit:.2f} Gbit/s in and out")
     floor_ratio = None
@@ -231,10 +241,12 @@ def main(argv=None) -> int:
         print(f"floor: the relay plus the aggregation's scatter floor ({floor * 1e3:.2f} ms, "
               f"bench_aggregation.py's: every entry added into a cache-sized scratch, no union, "
               f"nothing decoded or encoded) would be {floor_ratio:.0%} of the relay")
-    record({"shard_round_vs_relay": {
-        "numel": NUMEL, "density": DENSITY, "pushes": WORKERS, "k": k,
+    key = "shard_round_vs_relay" + ("" if numel == NUMEL else f"_{numel}")
+    record({key: {
+        "numel": numel, "density": density, "pushes": WORKERS, "k": k,
         "bytes_in": bytes_in, "bytes_out": bytes_out, "ratio": round(ratio, 4),
-        "wall_ratio": round(wall_ratio, 4), "target": TARGET, "met": ratio >= TARGET,
+        "wall_ratio": round(wall_ratio, 4), "target": target,
+        "met": None if target is None else ratio >= target,
         "ms_per_round": {n: round(w[n] * 1e3, 3) for n in w},
         "cpu_ms_per_round": {n: round(c[n] * 1e3, 3) for n in c},
         "one_core_entries_per_s": round(core_entries), "one_core_gbit_per_s": round(core_gbit, 3),
@@ -245,7 +257,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def scatter_floor_seconds(sets) -> float | None:
+def scatter_floor_seconds(sets, numel: int) -> float | None:
     """bench_aggregation.py's scatter floor on this benchmark's pushes, median of 9 (None
     without the compiled kernels: a run at a commit before them)."""
     try:
@@ -260,7 +272,7 @@ def scatter_floor_seconds(sets) -> float | None:
         idx, val = sets[n % len(sets)]
         index_addresses, lengths = address_table(idx)
         value_addresses, _ = address_table(val)
-        bits = block_bits_for(NUMEL)
+        bits = block_bits_for(numel)
         scratch = np.zeros(1 << bits, np.float32)
         t = time.perf_counter()
         scatter_floor(index_addresses, value_addresses, lengths, bits, scratch)

@@ -88,14 +88,41 @@ def _proc_cpu(out: Path) -> dict[int, list]:
             for pid, (m, ppid, cpu) in found.items()}
 
 
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, user and system apart, in three groups: its main
+    thread (decoding, aggregating, encoding), ZeroMQ's I/O thread (the sockets' TCP work) and
+    the rest ({} once the process is gone)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    split: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return split
+    for tid in tids:
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        group = "main" if tid == str(pid) else "io" if comm.startswith("ZMQbg/IO") else "other"
+        for kind, field in (("user", 11), ("system", 12)):
+            key = f"{group}_{kind}"
+            split[key] = split.get(key, 0.0) + int(stat[field]) / hz
+    return split
+
+
 def sample_cpu(out: Path, done: threading.Event, period: float = 0.25) -> None:
     """CPU time of every process of the run, with the iteration count, to cpu-samples.jsonl
-    (for the cost model's CPU terms: the server's CPU per round, the workers' per iteration)."""
+    (for the cost model's CPU terms: the server's CPU per round, the workers' per iteration),
+    and the server's by thread, user and system apart (``server_threads``)."""
     with open(out / "cpu-samples.jsonl", "w") as f:
         while not done.is_set():
             metrics = out / "metrics.jsonl"
             iters = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
-            f.write(json.dumps({"t": time.time(), "iters": iters, "procs": _proc_cpu(out)})
+            procs = _proc_cpu(out)
+            server = [int(pid) for pid, (role, _) in procs.items() if role == "server"]
+            f.write(json.dumps({"t": time.time(), "iters": iters, "procs": procs,
+                                "server_threads": _thread_cpu(server[0]) if server else {}})
                     + "\n")
             f.flush()
             done.wait(period)

@@ -26,7 +26,7 @@ def cpu_per_iteration(samples: list[dict], iterations: int, eval_every: int) -> 
     """Server and worker CPU milliseconds per iteration from cpu-samples.jsonl, over stretches
     between evaluations (an evaluation stops the round on rank 0, not part of an iteration)."""
     server = worker = 0.0
-    its, per_worker = 0, {}
+    its, per_worker, threads = 0, {}, {}
     for lo in range(1, iterations, eval_every):
         hi = min(lo + eval_every - 3, iterations - 2)
         inside = [x for x in samples if lo <= x["iters"] <= hi]
@@ -40,13 +40,19 @@ def cpu_per_iteration(samples: list[dict], iterations: int, eval_every: int) -> 
                     server += d
                 elif role == "worker":
                     per_worker[pid] = per_worker.get(pid, 0.0) + d
+        ta, tb = inside[0].get("server_threads") or {}, inside[-1].get("server_threads") or {}
+        for key in tb.keys() & ta.keys():
+            threads[key] = threads.get(key, 0.0) + tb[key] - ta[key]
         its += inside[-1]["iters"] - inside[0]["iters"]
     if not its:
         return None
     worker = [1e3 * v / its for v in per_worker.values()]
     return {"iterations": its, "server_ms": 1e3 * server / its,
             "worker_ms_mean": statistics.mean(worker) if worker else None,
-            "worker_ms_max": max(worker) if worker else None}
+            "worker_ms_max": max(worker) if worker else None,
+            # the server's CPU by thread (main / ZeroMQ's I/O / other) and user / system, where
+            # the samples have it
+            "server_threads_ms": {k: 1e3 * v / its for k, v in sorted(threads.items())}}
 
 
 def numel_and_shapes(model: str) -> tuple[int, list[tuple[int, ...]]]:
@@ -158,6 +164,7 @@ def measure(out: Path, name: str, rate: str, targets: list[float], shapes) -> di
         step = json.loads(probe.read_text())["per_ring_step_s"] if probe.is_file() else 0.0
         pred = predict(s, parse_rate(rate), latency_s=step, wire_overhead=WIRE_OVERHEAD)
         row.update(cpu_share=share, step_latency_ms=1e3 * step, server_cpu_ms=cpu["server_ms"],
+                   server_threads_ms=cpu["server_threads_ms"],
                    worker_cpu_ms=cpu["worker_ms_mean"],
                    worker_comm_cpu_ms=1e3 * s.worker_comm_cpu_s,
                    slowest_compute_ms=1e3 * slowest, predicted_ms=1e3 * pred[scheme],

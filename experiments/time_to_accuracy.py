@@ -298,7 +298,9 @@ def figure(model: str, rate: str, acc: dict[str, list[dict]], steady: dict[str, 
         if not composable(name, steady):
             continue
         r = next((r for r in seeds if r["seed"] == 0), None)
-        if r is None:
+        if r is None or not r.get("evals"):
+            print(f"[tta] {model} {rate}: {name} is not in the figure (no seed-0 evaluations "
+                  "recorded)", flush=True)
             continue
         xs = [composed_s(name, e["iter"] + 1, steady) for e in r["evals"]]
         ax.plot(xs, [100 * e["test_acc"] for e in r["evals"]], label=name,
@@ -314,21 +316,42 @@ def figure(model: str, rate: str, acc: dict[str, list[dict]], steady: dict[str, 
     return save(fig, RESULTS / f"tta-{model}-{rate}.png")
 
 
+def recorded_runs() -> dict[tuple, dict]:
+    """(model, run, seed) -> the accuracy record the last report kept in its detail JSON: a
+    run is bit-reproducible, so its record stands for its folder when runs/tta/ is gone (a
+    fresh checkout); each record names the code that made it."""
+    path = RESULTS / "time-to-accuracy-detail.json"
+    if not path.is_file():
+        return {}
+    return {(r.get("model", "lenet"), r["run"], r["seed"]): r
+            for r in json.loads(path.read_text())["runs"]}
+
+
 def report(models: list[str]) -> None:
     commit = provenance()["code_id"]
     lines = [f"Made by `{commit}` (the report); each run's own commit is in its config.json "
              "and in the JSON beside this file.", ""]
     data = {"records": [], "validation": [], "runs": []}
+    recorded = recorded_runs()
     for model in models:
         acc: dict[str, list[dict]] = {}
+        kept = []
         for name in TTA_RUNS:
             for seed in range(3):
                 rec = accuracy_record(model, name, seed)
+                if rec is None and (model, name, seed) in recorded:
+                    rec = recorded[(model, name, seed)]
+                    kept.append(f"{name}-s{seed}")
                 if rec is not None:
-                    acc.setdefault(name, []).append(rec)
+                    acc.setdefault(name, []).append({**rec, "model": model})
+        if kept:
+            print(f"[tta] {model}: {len(kept)} accuracy runs not in runs/tta/, their recorded "
+                  f"results kept: {', '.join(kept)}", flush=True)
         if not acc:
             continue
-        data["runs"] += [{k: v for k, v in r.items() if k != "evals"}
+        # the evaluations kept as (iteration, accuracy): enough for the figures and the counts
+        data["runs"] += [{**r, "evals": [{"iter": e["iter"], "test_acc": e["test_acc"]}
+                                         for e in r["evals"]]} if r.get("evals") else r
                          for rs in acc.values() for r in rs]
         for rate in TTA[model]["rates"]:
             steady, rows = timings(model, rate)
@@ -365,15 +388,26 @@ def split_table(rate: str, rows: dict[str, dict], steady: dict[str, float]) -> s
         body.append([name, f"{r['first_iteration_ms']:.0f}", f"{steady[name]:.1f}",
                      f"{r['median_ms']:.1f}",
                      f"{r['compute_ms']:.1f}", f"{r['select_ms']:.1f}", f"{r['wait_ms']:.1f}",
-                     f"{r.get('server_cpu_ms', float('nan')):.1f}",
+                     f"{r.get('server_cpu_ms', float('nan')):.1f}", thread_split(r),
                      f"{r['server_link_mb']['rx_bytes']:.1f} / {r['server_link_mb']['tx_bytes']:.1f}",
                      f"{r['worker_link_mb']['rx_bytes']:.1f} / {r['worker_link_mb']['tx_bytes']:.1f}",
                      f"{r['model_error']:+.1%}" if "model_error" in r else "-"])
     return (f"Cluster runs at {rate} (seed 0, {rows and next(iter(rows.values()))['iterations']}"
             " iterations): per iteration, ms\n\n" +
             md_table(["run", "first it. (cold)", "steady (mean)", "median", "compute", "select",
-                      "wait", "server CPU", "server link MB in / out",
+                      "wait", "server CPU", "server CPU: main u+s / ZeroMQ I/O u+s",
+                      "server link MB in / out",
                       "worker link MB in / out", "cost model error"], body))
+
+
+def thread_split(row: dict) -> str:
+    """The server's CPU per round by thread, user + system ("-" where not sampled: runs made
+    before the per-thread samples, and the peers, which have no server)."""
+    t = row.get("server_threads_ms") or {}
+    if not t:
+        return "-"
+    return (f"{t.get('main_user', 0):.1f}+{t.get('main_system', 0):.1f} / "
+            f"{t.get('io_user', 0):.1f}+{t.get('io_system', 0):.1f}")
 
 
 def main(argv=None) -> int:

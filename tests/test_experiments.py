@@ -116,10 +116,15 @@ def test_cpu_per_iteration_leaves_out_evaluations():
             cpu["2"] += 5.0
         samples.append({"t": it, "iters": it, "procs": {
             "1": ["server", cpu["1"]], "2": ["worker", cpu["2"]], "3": ["worker", cpu["3"]],
-            "9": ["launcher", 0.0]}})
+            "9": ["launcher", 0.0]},
+            # the server's 2 ms: 1.5 in its main thread (1.2 user), 0.5 in ZeroMQ's (system)
+            "server_threads": {"main_user": 0.0012 * it, "main_system": 0.0003 * it,
+                               "io_system": 0.0005 * it}})
         cpu = {"1": cpu["1"] + 0.002, "2": cpu["2"] + 0.010, "3": cpu["3"] + 0.012}
     got = cpu_per_iteration(samples, 20, 10)
     assert got["server_ms"] == pytest.approx(2.0)
+    assert got["server_threads_ms"] == pytest.approx(
+        {"io_system": 0.5, "main_system": 0.3, "main_user": 1.2})
     assert got["worker_ms_mean"] == pytest.approx(11.0)
     assert got["worker_ms_max"] == pytest.approx(12.0)
     assert cpu_per_iteration(samples[:1], 20, 10) is None

@@ -77,6 +77,42 @@ def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
     assert r["commit"] == "c1" and r["timing_commit"] == "c2"
 
 
+def test_report_keeps_recorded_accuracy_runs_whose_folders_are_gone(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A fresh checkout has no runs/tta/: the report takes each missing run's record from the
+    detail JSON it wrote last time (a run is bit-reproducible), so a new timing block can be
+    composed with it; a record without evaluations stays out of the figure, saying so."""
+    import json
+
+    from experiments import time_to_accuracy as tta
+
+    monkeypatch.setattr(tta, "RESULTS", tmp_path)
+    monkeypatch.setattr(tta, "ROOT", tmp_path)  # no runs/ there
+    evals = [{"iter": 99, "test_acc": 0.97}, {"iter": 199, "test_acc": 0.985}]
+    runs = [{"run": "topk", "seed": 0, "code": "c1", "to": {"0.98": 200}, "evals": evals},
+            {"run": "ddp", "seed": 0, "code": "c1", "to": {"0.98": 300}}]  # an older record
+    (tmp_path / "time-to-accuracy-detail.json").write_text(json.dumps({"runs": runs}))
+    got = tta.recorded_runs()
+    assert got[("lenet", "topk", 0)]["to"] == {"0.98": 200} and len(got) == 2
+    steady = {"topk": 60.0, "ddp": 200.0}
+    monkeypatch.setattr(tta, "timings", lambda model, rate: (
+        steady, {"topk": {"compute_ms": 40.0, "code_id": "c2"}}))
+    monkeypatch.setattr(tta, "split_table", lambda rate, rows, steady: "")
+    monkeypatch.setattr(tta, "validation", lambda *a: [])
+    tta.report(["lenet"])
+    out = capsys.readouterr().out
+    assert "2 accuracy runs not in runs/tta/, their recorded results kept: topk-s0, ddp-s0" in out
+    assert "ddp is not in the figure" in out and "topk is not in the figure" not in out
+    (rec,) = [r for r in json.loads((tmp_path / "time-to-accuracy.json").read_text())
+                if r["rate"] == "80mbit"]
+    assert rec["psparse_run"] == "topk" and rec["vs_ddp"] == pytest.approx(200 * 60 / 300 / 200)
+    assert rec["commit"] == "c1" and rec["timing_commit"] == "c2"
+    detail = json.loads((tmp_path / "time-to-accuracy-detail.json").read_text())
+    assert [r["run"] for r in detail["runs"]] == ["topk", "ddp"]  # kept for the next report
+    assert detail["runs"][0]["evals"] == evals
+    assert (tmp_path / "tta-lenet-80mbit.png").is_file()
+
+
 def test_training_does_not_depend_on_length_or_evaluation(tmp_path):
     """The premise of the composition, on real runs: 12 iterations evaluated on a subset every
     4 equal the first 12 of 24 evaluated on the whole test set every 6 (losses, checksums)."""
