@@ -53,7 +53,7 @@ from experiments.cluster_report import measure, numel_and_shapes, run_dir
 from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS
 from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunCache, RunDir, md_table, mean_sd
-from psparse.provenance import provenance
+from psparse.provenance import float_kernels, provenance
 
 VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, against direct times
 
@@ -316,23 +316,27 @@ def figure(model: str, rate: str, acc: dict[str, list[dict]], steady: dict[str, 
     return save(fig, RESULTS / f"tta-{model}-{rate}.png")
 
 
-def recorded_runs() -> dict[tuple, dict]:
-    """(model, run, seed) -> the accuracy record the last report kept in its detail JSON: a
-    run is bit-reproducible, so its record stands for its folder when runs/tta/ is gone (a
-    fresh checkout); each record names the code that made it."""
+def recorded_runs() -> tuple[dict[tuple, dict], dict | None]:
+    """((model, run, seed) -> the accuracy record the last report kept in its detail JSON,
+    the float kernels of the machine that made them (None: not recorded)). A run is
+    bit-reproducible on the same machine and kernel set, so its record stands for its folder
+    when runs/tta/ is gone (a fresh checkout); each record names the code that made it, and on
+    other float kernels the same code trains to other numbers (docs/api.md, Determinism)."""
     path = RESULTS / "time-to-accuracy-detail.json"
     if not path.is_file():
-        return {}
-    return {(r.get("model", "lenet"), r["run"], r["seed"]): r
-            for r in json.loads(path.read_text())["runs"]}
+        return {}, None
+    detail = json.loads(path.read_text())
+    return ({(r.get("model", "lenet"), r["run"], r["seed"]): r for r in detail["runs"]},
+            detail.get("float_kernels"))
 
 
 def report(models: list[str]) -> None:
     commit = provenance()["code_id"]
     lines = [f"Made by `{commit}` (the report); each run's own commit is in its config.json "
              "and in the JSON beside this file.", ""]
-    data = {"records": [], "validation": [], "runs": []}
-    recorded = recorded_runs()
+    kernels = float_kernels()  # the accuracy runs' machine: this one's, for runs made here
+    data = {"records": [], "validation": [], "runs": [], "float_kernels": kernels}
+    recorded, recorded_kernels = recorded_runs()
     for model in models:
         acc: dict[str, list[dict]] = {}
         kept = []
@@ -347,6 +351,11 @@ def report(models: list[str]) -> None:
         if kept:
             print(f"[tta] {model}: {len(kept)} accuracy runs not in runs/tta/, their recorded "
                   f"results kept: {', '.join(kept)}", flush=True)
+            if recorded_kernels != kernels:
+                print(f"[tta] {model}: the recorded runs were made on other or unrecorded float "
+                      f"kernels ({recorded_kernels}; here {kernels}): their counts hold for "
+                      "that machine; runs made here would differ", flush=True)
+                data["float_kernels"] = {"here": kernels, "recorded_runs": recorded_kernels}
         if not acc:
             continue
         # the evaluations kept as (iteration, accuracy): enough for the figures and the counts
