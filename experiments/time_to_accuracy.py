@@ -54,6 +54,7 @@ from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS
 from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunCache, RunDir, md_table, mean_sd
 from psparse.provenance import float_kernels, provenance
+from psparse.wire.transport import parse_rate
 
 VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, against direct times
 
@@ -390,13 +391,15 @@ def report(models: list[str]) -> None:
 
 
 def split_table(rate: str, rows: dict[str, dict], steady: dict[str, float]) -> str:
-    """Per cluster run: the iteration's split, the bytes on every host's link, the server's
-    CPU per round, the cold first iteration and the cost model's error."""
+    """Per cluster run: the iteration's split, the link's share of it, the bytes on every
+    host's link, the server's CPU per round (by thread), the cold first iteration and the cost
+    model's error."""
     body = []
     for name, r in rows.items():
         body.append([name, f"{r['first_iteration_ms']:.0f}", f"{steady[name]:.1f}",
                      f"{r['median_ms']:.1f}",
                      f"{r['compute_ms']:.1f}", f"{r['select_ms']:.1f}", f"{r['wait_ms']:.1f}",
+                     f"{link_ms(name, r, rate):.1f}",
                      f"{r.get('server_cpu_ms', float('nan')):.1f}", thread_split(r),
                      f"{r['server_link_mb']['rx_bytes']:.1f} / {r['server_link_mb']['tx_bytes']:.1f}",
                      f"{r['worker_link_mb']['rx_bytes']:.1f} / {r['worker_link_mb']['tx_bytes']:.1f}",
@@ -404,9 +407,21 @@ def split_table(rate: str, rows: dict[str, dict], steady: dict[str, float]) -> s
     return (f"Cluster runs at {rate} (seed 0, {rows and next(iter(rows.values()))['iterations']}"
             " iterations): per iteration, ms\n\n" +
             md_table(["run", "first it. (cold)", "steady (mean)", "median", "compute", "select",
-                      "wait", "server CPU", "server CPU: main u+s / ZeroMQ I/O u+s",
+                      "wait", "link (bytes / rate)", "server CPU", "server CPU: main u+s / ZeroMQ I/O u+s",
                       "server link MB in / out",
                       "worker link MB in / out", "cost model error"], body))
+
+
+def link_ms(name: str, row: dict, rate: str) -> float:
+    """The link's share of a round, ms: the bytes the round's critical link carried (headers
+    included) over the rate. psparse: the server's, in then out (the broadcast leaves after
+    the last push is in); the peers: a worker's sends (its ring steps send and receive at
+    once)."""
+    if name in PSPARSE_RUNS:
+        nbytes = row["server_link_mb"]["rx_bytes"] + row["server_link_mb"]["tx_bytes"]
+    else:
+        nbytes = row["worker_link_mb"]["tx_bytes"]
+    return 1e3 * nbytes * 1e6 * 8 / parse_rate(rate) / row["iterations"]
 
 
 def thread_split(row: dict) -> str:

@@ -51,6 +51,11 @@ def test_composition_counts_iterations_and_splits_a_dense_warm_up():
     assert tta.composable("powersgd-r2-w1000", steady)
     assert not tta.composable("powersgd-r2-w1000", {"powersgd-r2": 80.0})
     assert not tta.composable("powersgd-r4-w100", steady)
+    # the link's share of a round: psparse's server link in then out, a peer's sends
+    row = {"server_link_mb": {"rx_bytes": 8.4, "tx_bytes": 46.2}, "iterations": 300,
+           "worker_link_mb": {"rx_bytes": 133.4, "tx_bytes": 120.0}}
+    assert tta.link_ms("topk", row, "80mbit") == pytest.approx(54.6e6 * 8 / 80e6 / 300 * 1e3)
+    assert tta.link_ms("ddp", row, "25mbit") == pytest.approx(120e6 * 8 / 25e6 / 300 * 1e3)
 
 
 def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
