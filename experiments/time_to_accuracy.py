@@ -472,11 +472,14 @@ def main(argv=None) -> int:
         if "timing" in stages:
             from experiments.cluster import emulated_cluster, run_one
             code_id = provenance()["code_id"]
+            # the requested runs that have cluster runs, and those that time a requested
+            # PowerSGD warm-up setting after its warm-up (powersgd-rR for powersgd-rR-wW)
+            timed = [n for n in TIMING_RUNS
+                     if n in names or any(timing_of(m) == n for m in names)]
             for rate in args.rates.split(",") if args.rates else TTA[model]["rates"]:
                 with emulated_cluster(rate) as hosts:
-                    for name in names:
-                        if name in TIMING_RUNS:
-                            run_one(model, rate, name, hosts, code_id, False, args.data_dir)
+                    for name in timed:
+                        run_one(model, rate, name, hosts, code_id, False, args.data_dir)
     if "report" in stages:
         report(models)
     return 0
