@@ -77,7 +77,7 @@ exp-values: install data
 	$(PY) -m experiments.values
 
 # issue 38: time to accuracy composed from full-length runs here and cluster iterations (root),
-# LeNet-5 to 98% against DDP, its fp16/bf16 hooks and PowerSGD's warm-up grid (~1.5 h)
+# LeNet-5 to 98% against DDP, its fp16/bf16 hooks and PowerSGD's warm-up grid (~50 min)
 exp-tta: install data
 	$(PY) -m experiments.time_to_accuracy --only lenet
 

@@ -1,6 +1,6 @@
 """Issue 38: time to accuracy, composed from two measurements that do not depend on each other.
 
-    python -m experiments.time_to_accuracy --only lenet           # make exp-tta (LeNet, ~1.5 h)
+    python -m experiments.time_to_accuracy --only lenet           # make exp-tta (LeNet, ~50 min)
     python -m experiments.time_to_accuracy --only lenet --stage accuracy --runs topk,ddp --seeds 1,2
     python -m experiments.time_to_accuracy --stage report         # tables from what has run
 
@@ -70,7 +70,9 @@ TTA = {
     "resnet20": {"iterations": 8000, "eval_every": 195, "targets": [0.7, 0.8],
                  "rates": ["40mbit", "10mbit", "100mbit"]},
 }
-THREE_SEEDS = ("topk", "vote", "ddp")  # and the best peer, once known (--seeds 1,2 --runs X)
+# three seeds: the runs the ratios are means over (topk, the best rule, DDP, the best peer:
+# LeNet's were core and the bf16 hook; ResNet-20's may differ: add them with --seeds 1,2 --runs X)
+THREE_SEEDS = ("topk", "core", "vote", "ddp", "ddp-fp16", "ddp-bf16")
 # the runs of a comparison: psparse's, DDP, its compression hooks, PowerSGD's warm-up grid
 TTA_RUNS = ["topk", "core", "vote", "ddp", "ddp-fp16", "ddp-bf16", "powersgd-r2-w100",
             "powersgd-r2-w1000", "powersgd-r4-w100", "powersgd-r4-w1000"]
