@@ -416,9 +416,9 @@ def split_table(rate: str, rows: dict[str, dict], steady: dict[str, float]) -> s
 
 def link_ms(name: str, row: dict, rate: str) -> float:
     """The link's share of a round, ms: the bytes the round's critical link carried (headers
-    included) over the rate. psparse: the server's, in then out (the broadcast leaves after
-    the last push is in); the peers: a worker's sends (its ring steps send and receive at
-    once)."""
+    included) over the rate. psparse: the server's, in + out -- an upper bound, since the link
+    is full duplex and the early workers' next pushes come in while the broadcast still goes
+    out to the others; the peers: a worker's sends (its ring steps send and receive at once)."""
     if name in PSPARSE_RUNS:
         nbytes = row["server_link_mb"]["rx_bytes"] + row["server_link_mb"]["tx_bytes"]
     else:
@@ -451,8 +451,9 @@ def main(argv=None) -> int:
                         f"{', '.join(THREE_SEEDS)}, 0 for the others)")
     p.add_argument("--rates", default=None,
                    help="timing stage link rates (default the model's: LeNet 80mbit,25mbit; "
-                        "ResNet-20 40mbit,10mbit,100mbit); a rate's runs overwrite its earlier "
-                        "ones in runs/cluster/<model>-<rate>/")
+                        "ResNet-20 40mbit,10mbit,100mbit); a rate's runs replace its earlier "
+                        "ones in runs/cluster/<model>-<rate>/ unless those finished with the "
+                        "same arguments and code")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
     args = p.parse_args(argv)
     models, stages = args.only.split(","), args.stage.split(",")
