@@ -62,8 +62,8 @@ VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, agains
 # rates of the cluster timing runs. LeNet: 1,000 iterations (4.3 epochs; DDP reaches 98% in
 # 300-500). ResNet-20: 8,000 iterations (41 epochs of 8 x 32 images; the resnet20-cifar10-long
 # sweep reached 80% at ~17 epochs), evaluated every epoch, and a third rate, 100 Mbit/s, where
-# DDP's ring is ~15% of an iteration. Its runs take ~1.8 h each on this machine (~0.8 s an
-# iteration): experiments/README.md section 6.1 says what has run.
+# DDP's ring is ~15% of an iteration. Its runs take ~1 h each on a 2-core machine (0.47 s an
+# 8-worker iteration): experiments/README.md section 6.1 says what has run.
 TTA = {
     "lenet": {"iterations": 1000, "eval_every": 25, "targets": [0.98],
               "rates": ["80mbit", "25mbit"]},
