@@ -319,46 +319,48 @@ def figure(model: str, rate: str, acc: dict[str, list[dict]], steady: dict[str, 
     return save(fig, RESULTS / f"tta-{model}-{rate}.png")
 
 
-def recorded_runs() -> tuple[dict[tuple, dict], dict | None]:
-    """((model, run, seed) -> the accuracy record the last report kept in its detail JSON,
-    the float kernels of the machine that made them (None: not recorded)). A run is
-    bit-reproducible on the same machine and kernel set, so its record stands for its folder
-    when runs/tta/ is gone (a fresh checkout); each record names the code that made it, and on
+def recorded_runs() -> dict[tuple, dict]:
+    """(model, run, seed) -> the accuracy record the last report kept in its detail JSON. A run
+    is bit-reproducible on the same machine and kernel set, so its record stands for its
+    folder when runs/tta/ is gone (a fresh checkout); each record names the code and the float
+    kernels that made it (``float_kernels``; absent in records before they were kept), and on
     other float kernels the same code trains to other numbers (docs/api.md, Determinism)."""
     path = RESULTS / "time-to-accuracy-detail.json"
     if not path.is_file():
-        return {}, None
-    detail = json.loads(path.read_text())
-    return ({(r.get("model", "lenet"), r["run"], r["seed"]): r for r in detail["runs"]},
-            detail.get("float_kernels"))
+        return {}
+    return {(r.get("model", "lenet"), r["run"], r["seed"]): r
+            for r in json.loads(path.read_text())["runs"]}
 
 
 def report(models: list[str]) -> None:
     commit = provenance()["code_id"]
     lines = [f"Made by `{commit}` (the report); each run's own commit is in its config.json "
              "and in the JSON beside this file.", ""]
-    kernels = float_kernels()  # the accuracy runs' machine: this one's, for runs made here
+    kernels = float_kernels()  # this machine's: the accuracy runs in runs/tta/ were made here
     data = {"records": [], "validation": [], "runs": [], "float_kernels": kernels}
-    recorded, recorded_kernels = recorded_runs()
+    recorded = recorded_runs()
     for model in models:
         acc: dict[str, list[dict]] = {}
-        kept = []
+        kept, foreign = [], []
         for name in TTA_RUNS:
             for seed in range(3):
                 rec = accuracy_record(model, name, seed)
-                if rec is None and (model, name, seed) in recorded:
+                if rec is not None:
+                    rec["float_kernels"] = kernels
+                elif (model, name, seed) in recorded:
                     rec = recorded[(model, name, seed)]
                     kept.append(f"{name}-s{seed}")
+                    if rec.get("float_kernels") != kernels:
+                        foreign.append(f"{name}-s{seed}")
                 if rec is not None:
                     acc.setdefault(name, []).append({**rec, "model": model})
         if kept:
             print(f"[tta] {model}: {len(kept)} accuracy runs not in runs/tta/, their recorded "
                   f"results kept: {', '.join(kept)}", flush=True)
-            if recorded_kernels != kernels:
-                print(f"[tta] {model}: the recorded runs were made on other or unrecorded float "
-                      f"kernels ({recorded_kernels}; here {kernels}): their counts hold for "
-                      "that machine; runs made here would differ", flush=True)
-                data["float_kernels"] = {"here": kernels, "recorded_runs": recorded_kernels}
+        if foreign:
+            print(f"[tta] {model}: {', '.join(foreign)} were made on other or unrecorded float "
+                  f"kernels (here {kernels}): their counts hold for that machine; runs made "
+                  "here would differ", flush=True)
         if not acc:
             continue
         # the evaluations kept as (iteration, accuracy): enough for the figures and the counts

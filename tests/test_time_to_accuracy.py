@@ -97,9 +97,9 @@ def test_report_keeps_recorded_accuracy_runs_whose_folders_are_gone(tmp_path, mo
     runs = [{"run": "topk", "seed": 0, "code": "c1", "to": {"0.98": 200}, "evals": evals},
             {"run": "ddp", "seed": 0, "code": "c1", "to": {"0.98": 300}}]  # an older record
     (tmp_path / "time-to-accuracy-detail.json").write_text(json.dumps({"runs": runs}))
-    got, kernels = tta.recorded_runs()
+    got = tta.recorded_runs()
     assert got[("lenet", "topk", 0)]["to"] == {"0.98": 200} and len(got) == 2
-    assert kernels is None  # an older detail file: the machine's float kernels not recorded
+    assert "float_kernels" not in got[("lenet", "topk", 0)]  # an older record: not recorded
     steady = {"topk": 60.0, "ddp": 200.0}
     monkeypatch.setattr(tta, "timings", lambda model, rate: (
         steady, {"topk": {"compute_ms": 40.0, "code_id": "c2"}}))
@@ -109,7 +109,7 @@ def test_report_keeps_recorded_accuracy_runs_whose_folders_are_gone(tmp_path, mo
     out = capsys.readouterr().out
     assert "2 accuracy runs not in runs/tta/, their recorded results kept: topk-s0, ddp-s0" in out
     assert "ddp is not in the figure" in out and "topk is not in the figure" not in out
-    assert "made on other or unrecorded float kernels" in out
+    assert "topk-s0, ddp-s0 were made on other or unrecorded float kernels" in out
     (rec,) = [r for r in json.loads((tmp_path / "time-to-accuracy.json").read_text())
                 if r["rate"] == "80mbit"]
     assert rec["psparse_run"] == "topk" and rec["vs_ddp"] == pytest.approx(200 * 60 / 300 / 200)
@@ -117,9 +117,16 @@ def test_report_keeps_recorded_accuracy_runs_whose_folders_are_gone(tmp_path, mo
     detail = json.loads((tmp_path / "time-to-accuracy-detail.json").read_text())
     assert [r["run"] for r in detail["runs"]] == ["topk", "ddp"]  # kept for the next report
     assert detail["runs"][0]["evals"] == evals
-    assert detail["float_kernels"]["recorded_runs"] is None
-    assert set(detail["float_kernels"]["here"]) == {"onednn_max_cpu_isa", "torch_capability",
-                                                    "onednn_isa"}
+    assert set(detail["float_kernels"]) == {"onednn_max_cpu_isa", "torch_capability",
+                                            "onednn_isa"}  # this machine's
+    assert all("float_kernels" not in r for r in detail["runs"])  # kept as they were recorded
+    # a record that names this machine's kernels is kept without the warning
+    for r in detail["runs"]:
+        r["float_kernels"] = detail["float_kernels"]
+    (tmp_path / "time-to-accuracy-detail.json").write_text(json.dumps(detail))
+    tta.report(["lenet"])
+    out = capsys.readouterr().out
+    assert "their recorded results kept" in out and "float kernels" not in out
     assert (tmp_path / "tta-lenet-80mbit.png").is_file()
 
 
