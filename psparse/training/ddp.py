@@ -183,7 +183,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
           powersgd_rank: int = 4, master_addr: str | None = None,
           powersgd_warmup: int = POWERSGD_WARMUP) -> int:
     world = cfg.workers
-    data, shard, model, _, device = setup(cfg, rank)
+    data, shard, model, opt, device = setup(cfg, rank)  # opt: the built-in loop's SGD
     backend = "nccl" if device.type == "cuda" else "gloo"
     if master_addr:
         os.environ["MASTER_ADDR"] = master_addr
@@ -221,8 +221,6 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
     else:
         timer = TimedHook(default_hooks.allreduce_hook, None)  # what DDP does by default
     ddp.register_comm_hook(None, timer)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,

@@ -39,58 +39,95 @@ __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 
 
 def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Shard, data,
-          device: torch.device, forward=None) -> None:
+          device: torch.device, forward=None, precision: Precision | None = None) -> None:
     """The training loop, for any ``session`` with psparse's exchange interface (``start``,
     ``iterations``, ``is_evaluator``, ``exchange(loss)``, ``log(**values)``, ``close(**final)``,
     ``say(text)``): a psparse Session, or the DDP baseline's AllreduceExchange. ``forward`` is
-    the module to call (DDP's wrapper); the model itself by default."""
+    the module to call (DDP's wrapper); the model itself by default. ``precision``: --amp and
+    --channels-last (the one whose GradScaler the session was given)."""
     forward = forward or model
+    precision = precision or Precision(cfg.amp, cfg.channels_last, device)
     t0 = time.perf_counter()
     for it in range(session.start, session.iterations):
         model.train()
         x, y = shard.batch(it)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = precision.images(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(forward(x), y)
+        with precision.autocast():
+            loss = F.cross_entropy(forward(x), y)
         if not torch.isfinite(loss):
             raise WorkerError(f"training diverged at iteration {it}: loss is {loss.item()} "
                               "(lower --lr, or use --clip-norm)")
-        loss.backward()
+        precision.backward(loss)
         session.exchange(loss)
-        if cfg.lr_steps:
+        if cfg.lr_varies():
             for group in optimizer.param_groups:
-                group["lr"] = cfg.lr_at(it / shard.batches_per_epoch)
-        optimizer.step()
+                group["lr"] = cfg.lr_for(it, shard.batches_per_epoch, session.iterations)
+        precision.step(optimizer)
         done = it + 1
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \
                 and done < session.iterations:
             session.log(**evaluate(model, data, device, it, shard.batches_per_epoch,
-                                    cfg.eval_samples))
+                                    cfg.eval_samples, precision))
     session.say(f"{session.iterations} iterations in {time.perf_counter() - t0:.1f} s")
     final = evaluate(model, data, device, session.iterations - 1, shard.batches_per_epoch,
-                     cfg.eval_samples) \
+                     cfg.eval_samples, precision) \
         if session.is_evaluator else {}
     session.close(**final)
 
 
+class Precision:
+    """The built-in loop's --amp and --channels-last: how a batch enters the model, the
+    forward's autocast, and backward and step through a GradScaler for fp16 (its scale is the
+    same on every rank: psparse's exchange ORs a worker's overflow into the round's aggregate,
+    DDP's allreduce carries the inf, so every rank skips the same steps; worker/amp.py)."""
+
+    def __init__(self, amp: str | None, channels_last: bool, device: torch.device):
+        self.device_type = device.type
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+        self.memory_format = torch.channels_last if channels_last else None
+        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+
+    def images(self, x: torch.Tensor) -> torch.Tensor:
+        if self.memory_format is not None and x.dim() == 4:
+            return x.contiguous(memory_format=self.memory_format)
+        return x
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+        else:  # skips the step when the (exchanged) gradient holds an inf; the same on all ranks
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+
 def evaluate(model, data, device, it: int, batches_per_epoch: int,
-             samples: int | None = None) -> dict:
-    test_loss, test_acc = evaluate_model(model, data, device, samples)
+             samples: int | None = None, precision: Precision | None = None) -> dict:
+    test_loss, test_acc = evaluate_model(model, data, device, samples, precision)
     return {"epoch": round((it + 1) / batches_per_epoch, 4), "test_loss": test_loss,
             "test_acc": test_acc}
 
 
 @torch.no_grad()
 def evaluate_model(model: torch.nn.Module, data, device: torch.device,
-                   samples: int | None = None) -> tuple[float, float]:
+                   samples: int | None = None,
+                   precision: Precision | None = None) -> tuple[float, float]:
     """(mean test loss, test accuracy) over the whole test set, or over a fixed random subset
-    of ``samples`` test images."""
+    of ``samples`` test images, with the training's autocast and memory format."""
     model.eval()
+    precision = precision or Precision(None, False, device)
     loss_sum, correct, n = 0.0, 0, 0
     for x, y in test_batches(data, samples=samples):
-        x, y = x.to(device), y.to(device)
-        out = model(x)
-        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        x, y = precision.images(x.to(device)), y.to(device)
+        with precision.autocast():
+            out = model(x)
+        loss_sum += float(F.cross_entropy(out.float(), y, reduction="sum"))
         correct += int((out.argmax(1) == y).sum())
         n += len(y)
     return loss_sum / n, correct / n
@@ -106,11 +143,19 @@ def setup(cfg: RunConfig, rank: int):
     device = pick_device(cfg.device, rank)
     model = build_model(cfg.model, data.in_shape, data.num_classes,
                         cfg.model_kwargs()).to(device)
-    # With DGC the momentum is applied locally (in the memory), so SGD must not add more.
+    if cfg.channels_last:  # the flat buffers make parameters contiguous again (FlatModel);
+        model = model.to(memory_format=torch.channels_last)  # the batches carry the format
+    return data, shard, model, make_optimizer(cfg, model), device
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.SGD:
+    """The built-in loop's optimizer (a --baseline run's too): SGD with --lr, --momentum,
+    --nesterov and --weight-decay. With DGC the momentum is applied locally (in the memory),
+    so SGD must not add more."""
     momentum = 0.0 if cfg.memory == "dgc" else cfg.momentum
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                momentum=momentum, weight_decay=cfg.weight_decay)
-    return data, shard, model, optimizer, device
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                           momentum=momentum, weight_decay=cfg.weight_decay,
+                           nesterov=cfg.nesterov and momentum > 0)
 
 
 def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
@@ -119,9 +164,11 @@ def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
     try:
         data, shard, model, optimizer, device = setup(cfg, rank)
         iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
+        precision = Precision(cfg.amp, cfg.channels_last, device)
         session = Session(model, optimizer, cfg, rank=rank, server=server,
                           iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
-                          out_dir=out_dir, run_token=run_token, resume=resume, device=device)
+                          out_dir=out_dir, run_token=run_token, resume=resume, device=device,
+                          scaler=precision.scaler)
     except Exception as exc:  # not registered: tell the server why, for summary.json
         report_failure(server if isinstance(server, list) else [server], rank, cfg.workers,
                        failure_cause(exc), run_token=run_token, curve_keys=cfg.curve_keys)
@@ -129,7 +176,7 @@ def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
     try:
         session.say("model and data ready; registering")
         session.register()
-        train(cfg, session, model, optimizer, shard, data, device)
+        train(cfg, session, model, optimizer, shard, data, device, precision=precision)
     except BaseException as exc:
         session.fail(exc)  # the cause reaches summary.json (unless the server is gone)
         raise
