@@ -12,6 +12,10 @@ PSPARSE_RUNS = {
     "core": ["--density", "0.01", "--policy", "core"],
     "vote": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=1.5"],
     "topk-limit2k": ["--density", "0.01", "--policy", "topk", "--server-limit", "2k"],
+    # the fewest bytes at top-k's accuracy (experiments/README.md section 13), timed in issue 50
+    "ema-int4": ["--density", "0.01", "--policy", "ema", "--values", "int4"],
+    "vote2-int4": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=2",
+                   "--values", "int4"],
 }
 # powersgd-r1/-r4: section 6's runs, compressed from iteration 2; the issue-38 peers, each as
 # users would run it: DDP's own fp16/bf16 compression hooks, and PowerSGD with the dense
