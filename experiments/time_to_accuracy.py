@@ -137,7 +137,7 @@ def launch_local(out: Path, args: list[str], seed: int, data_dir: str | None) ->
            "--seed", str(seed)]
     if data_dir:
         cmd += ["--data-dir", data_dir]
-    cache = RunCache(out, cmd[6:])
+    cache = RunCache(out, run_identity(args, seed, data_dir))
     if cache.finished():
         return out
     print(f"[tta] {out.relative_to(ROOT)} ...", flush=True)
@@ -146,6 +146,12 @@ def launch_local(out: Path, args: list[str], seed: int, data_dir: str | None) ->
     cache.finish()
     print(f"[tta] {out.relative_to(ROOT)}: exit {r.returncode}", flush=True)
     return out
+
+
+def run_identity(args: list[str], seed: int, data_dir: str | None) -> list[str]:
+    """What a local run's cache (RunCache) knows it by: the launcher's arguments after
+    --out and --quiet."""
+    return [*args, "--seed", str(seed), *(["--data-dir", data_dir] if data_dir else [])]
 
 
 def accuracy_dir(model: str, name: str, seed: int) -> Path:
@@ -453,13 +459,52 @@ def thread_split(row: dict) -> str:
             f"{t.get('io_user', 0):.1f}+{t.get('io_system', 0):.1f}")
 
 
+def wanted_seeds(name: str, seeds: str | None) -> list[int]:
+    """The accuracy stage's seeds of run ``name``: --seeds, else 0-2 for THREE_SEEDS, else 0."""
+    if seeds:
+        return [int(s) for s in seeds.split(",")]
+    return [0, 1, 2] if name in THREE_SEEDS else [0]
+
+
+def grid_status(model: str, names: list[str], seeds: str | None,
+                data_dir: str | None) -> list[list[str]]:
+    """Per accuracy run of the grid: done (ended with its summary, these arguments), running
+    (started with them and still writing: metrics.jsonl changed in the last 10 minutes),
+    stopped (started, not ended, silent since) or missing; the iterations so far and the
+    best evaluation."""
+    import time
+
+    rows = []
+    for name in names:
+        for seed in wanted_seeds(name, seeds):
+            out = accuracy_dir(model, name, seed)
+            cache = RunCache(out, run_identity(accuracy_args(model, name), seed, data_dir))
+            run = RunDir(out)
+            metrics = out / "metrics.jsonl"
+            done = len(run.metrics()) if metrics.is_file() else 0
+            if cache.finished():
+                state = "done" if (run.summary() or {}).get("status") == "ok" else "failed"
+            elif cache.started():
+                recent = metrics.is_file() and time.time() - metrics.stat().st_mtime < 600
+                state = "running" if recent else "stopped"
+            else:
+                state = "missing"
+            evals = run.evals() if out.is_dir() else []
+            best = max((e["test_acc"] for e in evals), default=None)
+            rows.append([name, str(seed), state, f"{done}/{TTA[model]['iterations']}",
+                         "-" if best is None else f"{100 * best:.2f}%"])
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.time_to_accuracy",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="lenet", help="models (lenet, resnet20; default lenet)")
     p.add_argument("--stage", default="accuracy,validate,timing,report",
-                   help="comma-separated stages to run, in this order (default all)")
+                   help="comma-separated stages to run, in this order (default all); "
+                        "status alone lists the grid's accuracy runs as done, running, "
+                        "stopped, failed or missing, and runs nothing")
     p.add_argument("--runs", default=",".join(TTA_RUNS),
                    help="runs of the accuracy stage (default every one of the comparison; "
                         "the timing stage runs those of them that have cluster runs)")
@@ -475,13 +520,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     models, stages = args.only.split(","), args.stage.split(",")
     names = args.runs.split(",")
+    if "status" in stages:  # at a glance: which accuracy runs are done, running or missing
+        for model in models:
+            rows = grid_status(model, names, args.seeds, args.data_dir)
+            print(f"{model}: " + ", ".join(f"{sum(r[2] == s for r in rows)} {s}" for s in
+                                           ("done", "running", "stopped", "failed", "missing")))
+            print(md_table(["run", "seed", "state", "iterations", "best evaluation"], rows))
+        return 0
     for model in models:
         if "accuracy" in stages:  # every run's seed 0 first: a comparison as early as it can
             for seed in range(3):
                 for name in names:
-                    wanted = [int(s) for s in args.seeds.split(",")] if args.seeds else \
-                        ([0, 1, 2] if name in THREE_SEEDS else [0])
-                    if seed in wanted:
+                    if seed in wanted_seeds(name, args.seeds):
                         launch_local(accuracy_dir(model, name, seed),
                                      accuracy_args(model, name), seed, args.data_dir)
         if "validate" in stages:
