@@ -28,7 +28,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
