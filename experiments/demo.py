@@ -26,7 +26,7 @@ def launch(out: Path, flags: list[str], args) -> dict:
     """One run through psparse-launch, its progress lines shown; its summary.json."""
     argv = [sys.executable, "-m", "psparse.launch", "--workers", str(args.workers),
             "--density", str(args.density), "--epochs", str(args.epochs), "--eval-every", "0",
-            "--out", str(out), *(["--data-dir", str(args.data_dir)] if args.data_dir else []),
+            "--out", str(out), "--overwrite", *(["--data-dir", str(args.data_dir)] if args.data_dir else []),
             *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

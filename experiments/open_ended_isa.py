@@ -53,7 +53,7 @@ def kernels_in_use(isa: str) -> str:
 
 def launch(out, workers: int, policy, args, isa: str) -> dict:
     cmd = [sys.executable, "-m", "psparse.launch", "--workers", str(workers), "--quiet",
-           "--out", str(out), *policy, str(EXAMPLE), *args]
+           "--out", str(out), "--overwrite", *policy, str(EXAMPLE), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=isa_env(isa), timeout=3600)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout}{r.stderr}")

@@ -194,7 +194,7 @@ def launch(sweep: str, run: str, label: str, cache: RunCache, cmd: list[str],
     else:
         print(f"[{sweep}] {what} ...", flush=True)
         argv = [c for c in cmd if c != "--quiet"] if progress else cmd
-        cache.start()
+        cache.start(fresh=True)  # starting over: none of the stopped attempt's files
     r = subprocess.run(argv, cwd=ROOT)
     if r.returncode == INTERRUPTED or r.returncode < 0:
         raise SystemExit(f"[{sweep}] {run} stopped (exit {r.returncode}); run the same "

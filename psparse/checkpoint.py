@@ -26,6 +26,10 @@ KEEP = 2  # checkpoints per process: the newest may be incomplete across process
 HEADER = "psparse_checkpoint_header"  # the first pickle of a file with a header holds this key
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file cannot be read back; the text names the file and the problem."""
+
+
 class ResumePoint(NamedTuple):
     iteration: int
     live: list[int]  # the worker ranks in the run at that iteration (all, unless elastic lost some)
@@ -56,16 +60,50 @@ def save(run_dir: Path, who: str, iteration: int, state: dict,
 
 
 def load(run_dir: Path, who: str, iteration: int) -> dict:
-    with open(directory(run_dir) / f"{who}-{iteration}.pt", "rb") as fh:
+    """The state saved by ``save``; CheckpointError naming the file when it is damaged."""
+    path = directory(run_dir) / f"{who}-{iteration}.pt"
+    with _reading(path) as fh:
         first = pickle.load(fh)  # our own files only: never point --resume at untrusted ones
-        return pickle.load(fh) if isinstance(first, dict) and HEADER in first else first
+        state = pickle.load(fh) if isinstance(first, dict) and HEADER in first else first
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} is damaged: it holds a "
+                              f"{type(state).__name__}, not a saved state")
+    return state
 
 
 def header(run_dir: Path, who: str, iteration: int) -> dict:
-    """A checkpoint's header without its state ({} for a file saved without one)."""
-    with open(directory(run_dir) / f"{who}-{iteration}.pt", "rb") as fh:
+    """A checkpoint's header without its state ({} for a file saved without one);
+    CheckpointError naming the file when it cannot be read."""
+    path = directory(run_dir) / f"{who}-{iteration}.pt"
+    with _reading(path) as fh:
         first = pickle.load(fh)
     return first[HEADER] if isinstance(first, dict) and HEADER in first else {}
+
+
+class _reading:
+    """Open a checkpoint for reading; whatever fails while it is read (a file cut short,
+    garbage, gone) becomes a CheckpointError that names it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.fh = open(self.path, "rb")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {self.path} cannot be read: {exc.strerror}") \
+                from None
+        return self.fh
+
+    def __exit__(self, kind, exc, tb):
+        self.fh.close()
+        if exc is not None and not isinstance(exc, CheckpointError) and \
+                isinstance(exc, Exception):
+            size = self.path.stat().st_size if self.path.exists() else 0
+            raise CheckpointError(f"checkpoint {self.path} is damaged ({size} bytes): "
+                                  f"{type(exc).__name__}: {exc}; delete it to resume from "
+                                  "the one before (or start the run again)") from None
+        return False
 
 
 def iterations(run_dir: Path, who: str) -> list[int]:
@@ -92,3 +130,26 @@ def resume_point(run_dir: Path, world_size: int, shards: int = 1) -> ResumePoint
         if all(it in saved[r] for r in live):
             return ResumePoint(it, sorted(live))
     return None
+
+
+def damaged(run_dir: Path, world_size: int, shards: int = 1) -> list[str]:
+    """What is wrong with the files of the resume point (a server file whose header cannot
+    be read, a file cut short or unreadable): empty when every file of it loads. Reads them
+    whole: the launcher checks before it restarts, so that a damaged file is named, not
+    restarted on."""
+    try:
+        point = resume_point(run_dir, world_size, shards)
+    except CheckpointError as exc:
+        return [str(exc)]
+    if point is None:
+        return []
+    run_dir = Path(run_dir)
+    server_dirs = [run_dir / f"shard-{i}" for i in range(shards)] if shards > 1 else [run_dir]
+    problems = []
+    for folder, who in [(d, "server") for d in server_dirs] + \
+            [(run_dir, f"rank-{r}") for r in point.live]:
+        try:
+            load(folder, who, point.iteration)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems

@@ -126,7 +126,9 @@ class RunConfig:
         "clip each local gradient to this L2 norm before accumulating (default: no "
         "clipping)")
     density_warmup: float = option(0.0,
-        "DGC warm-up: density 25% in epoch 1, 6.25% in epoch 2, 1.56% in epoch 3, ... "
+        "density warm-up, the DGC paper's four-fold schedule (not its released code's, "
+        "which interpolates geometrically to --density): 25% in epoch 1, 6.25% in epoch 2, "
+        "1.56% in epoch 3, ... "
         "for this many epochs, never below --density")
     # How long and how.
     epochs: float | None = option(None,

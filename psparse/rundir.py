@@ -60,14 +60,39 @@ def read_json(run_dir: Path, name: str) -> dict:
     return json.loads((Path(run_dir) / name).read_text())
 
 
+class RunDirError(ValueError):
+    """A run directory's file cannot be read as psparse wrote it; the text names the file (and
+    line) and what is wrong."""
+
+
+def parse_record(path: Path, n: int, line: str) -> dict:
+    """Line ``n`` (0-based) of a JSON-lines file as a record, or RunDirError naming both."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RunDirError(f"{path}, line {n + 1}: not a JSON record ({exc.msg} at column "
+                          f"{exc.colno}); the file is damaged: restore it, or remove the run "
+                          "directory and start again") from None
+    if not isinstance(record, dict):
+        raise RunDirError(f"{path}, line {n + 1}: a JSON record must be an object, got "
+                          f"{type(record).__name__}")
+    return record
+
+
+def complete_lines(text: str) -> list[str]:
+    """The whole lines of a JSON-lines text: a last line without its newline is one a writer
+    was killed in the middle of, and is left out."""
+    return text[:text.rfind("\n") + 1].splitlines()
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """The complete records of a JSON-lines file (a line still being written is left out)."""
+    """The complete records of a JSON-lines file (a line still being written is left out); a
+    damaged line is a RunDirError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    text = path.read_text()
-    whole = text[:text.rfind("\n") + 1]
-    return [json.loads(line) for line in whole.splitlines() if line.strip()]
+    return [parse_record(path, n, line)
+            for n, line in enumerate(complete_lines(path.read_text())) if line.strip()]
 
 
 class JsonlTail:
@@ -90,13 +115,32 @@ class JsonlTail:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write so that a reader never sees half a file: to a temporary name, then rename (the
+    """Write so that a reader never sees half a file, and a kill at any moment leaves the old
+    file or the new one: to a temporary name, flushed to disk, then renamed over the old (the
     name holds the process id: several server shards may write a sharded run's merged files
     at once, the same content)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _sync_dir(path.parent)
+
+
+def _sync_dir(folder: Path) -> None:
+    """The rename itself on disk (a directory's entries are flushed by fsync on it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a file system that cannot sync a directory: the rename is still atomic
+    finally:
+        os.close(fd)
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -105,20 +149,17 @@ def write_json(path: Path, record: dict) -> None:
 
 def open_truncated(path: Path, keep):
     """Open a JSON-lines file for appending, first dropping the records ``keep(n, record)``
-    rejects (a resumed run rewrites what came after its checkpoint)."""
+    rejects (a resumed run rewrites what came after its checkpoint). The rewrite is atomic
+    (write_atomic): a kill during it leaves the file as it was, never a part of it. A torn
+    last line (its writer killed mid-line) is dropped; a damaged whole line is a RunDirError
+    naming the file and line."""
     path = Path(path)
-    kept = []
     if path.is_file():
-        for n, line in enumerate(path.read_text().splitlines()):
-            if line.strip():
-                record = json.loads(line)
-                if keep(n, record):
-                    kept.append(line)
-    fh = open(path, "w")
-    for line in kept:
-        fh.write(line + "\n")
-    fh.flush()
-    return fh
+        lines = complete_lines(path.read_text())
+        kept = [line for n, line in enumerate(lines)
+                if line.strip() and keep(n, parse_record(path, n, line))]
+        write_atomic(path, "".join(line + "\n" for line in kept))
+    return open(path, "a")
 
 
 def board_dir(tensorboard: str, out) -> Path:

@@ -32,7 +32,7 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
     good = [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f
             for f in protocol.encode("push", idx, val, iter=0, rank=0)]
     head = msgpack.unpackb(good[0])
-    kind = i % 18
+    kind = i % 20
 
     def with_header(**changes):
         return [msgpack.packb({**head, **changes}), *good[1:]]
@@ -81,6 +81,9 @@ def malformed(rng: np.random.Generator, i: int) -> list[bytes]:
     if kind == 16:  # int8 values without their block size
         return [with_header(value_dtype="int8")[0], good[1],
                 np.float32([0.5, 1]).tobytes() + codes]
+    if kind in (17, 18):  # a block size that would have the decoder allocate TiBs
+        return [with_header(value_dtype="int8", value_block=2 ** 40 if kind == 17 else 2 ** 63)[0],
+                good[1], np.float32([0.5]).tobytes() + codes]
     return [good[0], good[1]]  # missing frame
 
 

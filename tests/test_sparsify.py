@@ -54,14 +54,16 @@ def test_ties_give_exactly_k_and_are_deterministic():
     assert a.size == 1000 and np.array_equal(a, b) and np.all(np.diff(a) > 0)
 
 
-def test_split_k_is_proportional_and_sums_to_k():
-    sizes = [156, 2416, 48120, 10164, 850]  # LeNet-5 layers (weights+biases merged)
+def test_split_k_gives_every_layer_one_entry_then_splits_the_rest_by_size():
+    sizes = [150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]  # LeNet-5's tensors
     ks = split_k(617, sizes)
-    assert sum(ks) == 617
-    for k_l, s in zip(ks, sizes):
-        assert abs(k_l - 617 * s / sum(sizes)) < 1
-    assert split_k(3, [1, 1, 1, 1]) == [1, 1, 1, 0]
+    assert sum(ks) == 617 and min(ks) >= 1  # the biases too (a share of 0.06-0.8 each)
+    for k_l, s in zip(ks, sizes):  # one each, then 607 in proportion to the rest
+        assert abs(k_l - 1 - 607 * (s - 1) / (sum(sizes) - len(sizes))) < 1
+    assert split_k(3, [1, 1, 1, 1]) == [1, 1, 1, 0]  # fewer than layers: the largest first
+    assert split_k(2, [1, 5, 1, 9]) == [0, 1, 0, 1]
     assert split_k(100, [2, 3]) == [2, 3]
+    assert split_k(17, [5, 1, 7, 4]) == [5, 1, 7, 4]
 
 
 def test_per_layer_topk_picks_each_layers_own_largest():
@@ -73,7 +75,8 @@ def test_per_layer_topk_picks_each_layers_own_largest():
     whole = TopK(Layout(sizes, "model"), 10).select(x, 0)
     per_layer = TopK(Layout(sizes, "layer"), 10).select(x, 0)
     assert whole.size == per_layer.size == 10
-    assert set(per_layer[per_layer < 10]) == {2}  # k_0 = 1
+    # split_k(10, sizes) = [2, 3, 5]: one each, then 7 by the sizes beyond it
+    assert set(per_layer[per_layer < 10]) == {2, 3}
     assert set(per_layer[(per_layer >= 10) & (per_layer < 40)]) == {20, 35, 15}
     assert set(whole[whole < 40]) == {2, 3, 15, 20, 35}
 

@@ -211,7 +211,10 @@ HOSTILE = [
                                             value_block=None), "need the header field"),
     ("value_block with float32", _int8_push(np.float32([1, 2, 3, 4, 5]).tobytes(),
                                             value_dtype="float32"), "value_block is for int8"),
-    ("a zero value_block", _int8_push(CODES, value_block=0), "value_block must be >= 1"),
+    ("a zero value_block", _int8_push(CODES, value_block=0), r"value_block must be in \[1, "),
+    # (a block of 2^40 or 2^63 would have the decoder repeat each scale that many times)
+    ("a value_block of 2^40", _int8_push(CODES, value_block=2 ** 40), "got 1099511627776"),
+    ("a value_block of 2^63", _int8_push(CODES, value_block=2 ** 63), r"must be in \[1, 1048576"),
     ("an unknown format", _int8_push(CODES, value_dtype="int2"), "value_dtype 'int2'"),
     ("a bf16 frame of odd length", _int8_push(b"\x00" * 9, value_dtype="bfloat16",
                                               value_block=None), "expected 10"),
@@ -229,6 +232,16 @@ def test_a_foreign_int8_frame_with_any_finite_scale_decodes():
     msg = protocol.decode(frames, numel=100)
     assert msg.values.tolist() == pytest.approx([0.3, -0.6, 0.9, 1.2, 0.5], rel=1e-6)
     assert msg.extra["value_bytes"] == 13
+
+
+def test_a_minus_zero_scale_and_an_unused_int4_nibble_are_accepted_as_the_spec_says():
+    """docs/protocol.md, Value formats: -0.0 is a scale >= 0 (its block decodes to zeros), and
+    the high nibble of an odd int4 frame's last byte is ignored whatever it holds."""
+    frames = _int8_push(np.float32([-0.0, 0.5]).tobytes() + CODES)
+    assert protocol.decode(frames, numel=100).values.tolist() == [0, 0, 0, 0, 2.5]
+    packed = bytes([0x21, 0x43, 0xF5])  # codes 1, 2, 3, 4, 5 and a stray nibble 0xF
+    frames = _int8_push(np.float32([1, 1]).tobytes() + packed, value_dtype="int4")
+    assert protocol.decode(frames, numel=100).values.tolist() == [1, 2, 3, 4, 5]
 
 
 def test_float32_frames_are_todays_bytes():

@@ -140,15 +140,25 @@ def positions(indices, sl: slice, n: int):
 
 
 def split_k(k: int, sizes: list[int]) -> list[int]:
-    """Split k across layers in proportion to their sizes (largest remainder; sums to k)."""
-    total = sum(sizes)
+    """Split k across layers (``--granularity layer``): every layer gets one entry, the rest
+    goes in proportion to the layers' sizes beyond that one (largest remainder, ties to the
+    lower layer); sums to min(k, sum of sizes). A layer never gets 0 while k allows one each,
+    or a small one (a bias at 1%: 0.06 of an entry) would never be sent and never train,
+    its accumulator growing for ever (GRACE sends at least one entry per tensor too). With
+    fewer entries than layers, the k largest layers get one each."""
+    total, n = sum(sizes), len(sizes)
     k = min(k, total)
-    exact = [k * s / total for s in sizes]
+    if k < n:
+        chosen = set(sorted(range(n), key=lambda i: (-sizes[i], i))[:k])
+        return [1 if i in chosen else 0 for i in range(n)]
+    rest, room = k - n, [s - 1 for s in sizes]
+    spare = total - n
+    exact = [rest * r / spare if spare else 0.0 for r in room]
     ks = [int(e) for e in exact]
-    order = sorted(range(len(sizes)), key=lambda i: (ks[i] - exact[i], i))
-    for i in order[: k - sum(ks)]:
+    order = sorted(range(n), key=lambda i: (ks[i] - exact[i], i))
+    for i in order[: rest - sum(ks)]:
         ks[i] += 1
-    return [min(ki, s) for ki, s in zip(ks, sizes)]
+    return [1 + min(ki, r) for ki, r in zip(ks, room)]
 
 
 def density_to_k(density: float, numel: int) -> int:

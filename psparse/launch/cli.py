@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -27,7 +28,9 @@ from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
 from ..rundir import (
+    CONFIG_FILE,
     EVAL_FILE,
+    LOGS_DIR,
     METRICS_FILE,
     PORT_FILE,
     SUMMARY_FILE,
@@ -55,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "--density 0.01 --epochs 2 --out runs/x")
     p.add_argument("--out", type=Path, default=None,
                    help="run directory (default: runs/<model>-<dataset>-<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in --out even if it holds another run's files "
+                        "(they are deleted first); without it such an --out is refused")
     p.add_argument("--quiet", action="store_true", help="no progress line or summary table")
     _add_cluster_arguments(p)
     p.add_argument("--baseline", choices=["ddp", "fp16", "bf16", "powersgd"], default=None,
@@ -181,6 +187,42 @@ def prepare_run_dir(plan: Plan) -> None:
     plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+# What marks a folder as a run directory (docs/run-directory.md): any of these
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, SUMMARY_FILE, "checkpoint", "shard-0")
+
+
+def held_run(out: Path) -> str | None:
+    """What of another run ``out`` holds (e.g. "config.json, checkpoint/"), or None: a missing
+    or empty folder, or one with none of a run's files, can take a fresh run."""
+    found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_MARKERS
+             if (out / name).exists()]
+    return ", ".join(found) or None
+
+
+def clear_run_dir(out: Path) -> None:
+    """--overwrite: the run directory's own files and folders, all of them (whatever else the
+    folder holds is left)."""
+    for entry in out.iterdir():
+        name = entry.name
+        ours = name in RUN_MARKERS or name in (PORT_FILE, TIMING_FILE, LOGS_DIR,
+                                               "recall.jsonl", "server_residual.npz") \
+            or name.startswith(("rank-", "shard-", "selections-rank-", "timing-rank-"))
+        if ours:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def complete_run(out: Path) -> str | None:
+    """For --resume: how ``out``'s run ended, when it ended well (its summary.json says ok),
+    e.g. "ok: 300 iterations, iterations reached"; None when there is something to resume."""
+    try:
+        summary = json.loads((out / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "ok":
+        return None
+    return f"ok: {summary.get('iterations')} iterations, {summary.get('ended') or 'ended'}"
+
+
 def check_start(plan: Plan) -> None:
     """StartFailure, naming the problem, when the run cannot start: a port the servers started
     here would listen on is taken, or (on this host) the data set is missing."""
@@ -259,6 +301,7 @@ def start_once(plan: Plan, quiet: bool, grace_s: float) -> tuple[int, Supervisor
         if not supervisor.start_failed:  # (a start failure is told on stderr: restart.py)
             print(f"psparse-launch: error: {exc}", flush=True)
         supervisor.stop_all()
+        supervisor.stopped_at = time.time()
         return 1, supervisor
     finally:
         if board is not None:
@@ -387,6 +430,21 @@ def main(argv=None) -> int:
                 resume=args.resume is not None,
                 rendezvous_port=free_port() if (args.baseline or args.script)
                 and not (args.hostfile or args.slurm) else 0)
+
+    if plan.resume:
+        done = complete_run(out)
+        if done:
+            print(f"psparse-launch: {out} is complete ({done}): nothing to resume, nothing "
+                  "changed", file=sys.stderr, flush=True)
+            return 0
+    else:
+        held = held_run(out)
+        if held and not args.overwrite:
+            p.error(f"--out {out} holds another run ({held}); a fresh run there would mix "
+                    f"with it: choose a new --out, continue that run with --resume {out}, or "
+                    "pass --overwrite to delete it first")
+        if held:
+            clear_run_dir(out)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

@@ -65,8 +65,11 @@ class Attempt:
         if self.start_failure:  # its error is a whole sentence, naming who could not start
             return self.error
         done = self.iterations_done
-        where = "" if done is None else \
-            " before its first iteration" if done == 0 else f" after {done} iterations"
+        if done is not None and self.resumed_from is not None and done <= self.resumed_from:
+            where = f" while resuming at iteration {self.resumed_from}, before its first round"
+        else:
+            where = "" if done is None else \
+                " before its first iteration" if done == 0 else f" after {done} iterations"
         return f"{self.process or 'the run'} failed{where}: {self.error}"
 
 
@@ -74,9 +77,21 @@ def resume_point(out: Path, world_size: int, shards: int) -> checkpoint.ResumePo
     return checkpoint.resume_point(out, world_size, shards)
 
 
-def iterations_done(out: Path) -> int | None:
+def iterations_done(out: Path, attempt: Attempt | None = None) -> int | None:
+    """Rounds the run has recorded; for ``attempt``, one that resumed and recorded nothing
+    itself (metrics.jsonl untouched since it started: the server died before it listened, or
+    while it loaded its checkpoint), its resume point: what is there is the earlier attempts'
+    (rows past the resume point that the new server had not yet dropped)."""
     path = out / METRICS_FILE
-    return len(read_jsonl(path)) if path.is_file() else None
+    if not path.is_file():
+        return None
+    if attempt is not None and attempt.resumed_from is not None and \
+            path.stat().st_mtime < attempt.started_at:
+        return attempt.resumed_from
+    try:
+        return len(read_jsonl(path))
+    except ValueError:  # a damaged line: the count is unknown (the server's error names it)
+        return None
 
 
 def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
@@ -89,7 +104,7 @@ def record_failure(attempt: Attempt, out: Path, code: int, supervisor) -> None:
     name, proc_code = supervisor.failure or (None, code)
     attempt.process, attempt.process_exit_code = name, (proc_code if name else None)
     attempt.noticed_at, attempt.stopped_at = supervisor.noticed_at, supervisor.stopped_at
-    attempt.iterations_done = iterations_done(out)
+    attempt.iterations_done = iterations_done(out, attempt)
     if supervisor.start_failed:  # the launcher's own words (plan.StartFailure)
         attempt.error, attempt.start_failure = supervisor.error, True
         return
@@ -175,6 +190,10 @@ class Restarts:
 
     def run(self, start) -> int:
         plan = self.plan
+        if plan.resume:
+            problems = checkpoint.damaged(plan.out, plan.cfg.workers, plan.shards)
+            if problems:
+                return self._cannot_resume(problems)
         point = resume_point(plan.out, plan.cfg.workers, plan.shards) if plan.resume else None
         if point is not None:  # (without one, --resume fails in the server, saying why)
             self._resume_at(point)
@@ -195,6 +214,13 @@ class Restarts:
             if code == 130 or not self._again(attempt):
                 break
             keep_logs(plan.out, attempt.number)
+            problems = checkpoint.damaged(plan.out, plan.cfg.workers, plan.shards)
+            if problems:
+                self.say("psparse-launch: not restarting: the checkpoint to restart from is "
+                         "damaged: " + "; ".join(problems))
+                attempt.error = f"{attempt.error}; then the checkpoint to restart from was " \
+                                f"damaged: {'; '.join(problems)}"
+                break
             point = resume_point(plan.out, plan.cfg.workers, plan.shards)
             if point is None:
                 drop_checkpoints(plan.out, plan.shards)
@@ -208,6 +234,16 @@ class Restarts:
             self._resume_at(point)
         write_history(plan.out, self.attempts, code, self.max_restarts)
         return code
+
+    def _cannot_resume(self, problems: list[str]) -> int:
+        """--resume onto a damaged checkpoint: nothing starts; the run's summary says failed,
+        naming each damaged file."""
+        error = "cannot resume: " + "; ".join(problems)
+        print(f"psparse-launch: error: {error}", file=sys.stderr, flush=True)
+        summary = read_summary(self.plan.out) or {}
+        summary.update(status="failed", error=error, written_by="psparse-launch")
+        write_json(self.plan.out / SUMMARY_FILE, summary)
+        return 1
 
     def _resume_at(self, point) -> None:
         """The next attempt resumes at ``point`` (None: starts from the beginning) with the

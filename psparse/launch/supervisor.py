@@ -72,6 +72,7 @@ class Supervisor:
             while not port_file.is_file():
                 code = self.procs[name].poll()
                 if code is not None:  # on its own (it says why), or killed (not its fault)
+                    self.failure, self.noticed_at = (name, code), time.time()
                     said = "".join(f"; {line}" for line in self.last_lines(name))
                     failure = StartFailure if code > 0 else RuntimeError
                     raise failure(f"{name} could not start: it exited with code {code} before "

@@ -43,8 +43,9 @@ selection policy:
   implemented.
 
 Optional local gradient clipping scales g to L2 norm <= clip_norm before it is accumulated.
-``density_schedule`` gives DGC's warm-up: density 25%, 6.25%, 1.5625%, ... per epoch over the
-first warm-up epochs, never below the target.
+``density_schedule`` gives the DGC paper's four-fold density warm-up: 25%, 6.25%, 1.5625%, ...
+per epoch over the first warm-up epochs, never below the target (DGC's released code
+interpolates geometrically instead: docs/policies.md).
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ class Memory:
 
 
 def density_schedule(target: float, warmup_epochs: float, epoch: float) -> float:
-    """DGC warm-up: 0.25^(e+1) in warm-up epoch e (25%, 6.25%, ...), never below ``target``."""
+    """The DGC paper's warm-up: 0.25^(e+1) in warm-up epoch e (25%, 6.25%, ...), never below
+    ``target``."""
     if epoch >= warmup_epochs:
         return target
     return max(target, 0.25 ** (math.floor(epoch) + 1))

@@ -313,6 +313,7 @@ class BroadcastMemory:
             return self.value_format.round(values)
         keys = np.asarray(indices, dtype=np.int64) + offset
         target = values + self.residual[keys]
+        _finite_or_raise(target, keys)
         sent = self.value_format.round(target)
         self.residual[keys] = target - sent
         return sent
@@ -325,6 +326,7 @@ class BroadcastMemory:
             return self.value_format.round(vector)
         keys = np.asarray(indices, dtype=np.int64) + offset
         vector[indices] += self.residual[keys]
+        _finite_or_raise(vector[indices], keys)
         sent = self.value_format.round(vector)
         self.residual[keys] = vector[indices] - sent[indices]
         return sent
@@ -341,6 +343,15 @@ class BroadcastMemory:
         if self.residual is not None:
             self.residual[:] = 0.0
             self.residual[state["support"]] = state["values"]
+
+
+def _finite_or_raise(target: np.ndarray, keys: np.ndarray) -> None:
+    """The broadcast's values with the rounding memory added are finite (the memory would
+    keep an inf for ever), else NonFiniteError naming the first key that is not."""
+    if not np.isfinite(target).all():
+        key = int(keys[np.flatnonzero(~np.isfinite(target))[0]])
+        raise NonFiniteError(f"the mean plus the broadcast's rounding memory overflows float32 "
+                             f"at key {key}")
 
 
 def top_k(x: np.ndarray, k: int, nonnegative: bool = False) -> np.ndarray:

@@ -116,22 +116,29 @@ class Endpoint:
         """Decode and authenticate a message from a registered worker; None if rejected (or a
         heartbeat).
 
-        Everything is validated first, whoever sent it, so a stranger's malformed message gets
-        the same precise error as a worker's; then the sender must be a registered worker and
-        may speak only for its own rank.
+        The header is read and checked first; then, before any other frame is read (a frame's
+        size fields could ask for any amount of memory), the sender must be a registered
+        worker still in the run, speaking for its own rank (heartbeats, which may come on any
+        connection, prove their rank's token instead); then the frames are decoded and checked.
         """
         rank = self.members.peers.get(peer)
+
+        def admit(msg: protocol.Message) -> None:
+            if msg.type != "heartbeat":
+                self.members.sender(peer, msg)
+
         try:
             # key cache: look sets up now, remember them only once accepted (docs/protocol.md)
             if self.parts is not None:
-                msg = protocol.decode(frames, remember=False, scope=self._part_scope(rank))
+                msg = protocol.decode(frames, remember=False, scope=self._part_scope(rank),
+                                      admit=admit)
             else:
                 msg = protocol.decode(frames, numel=self.numel, remember=False,
-                                      cache=self.caches[rank] if rank is not None else None)
+                                      cache=self.caches[rank] if rank is not None else None,
+                                      admit=admit)
             if msg.type == "heartbeat":
                 self.members.heartbeat(msg)
                 return None  # heartbeats are never answered
-            self.members.sender(peer, msg)
             return msg
         except ProtocolError as exc:
             self.reject(peer, exc)

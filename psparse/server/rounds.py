@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 
+from ..cpu.selection import NonFiniteError
 from ..wire import protocol, run_description
-from ..wire.protocol import ProtocolError
+from ..wire.protocol import ProtocolError, all_finite
 from .aggregation import BudgetError
 from .membership import RunAborted
 
@@ -152,32 +153,47 @@ class Rounds:
             return
         union, mean = agg.mean([None if pushes[r].get("dense") else pushes[r].indices
                                 for r in ranks], [pushes[r].values for r in ranks])
+        offset = 0 if self.parts is None else int(self.parts[part])  # the part's first key
+        check_finite(it, "sum of the pushes", union, mean, offset, pushes, ranks)
         sent_idx, sent_val = union, mean
         if self.limit is not None:
             sent_idx, sent_val = self.limit.apply(
                 union, mean, self.limit.entries(step[0], len(ranks), self.shard))
             totals["residual"] = int(self.limit.support.size)
+            check_finite(it, "mean plus the size limit's residual", sent_idx, sent_val,
+                         offset, pushes, ranks)
         totals["union"] += int(union.size)
         totals["sent"] += int(sent_idx.size)
-        offset = 0 if self.parts is None else int(self.parts[part])  # the part's first key
         if self.value_memory is not None:
             fields["value_format"] = self.value_memory.value_format
         if agg.goes_dense(sent_idx.size):
             totals["dense"] = True
             vector = agg.densify(sent_idx, sent_val)
             if self.value_memory is not None:  # rounded in the dense frame's layout
-                vector = self.value_memory.dense(sent_idx, sent_val, vector, offset)
+                vector = self.rounded(it, ranks, lambda: self.value_memory.dense(
+                    sent_idx, sent_val, vector, offset))
             totals["broadcast"] += self.endpoint.broadcast(
                 "aggregate", None, vector, dense=True, **fields)
             totals["broadcast_values"] += self.endpoint.last_value_bytes
             return
         if self.value_memory is not None:
-            sent_val = self.value_memory.sparse(sent_idx, sent_val, offset)
+            sent_val = self.rounded(it, ranks, lambda: self.value_memory.sparse(
+                sent_idx, sent_val, offset))
         sent_idx = sent_idx.astype(agg.index_dtype, copy=False)
         sent_idx.flags.writeable = False  # never changed again: the key caches hold it
         totals["broadcast"] += self.endpoint.broadcast(
             "aggregate", sent_idx, sent_val, model_size=agg.numel, **fields)
         totals["broadcast_values"] += self.endpoint.last_value_bytes
+
+    @staticmethod
+    def rounded(it: int, ranks: list[int], rounding):
+        """``rounding()`` (the broadcast memory's), or the run's end when the memory and the
+        mean together overflow (check_finite's rule)."""
+        try:
+            return rounding()
+        except NonFiniteError as exc:
+            raise RunAborted(f"the aggregate of iteration {it}: {exc} (the gradients are "
+                             "exploding; lower --lr, or use --clip-norm)", ranks) from None
 
     # ---------------------------------------------------------------------------- messages
     def collect_one(self, it: int, msg_type: str, step) -> tuple[dict, int]:
@@ -328,6 +344,28 @@ class Rounds:
                     raise RunAborted(f"rank {m['rank']} sent two checksums for iteration {it}")
                 checksums[m["rank"]] = m["checksum"]
         check_checksums(it, checksums)
+
+
+def check_finite(it: int, what: str, indices: np.ndarray, values: np.ndarray, offset: int,
+                 pushes: dict, ranks: list[int]) -> None:
+    """The overflow rule (docs/protocol.md, Rounds): every value of a round's aggregate is
+    finite. Finite pushes can still sum past float32's range (or, with the size limit, add up
+    with what it held back); such a round is never broadcast (a receiver refuses a non-finite
+    value, and a rounding memory holding inf would poison that key for ever): the run ends,
+    naming the key and the ranks that pushed it."""
+    if all_finite(values):
+        return
+    first = int(np.flatnonzero(~np.isfinite(values))[0])
+    key = int(indices[first]) + offset
+    local = key - offset
+    pushed = [r for r in ranks if pushes[r].values is not None and (
+        pushes[r].values[local] != 0 if pushes[r].get("dense") else
+        np.searchsorted(pushes[r].indices, local) < pushes[r].indices.size and
+        pushes[r].indices[np.searchsorted(pushes[r].indices, local)] == local)]
+    raise RunAborted(f"the aggregate of iteration {it} overflows float32 at key {key}: the "
+                     f"{what} there is {float(values[first])} (ranks {pushed} pushed values "
+                     "there whose sum passes float32's range, ~3.4e38): the gradients are "
+                     "exploding; lower --lr, or use --clip-norm", pushed)
 
 
 def check_checksums(it: int, checksums: dict) -> None:

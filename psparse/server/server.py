@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from .. import checkpoint
 from ..config import bucket_refusal, parse_limit
 from ..cpu import jit
-from ..rundir import PORT_FILE, SUMMARY_FILE, write_atomic
+from ..rundir import PORT_FILE, SUMMARY_FILE, RunDirError, write_atomic
 from ..wire import keyranges, protocol, run_description
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel
@@ -98,19 +99,19 @@ class Server:
     # ------------------------------------------------------------------------------- main loop
     def run(self) -> int:
         """Serve one training run; returns the process exit code (0 ok, 1 aborted)."""
-        if self.out_dir:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            saved = self._resume_point() if self.resume else None
-            self.records.open(saved)
-            write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
-            if self.sharded:  # the merge waits for every shard's summary of this run
-                (self.out_dir / SUMMARY_FILE).unlink(missing_ok=True)
-        elif self.resume:
+        if self.resume and not self.out_dir:
             raise ValueError("resuming needs the run directory (--out)")
-        self.log(f"listening on port {self.port} for {self.world_size} workers"
-                 + (f" (key-range shard {self.shard[0]} of {self.shard[1]})"
-                    if self.sharded else ""))
         try:
+            if self.out_dir:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                saved = self._resume_point() if self.resume else None
+                self.records.open(saved)
+                write_atomic(self.out_dir / PORT_FILE, f"{self.port}\n")
+                if self.sharded:  # the merge waits for every shard's summary of this run
+                    (self.out_dir / SUMMARY_FILE).unlink(missing_ok=True)
+            self.log(f"listening on port {self.port} for {self.world_size} workers"
+                     + (f" (key-range shard {self.shard[0]} of {self.shard[1]})"
+                        if self.sharded else ""))
             self.register_workers()
             if self.resume:
                 self._restore()
@@ -119,6 +120,14 @@ class Server:
             return 0
         except RunAborted as exc:
             self.abort(str(exc), exc.ranks)
+            return 1
+        except (RunDirError, checkpoint.CheckpointError) as exc:  # the run directory's files
+            self.abort(str(exc))
+            return 1
+        except Exception as exc:  # a bug: still tell every worker and leave the cause on record
+            self.log(traceback.format_exc().rstrip())
+            self.abort(f"the server failed: {type(exc).__name__}: {exc} (a bug in "
+                       "psparse-server; its log has the traceback)")
             return 1
         finally:
             self.records.close()
@@ -233,7 +242,7 @@ class Server:
         (an elastic run that lost workers before it resumes without them)."""
         point = checkpoint.resume_point(self.run_dir, self.world_size, self.shard[1])
         if point is None:
-            raise ValueError(f"no checkpoint in {self.run_dir} that the server"
+            raise RunAborted(f"no checkpoint in {self.run_dir} that the server"
                              + (f" shards (all {self.shard[1]})" if self.sharded else "")
                              + " and every worker live at it saved")
         self.start = point.iteration
@@ -256,7 +265,7 @@ class Server:
         }, header={"live": live})
 
     def _restore(self) -> None:
-        state = checkpoint.load(self.out_dir, "server", self.start)
+        state = checkpoint.load(self.out_dir, "server", self.start)  # (CheckpointError: damaged)
         self.records.restore(state)
         members = self.members
         members.evaluators = state.get("evaluators", members.evaluators)

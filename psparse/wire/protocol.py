@@ -19,7 +19,7 @@ from ..cpu import reference
 from ..cpu.jit import REFERENCE, compiled
 from . import codec
 from .codec import CodecError, KeyCache, codec_kernels
-from .values import FP32, ValueFormat, ValueFrameError, unpack
+from .values import FP32, MAX_BLOCK, ValueFormat, ValueFrameError, unpack
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -216,7 +216,8 @@ def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: Ke
 
 
 def decode(frames, numel: int | None = None, max_count: int | None = None,
-           cache: KeyCache | None = None, remember: bool = True, scope=None) -> Message:
+           cache: KeyCache | None = None, remember: bool = True, scope=None,
+           admit=None) -> Message:
     """Parse and validate one received message.
 
     ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
@@ -225,7 +226,10 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
     other reasons records it itself on acceptance: refused sets are not remembered).
     ``scope(header)``, when given, returns the (numel, cache) that apply to this message once
     its header is validated (a run with parts: each part has its own size and key cache), or
-    raises ProtocolError. Raises ProtocolError on anything malformed.
+    raises ProtocolError. ``admit(msg)``, when given, sees the message with its header only
+    (checked) before any other frame is read, and raises ProtocolError to refuse it: a server
+    checks who sent it before it spends anything on the frames. Raises ProtocolError on
+    anything malformed.
     """
     if not frames:
         raise ProtocolError("empty message")
@@ -252,6 +256,8 @@ def decode(frames, numel: int | None = None, max_count: int | None = None,
         raise ProtocolError(f"{msg_type} message has {len(frames)} frames, expected "
                             f"{expected_frames}")
     msg = Message(msg_type, header)
+    if admit is not None:
+        admit(msg)
     if scope is not None:
         numel, cache = scope(header)
     limit = max_count if max_count is not None else numel
@@ -416,8 +422,8 @@ def _decode_values(header: dict, val_frame, count: int) -> np.ndarray:
     if dtype in ("int8", "int4"):
         if block is None:
             raise ProtocolError(f"{dtype} values need the header field 'value_block'")
-        if block < 1:
-            raise ProtocolError(f"value_block must be >= 1, got {block}")
+        if not 1 <= block <= MAX_BLOCK:
+            raise ProtocolError(f"value_block must be in [1, {MAX_BLOCK}] (2^20), got {block}")
     elif block is not None:
         raise ProtocolError(f"value_block is for int8 and int4 values, not {dtype}")
     try:
