@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-isa test-fast demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ ISAS ?= AVX2 AVX512_CORE
 test-isa: install data
 	set -e; for isa in $(ISAS); do echo "== ONEDNN_MAX_CPU_ISA=$$isa"; \
 		ONEDNN_MAX_CPU_ISA=$$isa $(PYTEST) $(ISA_TESTS); done
+
+# issue 51: random SIGKILLs of workers, server (during checkpoints and restarts too) and the
+# launcher over an 8,000-iteration self-healing run; it must end identical to a clean one
+# (tests/chaos.py; tests/test_chaos.py is the short one in make test). ~5 min.
+soak: install data
+	$(PY) tests/chaos.py --kills 15 --launcher-kills 2 --iterations 8000 --out runs/soak
 
 test-fast: install data
 	$(PYTEST) -m "not slow" tests

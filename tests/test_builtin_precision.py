@@ -88,3 +88,32 @@ def test_bf16_channels_last_trains_and_fp16_goes_through_the_scaler(tmp_path, ba
     assert evals[-1]["test_acc"] > 0.3  # evaluated with the same autocast: a real accuracy
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["amp"] == "bf16" and config["channels_last"] is True
+
+
+def test_evaluation_on_every_core_equals_one_cores(data_root):
+    """The evaluator uses every core while the other ranks wait (loop.eval_threads); its
+    results are the ones thread count does not change, so a run evaluated on a one-core host
+    (the emulated cluster's) and on this machine agree (experiments/time_to_accuracy.py's
+    premise)."""
+    import os
+
+    import torch
+
+    from psparse.data import load_dataset
+    from psparse.training.loop import evaluate_model
+    from psparse.training.models import build_model
+
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip(f"one core here ({sorted(cores)}): nothing to compare")
+    torch.manual_seed(0)
+    data = load_dataset("mnist", data_root)
+    model = build_model("lenet", data.in_shape, data.num_classes, {})
+    results = []
+    try:
+        for allowed in ({min(cores)}, cores):
+            os.sched_setaffinity(0, allowed)
+            results.append(evaluate_model(model, data, torch.device("cpu"), 3000))
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert results[0] == results[1]

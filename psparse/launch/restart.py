@@ -6,7 +6,9 @@ resuming from the newest iteration for which every process saved a checkpoint
 (psparse/checkpoint.py), up to R times, as torchrun's ``--max-restarts`` restarts its worker
 group. When no checkpoint is complete yet, the run starts again from the beginning. A run that
 fails again with the same cause at the same iteration is not restarted again: that fault is in
-the run (its data, its code), not in a machine, and would only repeat.
+the run (its data, its code), not in a machine, and would only repeat. A process ended by a
+signal (SIGKILL from an operator, a scheduler, the OOM killer) is restarted whatever came
+before, up to R times: the signal came from outside the run.
 
 Each attempt's logs stay in ``logs/attempt-I/``. summary.json gets ``attempts``: one record per
 attempt with its cause (the first process that failed, its exit code, the iterations completed
@@ -263,7 +265,9 @@ class Restarts:
                 self.say(f"psparse-launch: no restart left ({self.max_restarts} used); the run "
                          f"failed: {attempt.describe()}")
             return False
-        if len(self.attempts) > 1 and self.attempts[-2].cause() == attempt.cause():
+        killed = (attempt.process_exit_code or 0) < 0  # by a signal: from outside the run
+        if len(self.attempts) > 1 and self.attempts[-2].cause() == attempt.cause() \
+                and not killed:
             self.say("psparse-launch: the run failed again with the same cause at the same "
                      f"iteration; not restarting it: {attempt.describe()}")
             return False
