@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from test_server import Client, start_clients
+from test_server import Client
 
 from psparse.wire import protocol
 
