@@ -3,6 +3,7 @@
     python -m experiments.time_to_accuracy --only lenet           # make exp-tta (LeNet, ~50 min)
     python -m experiments.time_to_accuracy --only lenet --stage accuracy --runs topk,ddp --seeds 1,2
     python -m experiments.time_to_accuracy --stage report         # tables from what has run
+    python -m experiments.time_to_accuracy --only resnet20 --stage status   # the grid at a glance
 
 A run is bit-reproducible: its accuracy after iteration t does not depend on the network or
 the hosts' CPU (the arithmetic is the same; only the clock differs). So
@@ -24,6 +25,14 @@ Stages (``--stage``, default all in this order):
   0: the steady iteration (the mean after 3 warm-up iterations, evaluations left out), its
   split, link bytes and the server's CPU per round.
 * ``report``: experiments/results/time-to-accuracy.{md,json} and tta-<model>-<rate>.png.
+
+Two stages that run nothing, for a grid made piece by piece (ResNet-20's accuracy runs take
+~20-45 min each on 2 cores: run them in the background from a worktree pinned to one commit):
+``status`` lists every accuracy run of the grid as done, recorded, running, stopped, failed or
+missing, with its iterations and best evaluation; ``record`` copies the finished ones' results
+(config, summary, evaluations, gzipped metrics; no checkpoints) to
+experiments/results/tta-runs/<model>/<run>-s<seed>/ for committing, and a report on a fresh
+checkout reads them where runs/tta/ has none.
 
 Composition of a run with a dense warm-up (PowerSGD's ``start_powerSGD_iter`` W): W iterations
 at DDP's steady iteration, the rest at the steady iteration of the same rank compressing from
@@ -214,8 +223,39 @@ def timings(model: str, rate: str) -> tuple[dict[str, float], dict[str, dict]]:
     return steady, rows
 
 
+# The accuracy runs' recorded files, committed as they finish (``--stage record``): config,
+# summary, evaluations and the gzipped metrics of each, enough for a report on a fresh checkout
+RECORDED = RESULTS / "tta-runs"
+RECORDED_FILES = ("config.json", "summary.json", "eval.jsonl")
+
+
+def recorded_dir(model: str, name: str, seed: int) -> Path:
+    return RECORDED / model / f"{name}-s{seed}"
+
+
+def record_run(model: str, name: str, seed: int) -> Path:
+    """Copy a finished accuracy run's results (not its checkpoints or logs) to
+    experiments/results/tta-runs/<model>/<run>-s<seed>/, metrics.jsonl gzipped."""
+    import gzip
+    import shutil
+
+    src, dst = accuracy_dir(model, name, seed), recorded_dir(model, name, seed)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in RECORDED_FILES:
+        shutil.copyfile(src / f, dst / f)
+    with open(src / "metrics.jsonl", "rb") as fin, \
+            gzip.GzipFile(dst / "metrics.jsonl.gz", "wb", mtime=0) as fout:
+        shutil.copyfileobj(fin, fout)
+    return dst
+
+
 def accuracy_record(model: str, name: str, seed: int) -> dict | None:
-    out = accuracy_dir(model, name, seed)
+    """A finished accuracy run's record: from runs/tta/, else from its recorded files."""
+    return accuracy_record_at(accuracy_dir(model, name, seed), name, seed, model) or \
+        accuracy_record_at(recorded_dir(model, name, seed), name, seed, model)
+
+
+def accuracy_record_at(out: Path, name: str, seed: int, model: str) -> dict | None:
     run = RunDir(out)
     summary = run.summary()
     if not summary or summary.get("status") != "ok":
@@ -484,12 +524,17 @@ def grid_status(model: str, names: list[str], seeds: str | None,
             done = len(run.metrics()) if metrics.is_file() else 0
             if cache.finished():
                 state = "done" if (run.summary() or {}).get("status") == "ok" else "failed"
+                if state == "done" and (recorded_dir(model, name, seed) / "summary.json").is_file():
+                    state = "done, recorded"
             elif cache.started():
                 recent = metrics.is_file() and time.time() - metrics.stat().st_mtime < 600
                 state = "running" if recent else "stopped"
+            elif (recorded_dir(model, name, seed) / "summary.json").is_file():
+                state, run = "recorded", RunDir(recorded_dir(model, name, seed))
+                done = (run.summary() or {}).get("iterations") or 0
             else:
                 state = "missing"
-            evals = run.evals() if out.is_dir() else []
+            evals = run.evals() if run.path.is_dir() else []
             best = max((e["test_acc"] for e in evals), default=None)
             rows.append([name, str(seed), state, f"{done}/{TTA[model]['iterations']}",
                          "-" if best is None else f"{100 * best:.2f}%"])
@@ -503,8 +548,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="lenet", help="models (lenet, resnet20; default lenet)")
     p.add_argument("--stage", default="accuracy,validate,timing,report",
                    help="comma-separated stages to run, in this order (default all); "
-                        "status alone lists the grid's accuracy runs as done, running, "
-                        "stopped, failed or missing, and runs nothing")
+                        "record copies the finished accuracy runs' results (config, summary, "
+                        "evaluations, gzipped metrics) to experiments/results/tta-runs/ for "
+                        "committing; status lists the grid's accuracy runs as done, recorded, "
+                        "running, stopped, failed or missing (record and status run nothing)")
     p.add_argument("--runs", default=",".join(TTA_RUNS),
                    help="runs of the accuracy stage (default every one of the comparison; "
                         "the timing stage runs those of them that have cluster runs)")
@@ -520,11 +567,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     models, stages = args.only.split(","), args.stage.split(",")
     names = args.runs.split(",")
+    if "record" in stages:  # the finished accuracy runs' results into experiments/results/
+        for model in models:
+            for name in names:
+                for seed in wanted_seeds(name, args.seeds):
+                    rec = accuracy_record_at(accuracy_dir(model, name, seed), name, seed, model)
+                    if rec is not None:
+                        print(f"[tta] recorded {record_run(model, name, seed).relative_to(ROOT)}"
+                              f": best {100 * rec['best_acc']:.2f}%, to targets {rec['to']}")
     if "status" in stages:  # at a glance: which accuracy runs are done, running or missing
         for model in models:
             rows = grid_status(model, names, args.seeds, args.data_dir)
             print(f"{model}: " + ", ".join(f"{sum(r[2] == s for r in rows)} {s}" for s in
-                                           ("done", "running", "stopped", "failed", "missing")))
+                                           ("done", "done, recorded", "recorded", "running",
+                                            "stopped", "failed", "missing")))
             print(md_table(["run", "seed", "state", "iterations", "best evaluation"], rows))
         return 0
     for model in models:

@@ -8,9 +8,9 @@ environment -- is ``psparse.options``.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 
+from .option_rules import bucket_refusal, parse_limit
 from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
@@ -21,7 +21,7 @@ MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the 
 DATASETS = ("mnist", "cifar10", "digits")
 # The built-in loop's (and the DDP baseline's) length without --epochs or --iterations
 DEFAULT_EPOCHS = 8.0
-# The built-in loop's learning-rate schedules (--lr-schedule; RunConfig.lr_at)
+# The built-in loop's learning-rate schedules (--lr-schedule; training/schedule.py)
 LR_SCHEDULES = ("step", "cosine")
 # The error-feedback memories (psparse/policies/memory.py takes both from here)
 MEMORIES = ("residual", "dgc", "scalecom")
@@ -155,13 +155,11 @@ class RunConfig:
     weight_decay: float = option(0.0, "SGD weight decay")
     amp: str | None = option(None,
         "the built-in loop's (and --baseline runs') forward pass under torch.autocast in bf16 "
-        "or fp16; fp16 adds a GradScaler whose skipped steps every rank takes together. "
-        "Parameters, the optimizer, the accumulator and everything on the wire stay float32 "
-        "(or --values) (default: float32)")
+        "or fp16 (with a GradScaler every rank skips alike); weights, accumulator and wire "
+        "stay float32 (or --values) (default: float32)")
     channels_last: bool = option(False,
-        "the built-in loop feeds images in channels-last memory order, so convolutions run "
-        "on channels-last kernels (1.2-1.3x faster ResNet-20 steps on oneDNN CPUs; the flat "
-        "parameters stay contiguous). The floats differ from a run without it")
+        "the built-in loop feeds images in channels-last memory order: channels-last "
+        "convolutions (faster on oneDNN CPUs and tensor cores; other floats)")
     seed: int = option(0, "seed for initial weights, data shards and shuffling")
     record_selections: bool = option(False,
         "workers save each iteration's top-k gradient indices and sent indices to "
@@ -398,29 +396,10 @@ class RunConfig:
     def lr_step_epochs(self) -> list[float]:
         return [float(s) for s in self.lr_steps.split(",")] if self.lr_steps else []
 
-    def lr_varies(self) -> bool:
-        """Whether the built-in loop sets the learning rate every iteration (lr_at)."""
-        return bool(self.lr_steps) or self.lr_schedule != "step" or self.warmup_epochs > 0
-
     def lr_at(self, epoch: float) -> float:
         """The step schedule's learning rate at ``epoch``: --lr, times 0.1 for every
         --lr-steps epoch passed (the ResNet paper's schedule)."""
         return self.lr * 0.1 ** sum(epoch >= s for s in self.lr_step_epochs())
-
-    def lr_for(self, it: int, batches_per_epoch: int, iterations: int) -> float:
-        """The built-in loop's learning rate for iteration ``it`` (0-based) of ``iterations``:
-        first a linear warm-up over W = --warmup-epochs x batches_per_epoch iterations, lr x
-        min(1, (it + 1) / W) (so the first step is not wasted at 0; Goyal et al. 2017), then
-        the step schedule at epoch it / batches_per_epoch (lr_at), or cosine from --lr at the
-        warm-up's end to 0 after the last iteration: lr x (1 + cos(pi (it - W) / (iterations
-        - W))) / 2 (SGDR without restarts, Loshchilov and Hutter 2017)."""
-        warm = self.warmup_epochs * batches_per_epoch
-        if it < warm:
-            return self.lr * min(1.0, (it + 1) / warm)
-        if self.lr_schedule == "cosine":
-            done = (it - warm) / max(1.0, iterations - warm)
-            return self.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
-        return self.lr_at(it / batches_per_epoch)
 
     def agreed(self) -> dict:
         """The options every worker must share, as the ``config`` map of the run description
@@ -430,61 +409,6 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-
-# What a round in buckets (--overlap / --bucket-mb) does not work with: one list, checked by the
-# configuration (options), the worker (its policy object: a user's class) and the server (the
-# agreed run and its own options), each with the facts it knows.
-BUCKET_REFUSALS = (
-    ("whole_model", "needs --granularity layer (whole-model selection needs the whole "
-     "gradient, so it keeps one round per iteration)"),
-    ("dense", "needs a density below 1 (a dense exchange has no selection to split by "
-     "bucket)"),
-    ("two_phase", "does not work with the two-phase policy {policy} (its proposal round needs "
-     "every layer's accumulator; it keeps one round per iteration)"),
-    ("overrides_select", "does not work with policy {policy}, which overrides select() (a "
-     "bucket needs per-layer selection: select_slice or score)"),
-    ("record_selections", "does not work with --record-selections (it records the whole "
-     "gradient's top-k)"),
-    ("scalecom", "does not work with --memory scalecom (its memory update after a push covers "
-     "the whole vector)"),
-    ("clip", "does not work with --clip-norm (clipping needs the whole gradient's norm before "
-     "any bucket is accumulated)"),
-    ("shards", "does not work with --servers > 1 yet (use one server)"),
-    ("server_limit", "does not work with --server-limit (the limit cuts the whole round's "
-     "aggregate)"),
-    ("elastic", "does not work with --elastic yet"),
-)
-
-
-def bucket_refusal(**facts: bool) -> str | None:
-    """Why a round in buckets cannot run given these facts (names of BUCKET_REFUSALS), or
-    None; "{policy}" in the text is for the caller to fill."""
-    unknown = set(facts) - {name for name, _ in BUCKET_REFUSALS}
-    if unknown:
-        raise ValueError(f"unknown bucket facts {sorted(unknown)}")
-    for name, why in BUCKET_REFUSALS:
-        if facts.get(name):
-            return why
-    return None
-
-
-def parse_limit(text: str) -> tuple[float, str]:
-    """``"5000"`` -> (5000, "entries"); ``"2k"`` -> (2, "k"); ``"Nk"`` -> (0, "Nk")."""
-    t = str(text).strip()
-    try:
-        if t.lower() == "nk":
-            return 0.0, "Nk"
-        if t.lower().endswith("k"):
-            mult = float(t[:-1])
-            if mult > 0:
-                return mult, "k"
-        elif int(t) > 0:
-            return float(int(t)), "entries"
-    except ValueError:
-        pass
-    raise ValueError(f"server limit {text!r}: expected an entry count (5000), a multiple of k "
-                     "(2k, 1.5k) or Nk (world size times k)")
 
 
 def _scope(key: str) -> tuple[str, ...]:

@@ -24,8 +24,8 @@ LAYERS = (
     ("wire", ("psparse.wire",),
      "ZeroMQ transport, index codecs, the messages, the run description, key ranges, "
      "CurveZMQ keys"),
-    ("options", ("psparse.config", "psparse.options"),
-     "every option declared once; flags and config files"),
+    ("options", ("psparse.config", "psparse.options", "psparse.option_rules"),
+     "every option declared once; flags and config files; what options refuse together"),
     ("server", ("psparse.server",),
      "the parameter server: membership, the rounds' arithmetic, records, its command line"),
     ("policies", ("psparse.policies",),

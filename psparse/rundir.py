@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 CONFIG_FILE = "config.json"
@@ -166,3 +167,42 @@ def board_dir(tensorboard: str, out) -> Path:
     """``--tensorboard DIR``: where a run's TensorBoard event files go, DIR/<the run
     directory's name>/ (one TensorBoard run per psparse run)."""
     return Path(tensorboard) / Path(out).resolve().name
+
+
+# What marks a folder as a run directory (docs/run-directory.md): any of these
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, SUMMARY_FILE, "checkpoint", "shard-0")
+
+
+def held_run(out: Path) -> str | None:
+    """What of another run ``out`` holds (e.g. "config.json, checkpoint/"), or None: a missing
+    or empty folder, or one with none of a run's files, can take a fresh run."""
+    found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_MARKERS
+             if (out / name).exists()]
+    return ", ".join(found) or None
+
+
+def clear_run_dir(out: Path) -> None:
+    """--overwrite: the run directory's own files and folders, all of them (whatever else the
+    folder holds is left)."""
+    for entry in out.iterdir():
+        name = entry.name
+        ours = name in RUN_MARKERS or name in (PORT_FILE, TIMING_FILE, LOGS_DIR,
+                                               "recall.jsonl", "server_residual.npz") \
+            or name.startswith(("rank-", "shard-", "selections-rank-", "timing-rank-"))
+        if ours:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def complete_run(out: Path) -> str | None:
+    """For --resume: how ``out``'s run ended, when it ended well (its summary.json says ok
+    and metrics.jsonl holds a record of every iteration it counts), e.g. "ok: 300 iterations,
+    iterations reached"; None when there is something to resume."""
+    try:
+        summary = json.loads((out / SUMMARY_FILE).read_text())
+        recorded = len(read_jsonl(out / METRICS_FILE))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "ok" or \
+            recorded < (summary.get("iterations") or 0):
+        return None
+    return f"ok: {summary.get('iterations')} iterations, {summary.get('ended') or 'ended'}"

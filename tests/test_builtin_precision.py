@@ -1,6 +1,6 @@
 """The built-in loop's --amp, --channels-last and learning-rate schedule (--lr-schedule,
 --warmup-epochs, --nesterov), in real launcher runs (psparse and the DDP baseline) and as
-numbers (RunConfig.lr_for)."""
+numbers (psparse.training.schedule)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from conftest import python_module, read_jsonl
 
 from psparse.config import ConfigError, RunConfig
+from psparse.training.schedule import learning_rate, varies
 
 LENET = ["--workers", "2", "--model", "lenet", "--dataset", "mnist", "--iterations", "40",
          "--lr", "0.1", "--density", "0.1", "--eval-every", "20", "--eval-samples", "200",
@@ -32,17 +33,17 @@ def launch(out, *args, timeout=300):
 def test_warmup_then_cosine_and_the_step_schedule_as_numbers():
     cfg = RunConfig(lr=0.2, lr_schedule="cosine", warmup_epochs=2).validate()
     # 10 batches an epoch, 100 iterations: 20 of warm-up, then cosine over 80
-    assert [cfg.lr_for(it, 10, 100) for it in (0, 9, 19)] == pytest.approx([0.01, 0.1, 0.2])
-    assert cfg.lr_for(20, 10, 100) == pytest.approx(0.2)
-    assert cfg.lr_for(60, 10, 100) == pytest.approx(0.1)  # half-way: (1 + cos(pi/2)) / 2
-    assert cfg.lr_for(99, 10, 100) == pytest.approx(0.1 * (1 + math.cos(math.pi * 79 / 80)))
-    assert all(a > b for a, b in zip(*[[cfg.lr_for(it, 10, 100) for it in range(s, 100)]
+    assert [learning_rate(cfg, it, 10, 100) for it in (0, 9, 19)] == pytest.approx([0.01, 0.1, 0.2])
+    assert learning_rate(cfg, 20, 10, 100) == pytest.approx(0.2)
+    assert learning_rate(cfg, 60, 10, 100) == pytest.approx(0.1)  # half-way: (1 + cos(pi/2)) / 2
+    assert learning_rate(cfg, 99, 10, 100) == pytest.approx(0.1 * (1 + math.cos(math.pi * 79 / 80)))
+    assert all(a > b for a, b in zip(*[[learning_rate(cfg, it, 10, 100) for it in range(s, 100)]
                                        for s in (20, 21)]))
     step = RunConfig(lr=0.1, lr_steps="2,3", warmup_epochs=1).validate()
-    assert step.lr_for(4, 10, 100) == pytest.approx(0.05)  # warm-up first
-    assert [step.lr_for(it, 10, 100) for it in (10, 19, 20, 30)] == \
+    assert learning_rate(step, 4, 10, 100) == pytest.approx(0.05)  # warm-up first
+    assert [learning_rate(step, it, 10, 100) for it in (10, 19, 20, 30)] == \
         pytest.approx([0.1, 0.1, 0.01, 0.001])
-    assert not RunConfig().validate().lr_varies()
+    assert not varies(RunConfig().validate())
     for bad, match in ((dict(amp="fp8"), "amp must be bf16 or fp16"),
                        (dict(nesterov=True, momentum=0.0), "nesterov needs momentum"),
                        (dict(lr_schedule="linear"), "lr-schedule must be one of"),

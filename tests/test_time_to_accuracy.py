@@ -23,11 +23,15 @@ def test_accuracy_runs_are_the_cluster_runs_but_for_length_and_evaluation():
             long = resolve_config(build_parser().parse_args(
                 ["--out", "x", *tta.accuracy_args(model, name)]))
             short = resolve_config(build_parser().parse_args(
-                ["--out", "x", *MODELS[model]["base"], *RUNS[name]]))
+                ["--out", "x", *tta.cluster_args(model), *RUNS[name]]))
             assert long.iterations == tta.TTA[model]["iterations"]
             assert long.eval_samples is None  # the whole test set
             differ = {k for k in vars(long) if getattr(long, k) != getattr(short, k)}
             assert differ <= {"iterations", "eval_every", "eval_samples"}, (model, name, differ)
+    # LeNet's cluster runs are section 6.2's; ResNet-20's have their own schedule and precision
+    assert tta.cluster_args("lenet") == MODELS["lenet"]["base"]
+    assert "--amp" in tta.cluster_args("resnet20") and "--channels-last" in tta.cluster_args(
+        "resnet20")
     # every timing run is a cluster run; PowerSGD's w1000 runs are timed by their w100 run
     assert set(tta.TIMING_RUNS) <= set(RUNS)
     assert all(tta.timing_of(n) in tta.TIMING_RUNS for n in tta.TTA_RUNS)

@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import socket
 import sys
@@ -28,13 +27,14 @@ from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
 from ..rundir import (
-    CONFIG_FILE,
     EVAL_FILE,
-    LOGS_DIR,
     METRICS_FILE,
     PORT_FILE,
     SUMMARY_FILE,
     TIMING_FILE,
+    clear_run_dir,
+    complete_run,
+    held_run,
     open_truncated,
 )
 from ..server.records import merge_run_dir
@@ -185,42 +185,6 @@ def prepare_run_dir(plan: Plan) -> None:
             record["powersgd_rank"] = plan.powersgd_rank
             record["powersgd_warmup"] = plan.powersgd_warmup
     plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-
-
-# What marks a folder as a run directory (docs/run-directory.md): any of these
-RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, EVAL_FILE, SUMMARY_FILE, "checkpoint", "shard-0")
-
-
-def held_run(out: Path) -> str | None:
-    """What of another run ``out`` holds (e.g. "config.json, checkpoint/"), or None: a missing
-    or empty folder, or one with none of a run's files, can take a fresh run."""
-    found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_MARKERS
-             if (out / name).exists()]
-    return ", ".join(found) or None
-
-
-def clear_run_dir(out: Path) -> None:
-    """--overwrite: the run directory's own files and folders, all of them (whatever else the
-    folder holds is left)."""
-    for entry in out.iterdir():
-        name = entry.name
-        ours = name in RUN_MARKERS or name in (PORT_FILE, TIMING_FILE, LOGS_DIR,
-                                               "recall.jsonl", "server_residual.npz") \
-            or name.startswith(("rank-", "shard-", "selections-rank-", "timing-rank-"))
-        if ours:
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-
-
-def complete_run(out: Path) -> str | None:
-    """For --resume: how ``out``'s run ended, when it ended well (its summary.json says ok),
-    e.g. "ok: 300 iterations, iterations reached"; None when there is something to resume."""
-    try:
-        summary = json.loads((out / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("status") != "ok":
-        return None
-    return f"ok: {summary.get('iterations')} iterations, {summary.get('ended') or 'ended'}"
 
 
 def check_start(plan: Plan) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint
-from ..config import bucket_refusal, parse_limit
 from ..cpu import jit
+from ..option_rules import bucket_refusal, parse_limit
 from ..rundir import PORT_FILE, SUMMARY_FILE, RunDirError, write_atomic
 from ..wire import keyranges, protocol, run_description
 from ..wire.protocol import ProtocolError

@@ -33,6 +33,7 @@ from ..worker import environment
 from ..worker.client import ServerGone, WorkerError, report_failure
 from ..worker.flat_model import pick_device
 from ..worker.session import Session, failure_cause
+from . import schedule
 from .models import build_model
 
 __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
@@ -60,9 +61,10 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
                               "(lower --lr, or use --clip-norm)")
         precision.backward(loss)
         session.exchange(loss)
-        if cfg.lr_varies():
+        if schedule.varies(cfg):
             for group in optimizer.param_groups:
-                group["lr"] = cfg.lr_for(it, shard.batches_per_epoch, session.iterations)
+                group["lr"] = schedule.learning_rate(cfg, it, shard.batches_per_epoch,
+                                                     session.iterations)
         precision.step(optimizer)
         done = it + 1
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \

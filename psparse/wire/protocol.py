@@ -218,19 +218,14 @@ def _index_frame(header: dict, indices: np.ndarray, numel: int | None, cache: Ke
 def decode(frames, numel: int | None = None, max_count: int | None = None,
            cache: KeyCache | None = None, remember: bool = True, scope=None,
            admit=None) -> Message:
-    """Parse and validate one received message.
+    """Parse and validate one received message; ProtocolError on anything malformed.
 
     ``numel`` bounds the indices of sparse messages ([0, numel)); ``max_count`` bounds their entry
     count (defaults to ``numel``); ``cache`` resolves key-cached index sets and, with
-    ``remember``, records the received set (a receiver that may still refuse the message for
-    other reasons records it itself on acceptance: refused sets are not remembered).
-    ``scope(header)``, when given, returns the (numel, cache) that apply to this message once
-    its header is validated (a run with parts: each part has its own size and key cache), or
-    raises ProtocolError. ``admit(msg)``, when given, sees the message with its header only
-    (checked) before any other frame is read, and raises ProtocolError to refuse it: a server
-    checks who sent it before it spends anything on the frames. Raises ProtocolError on
-    anything malformed.
-    """
+    ``remember``, records the received set (refused sets are not: a receiver that may refuse
+    records on acceptance). ``scope(header)`` returns the (numel, cache) of a run's part, or
+    raises ProtocolError; so may ``admit(msg)``, given the checked header before any other
+    frame is read (a server's check of the sender)."""
     if not frames:
         raise ProtocolError("empty message")
     head = _buffer(frames[0])

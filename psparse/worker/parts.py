@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from ..config import DEFAULT_BUCKET_MB, ConfigError, bucket_refusal
+from ..config import DEFAULT_BUCKET_MB, ConfigError
 from ..cpu.sparsify import NonFiniteError
+from ..option_rules import bucket_refusal
 from ..policies import PolicyError, SelectionPolicy, check_output
 from ..xp import INDEX_DTYPE
 from . import buckets

@@ -1,0 +1,58 @@
+"""What the run's options refuse together, and the --server-limit syntax: rules the
+configuration (config.py), the server and the worker each check with the facts they know."""
+
+from __future__ import annotations
+
+# What a round in buckets (--overlap / --bucket-mb) does not work with: one list, checked by the
+# configuration (options), the worker (its policy object: a user's class) and the server (the
+# agreed run and its own options), each with the facts it knows.
+BUCKET_REFUSALS = (
+    ("whole_model", "needs --granularity layer (whole-model selection needs the whole "
+     "gradient, so it keeps one round per iteration)"),
+    ("dense", "needs a density below 1 (a dense exchange has no selection to split by "
+     "bucket)"),
+    ("two_phase", "does not work with the two-phase policy {policy} (its proposal round needs "
+     "every layer's accumulator; it keeps one round per iteration)"),
+    ("overrides_select", "does not work with policy {policy}, which overrides select() (a "
+     "bucket needs per-layer selection: select_slice or score)"),
+    ("record_selections", "does not work with --record-selections (it records the whole "
+     "gradient's top-k)"),
+    ("scalecom", "does not work with --memory scalecom (its memory update after a push covers "
+     "the whole vector)"),
+    ("clip", "does not work with --clip-norm (clipping needs the whole gradient's norm before "
+     "any bucket is accumulated)"),
+    ("shards", "does not work with --servers > 1 yet (use one server)"),
+    ("server_limit", "does not work with --server-limit (the limit cuts the whole round's "
+     "aggregate)"),
+    ("elastic", "does not work with --elastic yet"),
+)
+
+
+def bucket_refusal(**facts: bool) -> str | None:
+    """Why a round in buckets cannot run given these facts (names of BUCKET_REFUSALS), or
+    None; "{policy}" in the text is for the caller to fill."""
+    unknown = set(facts) - {name for name, _ in BUCKET_REFUSALS}
+    if unknown:
+        raise ValueError(f"unknown bucket facts {sorted(unknown)}")
+    for name, why in BUCKET_REFUSALS:
+        if facts.get(name):
+            return why
+    return None
+
+
+def parse_limit(text: str) -> tuple[float, str]:
+    """``"5000"`` -> (5000, "entries"); ``"2k"`` -> (2, "k"); ``"Nk"`` -> (0, "Nk")."""
+    t = str(text).strip()
+    try:
+        if t.lower() == "nk":
+            return 0.0, "Nk"
+        if t.lower().endswith("k"):
+            mult = float(t[:-1])
+            if mult > 0:
+                return mult, "k"
+        elif int(t) > 0:
+            return float(int(t)), "entries"
+    except ValueError:
+        pass
+    raise ValueError(f"server limit {text!r}: expected an entry count (5000), a multiple of k "
+                     "(2k, 1.5k) or Nk (world size times k)")
