@@ -226,6 +226,22 @@ def test_density_warmup_schedule():
     assert density_schedule(0.01, 0, 0) == 0.01
 
 
+def test_the_density_warmup_is_named_for_the_schedule_it_is():
+    """The DGC paper's four-fold schedule, not DGC's released code's geometric interpolation
+    d^((e+1)/(E+1)), which the docs give beside it (issue 51, item 10): the two differ."""
+    from pathlib import Path
+
+    from psparse.config import HELP
+
+    dgc_code = [0.001 ** ((e + 1) / 5) for e in range(4)]  # E = 4 warm-up epochs, d = 0.1%
+    ours = [density_schedule(0.001, 4, e) for e in range(4)]
+    assert ours == [0.25 ** (e + 1) for e in range(4)] and ours != pytest.approx(dgc_code)
+    assert "the DGC paper's four-fold schedule (not its released code's" in HELP["density_warmup"]
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    assert "DGC warm-up:" not in (docs / "cli.md").read_text()
+    assert "d^((e+1)/(E+1))" in (docs / "policies.md").read_text()
+
+
 # ------------------------------------------------------------------ real multi-worker runs
 
 def _run(tmp_path, name, *args):
