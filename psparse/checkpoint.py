@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -134,9 +135,9 @@ def resume_point(run_dir: Path, world_size: int, shards: int = 1) -> ResumePoint
 
 def damaged(run_dir: Path, world_size: int, shards: int = 1) -> list[str]:
     """What is wrong with the files of the resume point (a server file whose header cannot
-    be read, a file cut short or unreadable): empty when every file of it loads. Reads them
-    whole: the launcher checks before it restarts, so that a damaged file is named, not
-    restarted on."""
+    be read, a file cut short or unreadable): empty when every file of it is whole
+    (check_whole). The launcher checks before it resumes or restarts, so that a damaged file
+    is named, not restarted on."""
     try:
         point = resume_point(run_dir, world_size, shards)
     except CheckpointError as exc:
@@ -149,7 +150,24 @@ def damaged(run_dir: Path, world_size: int, shards: int = 1) -> list[str]:
     for folder, who in [(d, "server") for d in server_dirs] + \
             [(run_dir, f"rank-{r}") for r in point.live]:
         try:
-            load(folder, who, point.iteration)
+            check_whole(folder, who, point.iteration)
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
+
+
+def check_whole(run_dir: Path, who: str, iteration: int) -> None:
+    """CheckpointError unless the file holds whole pickles (its header's, then its state's)
+    and nothing after them. Walks the pickle opcodes without running them: no object is
+    rebuilt (a worker's CUDA tensors would start CUDA in the launcher, or fail on a host
+    without a GPU), and a file cut short, or garbage, fails where it stops making sense."""
+    path = directory(run_dir) / f"{who}-{iteration}.pt"
+    with _reading(path) as fh:
+        for _ in pickletools.genops(fh):  # the first pickle: the header, or the whole state
+            pass
+        if fh.read(1):  # a header was first: the state follows, then the end of the file
+            fh.seek(-1, os.SEEK_CUR)
+            for _ in pickletools.genops(fh):
+                pass
+            if fh.read(1):
+                raise ValueError("bytes after the saved state")

@@ -66,10 +66,14 @@ class RunDirError(ValueError):
     line) and what is wrong."""
 
 
-def parse_record(path: Path, n: int, line: str) -> dict:
+def parse_record(path: Path, n: int, line: bytes) -> dict:
     """Line ``n`` (0-based) of a JSON-lines file as a record, or RunDirError naming both."""
     try:
-        record = json.loads(line)
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RunDirError(f"{path}, line {n + 1}: not UTF-8 text (byte {exc.start + 1}); the "
+                          "file is damaged: restore it, or remove the run directory and start "
+                          "again") from None
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{path}, line {n + 1}: not a JSON record ({exc.msg} at column "
                           f"{exc.colno}); the file is damaged: restore it, or remove the run "
@@ -80,10 +84,11 @@ def parse_record(path: Path, n: int, line: str) -> dict:
     return record
 
 
-def complete_lines(text: str) -> list[str]:
-    """The whole lines of a JSON-lines text: a last line without its newline is one a writer
-    was killed in the middle of, and is left out."""
-    return text[:text.rfind("\n") + 1].splitlines()
+def complete_lines(data: bytes) -> list[bytes]:
+    """The whole lines of a JSON-lines file's bytes, split at newlines only (not at the other
+    characters str.splitlines takes for line ends): a last line without its newline is one a
+    writer was killed in the middle of, and is left out."""
+    return data[:data.rfind(b"\n") + 1].split(b"\n")[:-1]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -93,7 +98,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [parse_record(path, n, line)
-            for n, line in enumerate(complete_lines(path.read_text())) if line.strip()]
+            for n, line in enumerate(complete_lines(path.read_bytes())) if line.strip()]
 
 
 class JsonlTail:
@@ -156,10 +161,10 @@ def open_truncated(path: Path, keep):
     naming the file and line."""
     path = Path(path)
     if path.is_file():
-        lines = complete_lines(path.read_text())
+        lines = complete_lines(path.read_bytes())
         kept = [line for n, line in enumerate(lines)
                 if line.strip() and keep(n, parse_record(path, n, line))]
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        write_atomic(path, "".join(line.decode("utf-8") + "\n" for line in kept))
     return open(path, "a")
 
 

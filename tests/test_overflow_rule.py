@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from test_server import Client
+from test_server import Client, start_clients
 
 from psparse.wire import protocol
 
@@ -110,3 +110,15 @@ def test_a_dense_push_is_allowed_where_the_runs_value_bytes_say(server_factory, 
         assert np.flatnonzero(got).tolist() == [3, 500]
     else:
         assert msg.type == "error" and "dense push refused" in msg["message"]
+
+
+def test_the_size_limits_residual_plus_the_mean_overflowing_ends_the_run(server_factory):
+    """--server-limit 1: round 0 sends key 1 and holds key 2's 3e38 back; round 1 pushes 3e38
+    at key 2 again: the held value plus the mean passes float32's range."""
+    server = server_factory(1, extra=("--server-limit", "1"))
+    (client,) = start_clients(server, 1, 4)
+    client.push(0, [1, 2], [3.3e38, 3e38])
+    agg = client.recv()
+    assert agg.type == "aggregate" and agg.indices.tolist() == [1]
+    client.push(1, [2, 6], [3e38, 10.0])
+    expect_end([client], server, it=1, key=2, ranks=[0], words="size limit's residual")

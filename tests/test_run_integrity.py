@@ -21,6 +21,7 @@ from conftest import python_module, read_jsonl
 from test_restarts import kill_once_saved
 
 from psparse.rundir import RunDirError, open_truncated
+from psparse.rundir import read_jsonl as read_jsonl_named
 
 RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--eval-every", "20",
        "--seed", "3", "--quiet"]
@@ -190,3 +191,15 @@ def test_an_attempt_that_ran_no_round_after_resuming_is_placed_at_its_resume_poi
                                   "first round: exited with code -9")
     metrics.touch()  # this attempt wrote rows: they count
     assert iterations_done(tmp_path, attempt) == 476
+
+
+def test_undecodable_bytes_and_form_feeds_are_named_on_their_own_line(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    good = [json.dumps({"iter": i}).encode() + b"\n" for i in range(4)]
+    path.write_bytes(good[0] + good[1] + good[2] + b'{"iter": 3, "pad": "\xff\xfe"}\n')
+    with pytest.raises(RunDirError, match=r"eval.jsonl, line 4: not UTF-8 text"):
+        open_truncated(path, lambda n, r: True)
+    # a form feed is no line end (str.splitlines would read line 2 as two good records)
+    path.write_bytes(good[0] + b'{"iter": 1}\x0c{"iter": 9}\n' + good[2])
+    with pytest.raises(RunDirError, match=r"eval.jsonl, line 2: not a JSON record"):
+        read_jsonl_named(path)

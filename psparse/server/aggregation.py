@@ -272,13 +272,17 @@ class ServerLimit:
         if self.support.size == 0 and union.size <= limit:
             return union, mean
         if REFERENCE:
-            return reference.limit_apply(self, union, mean, limit)
+            sent = reference.limit_apply(self, union, mean, limit)
+            for keys, values in (sent, (self.support, self.residual[self.support])):
+                _finite_or_raise(values, keys, "the mean plus the size limit's residual")
+            return sent
         capacity = union.size + self.support.size
         candidates = np.empty(capacity, np.int64)
         values = np.empty(capacity, np.float32)
         count = agg_kernels.merge_residual(np.ascontiguousarray(union), mean, self.support,
                                            self.residual, candidates, values)
         candidates, values = candidates[:count], values[:count]
+        _finite_or_raise(values, candidates, "the mean plus the size limit's residual")
         if count <= limit:
             self.support = np.empty(0, dtype=np.int64)
             return candidates, values
@@ -345,13 +349,15 @@ class BroadcastMemory:
             self.residual[state["support"]] = state["values"]
 
 
-def _finite_or_raise(target: np.ndarray, keys: np.ndarray) -> None:
-    """The broadcast's values with the rounding memory added are finite (the memory would
-    keep an inf for ever), else NonFiniteError naming the first key that is not."""
+def _finite_or_raise(target: np.ndarray, keys: np.ndarray,
+                     what: str = "the mean plus the broadcast's rounding memory") -> None:
+    """A round's values with what a memory held added are finite (the memory would keep an
+    inf for ever), else NonFiniteError naming the first key that is not (``key``: as ``keys``
+    give it, the shard's or part's)."""
     if not np.isfinite(target).all():
-        key = int(keys[np.flatnonzero(~np.isfinite(target))[0]])
-        raise NonFiniteError(f"the mean plus the broadcast's rounding memory overflows float32 "
-                             f"at key {key}")
+        error = NonFiniteError(what)
+        error.key = int(keys[np.flatnonzero(~np.isfinite(target))[0]])
+        raise error
 
 
 def top_k(x: np.ndarray, k: int, nonnegative: bool = False) -> np.ndarray:

@@ -34,7 +34,7 @@ class Rounds:
     """Serves the iterations of one agreed run (built at registration)."""
 
     def __init__(self, *, endpoint, records, members, run: dict, aggregators: list, parts,
-                 limit, shard: tuple[int, int], value_memory=None):
+                 limit, shard: tuple[int, int], value_memory=None, first_key: int = 0):
         self.endpoint, self.records, self.members = endpoint, records, members
         self.run = run
         self.parts = parts  # None: whole-model rounds (one part, no "part" field)
@@ -44,6 +44,7 @@ class Rounds:
         self.value_memory = value_memory
         self.shard = shard
         self.sharded = shard[1] > 1
+        self.first_key = first_key  # a shard's first key in the model (errors name model keys)
         self.closing: set[int] = set()  # ranks whose final report came instead of a round
 
     # ------------------------------------------------------------------------------ a round
@@ -154,14 +155,15 @@ class Rounds:
         union, mean = agg.mean([None if pushes[r].get("dense") else pushes[r].indices
                                 for r in ranks], [pushes[r].values for r in ranks])
         offset = 0 if self.parts is None else int(self.parts[part])  # the part's first key
-        check_finite(it, "sum of the pushes", union, mean, offset, pushes, ranks)
+        guard = Overflow(it, pushes, ranks, offset, self.first_key)
+        guard.check("sum of the pushes", union, mean)
         sent_idx, sent_val = union, mean
         if self.limit is not None:
-            sent_idx, sent_val = self.limit.apply(
-                union, mean, self.limit.entries(step[0], len(ranks), self.shard))
+            sent_idx, sent_val = guard.around("mean plus the size limit's residual", lambda:
+                                              self.limit.apply(union, mean, self.limit.entries(
+                                                  step[0], len(ranks), self.shard)))
             totals["residual"] = int(self.limit.support.size)
-            check_finite(it, "mean plus the size limit's residual", sent_idx, sent_val,
-                         offset, pushes, ranks)
+            guard.check("mean plus the size limit's residual", sent_idx, sent_val)
         totals["union"] += int(union.size)
         totals["sent"] += int(sent_idx.size)
         if self.value_memory is not None:
@@ -170,30 +172,21 @@ class Rounds:
             totals["dense"] = True
             vector = agg.densify(sent_idx, sent_val)
             if self.value_memory is not None:  # rounded in the dense frame's layout
-                vector = self.rounded(it, ranks, lambda: self.value_memory.dense(
-                    sent_idx, sent_val, vector, offset))
+                vector = guard.around("mean plus the broadcast's rounding memory", lambda:
+                                      self.value_memory.dense(sent_idx, sent_val, vector,
+                                                              offset))
             totals["broadcast"] += self.endpoint.broadcast(
                 "aggregate", None, vector, dense=True, **fields)
             totals["broadcast_values"] += self.endpoint.last_value_bytes
             return
         if self.value_memory is not None:
-            sent_val = self.rounded(it, ranks, lambda: self.value_memory.sparse(
-                sent_idx, sent_val, offset))
+            sent_val = guard.around("mean plus the broadcast's rounding memory", lambda:
+                                    self.value_memory.sparse(sent_idx, sent_val, offset))
         sent_idx = sent_idx.astype(agg.index_dtype, copy=False)
         sent_idx.flags.writeable = False  # never changed again: the key caches hold it
         totals["broadcast"] += self.endpoint.broadcast(
             "aggregate", sent_idx, sent_val, model_size=agg.numel, **fields)
         totals["broadcast_values"] += self.endpoint.last_value_bytes
-
-    @staticmethod
-    def rounded(it: int, ranks: list[int], rounding):
-        """``rounding()`` (the broadcast memory's), or the run's end when the memory and the
-        mean together overflow (check_finite's rule)."""
-        try:
-            return rounding()
-        except NonFiniteError as exc:
-            raise RunAborted(f"the aggregate of iteration {it}: {exc} (the gradients are "
-                             "exploding; lower --lr, or use --clip-norm)", ranks) from None
 
     # ---------------------------------------------------------------------------- messages
     def collect_one(self, it: int, msg_type: str, step) -> tuple[dict, int]:
@@ -346,26 +339,47 @@ class Rounds:
         check_checksums(it, checksums)
 
 
-def check_finite(it: int, what: str, indices: np.ndarray, values: np.ndarray, offset: int,
-                 pushes: dict, ranks: list[int]) -> None:
+class Overflow:
     """The overflow rule (docs/protocol.md, Rounds): every value of a round's aggregate is
-    finite. Finite pushes can still sum past float32's range (or, with the size limit, add up
-    with what it held back); such a round is never broadcast (a receiver refuses a non-finite
-    value, and a rounding memory holding inf would poison that key for ever): the run ends,
-    naming the key and the ranks that pushed it."""
-    if all_finite(values):
-        return
-    first = int(np.flatnonzero(~np.isfinite(values))[0])
-    key = int(indices[first]) + offset
-    local = key - offset
-    pushed = [r for r in ranks if pushes[r].values is not None and (
-        pushes[r].values[local] != 0 if pushes[r].get("dense") else
-        np.searchsorted(pushes[r].indices, local) < pushes[r].indices.size and
-        pushes[r].indices[np.searchsorted(pushes[r].indices, local)] == local)]
-    raise RunAborted(f"the aggregate of iteration {it} overflows float32 at key {key}: the "
-                     f"{what} there is {float(values[first])} (ranks {pushed} pushed values "
-                     "there whose sum passes float32's range, ~3.4e38): the gradients are "
-                     "exploding; lower --lr, or use --clip-norm", pushed)
+    finite. Finite pushes can still sum past float32's range, and so can the mean plus what
+    the size limit or a value format's rounding memory holds; such a round is never broadcast
+    (a receiver refuses a non-finite value, and a memory holding inf would poison that key for
+    ever): the run ends, naming the model's key and the ranks that pushed there."""
+
+    def __init__(self, it: int, pushes: dict, ranks: list[int], offset: int, first_key: int):
+        self.it, self.pushes, self.ranks = it, pushes, ranks
+        self.offset, self.first_key = offset, first_key  # part-relative -> shard -> model keys
+
+    def check(self, what: str, indices: np.ndarray, values: np.ndarray) -> None:
+        if not all_finite(values):
+            first = int(np.flatnonzero(~np.isfinite(values))[0])
+            self.fail(what, int(indices[first]), float(values[first]))
+
+    def around(self, what: str, step):
+        """``step()``, whose sums raise NonFiniteError (with the part's ``key``) on overflow."""
+        try:
+            return step()
+        except NonFiniteError as exc:
+            self.fail(what, getattr(exc, "key", self.offset) - self.offset, None)
+
+    def fail(self, what: str, local: int, value: float | None):
+        pushed = [r for r in self.ranks if self._pushed(self.pushes[r], local)]
+        there = f"ranks {pushed} pushed values there" if pushed else \
+            "no rank pushed there this round (what the server held back did)"
+        key = local + self.offset + self.first_key
+        raise RunAborted(f"the aggregate of iteration {self.it} overflows float32 at key {key}: "
+                         f"the {what} there is {'inf' if value is None else value} ({there}; "
+                         "float32 ends at ~3.4e38): the gradients are exploding; lower --lr, "
+                         "or use --clip-norm", pushed or list(self.ranks))
+
+    @staticmethod
+    def _pushed(msg, local: int) -> bool:
+        if msg.values is None:
+            return False
+        if msg.get("dense"):
+            return bool(msg.values[local] != 0)
+        at = int(np.searchsorted(msg.indices, local))
+        return at < msg.indices.size and int(msg.indices[at]) == local
 
 
 def check_checksums(it: int, checksums: dict) -> None:

@@ -204,7 +204,7 @@ class Server:
                              aggregators=[Aggregator(hi - lo, self.dev, value_format)
                                           for lo, hi in spans],
                              parts=parts, limit=self.limit, shard=self.shard,
-                             value_memory=self.value_memory)
+                             value_memory=self.value_memory, first_key=self.key_range[0])
         members.start_training(self.iterations)
         # the sums and the codec's kernels, before any worker is told to start (round 1 on a
         # host with a sixth of a core would otherwise pay seconds for them)
