@@ -186,14 +186,19 @@ def held_run(out: Path) -> str | None:
     return ", ".join(found) or None
 
 
+# write_atomic's temporary files (NAME.PID.tmp) that a kill left: of these files' names
+_RUN_FILE_STEMS = ("config", "metrics", "eval", "summary", "server", "rank-0", "recall")
+
+
 def clear_run_dir(out: Path) -> None:
     """--overwrite: the run directory's own files and folders, all of them (whatever else the
     folder holds is left)."""
     for entry in out.iterdir():
         name = entry.name
-        ours = name in RUN_MARKERS or name in (PORT_FILE, TIMING_FILE, LOGS_DIR,
+        ours = name in RUN_MARKERS or name in (PORT_FILE, TIMING_FILE, LOGS_DIR, "probes",
                                                "recall.jsonl", "server_residual.npz") \
-            or name.startswith(("rank-", "shard-", "selections-rank-", "timing-rank-"))
+            or name.startswith(("rank-", "shard-", "selections-rank-", "timing-rank-")) \
+            or (name.endswith(".tmp") and name.split(".")[0] in _RUN_FILE_STEMS)
         if ours:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from psparse import checkpoint  # noqa: E402
 from psparse.launch.processes import writer_of  # noqa: E402
 
 WORKERS = 2
@@ -89,15 +90,17 @@ def kill_one(out: Path, proc: subprocess.Popen, rng: random.Random, say) -> str 
     except ProcessLookupError:
         return None
     say(f"chaos: SIGKILL {victim} (pid {pid}) at {moment}, {rows(out)} rounds recorded")
-    # the next fault waits for the launcher's restart (its logs move to logs/attempt-I/)
-    wait_for(lambda: writer_of(log) != pid and rows(out) > 0, proc, timeout=60)
+    # the next fault waits for the launcher's restart: a new process writing the victim's log
+    wait_for(lambda: writer_of(log) not in (None, pid), proc, timeout=60)
     return victim
 
 
 def kill_launcher(proc: subprocess.Popen, out: Path, rng: random.Random, say) -> None:
-    """SIGKILL the launcher and its whole run (its process group) at a random round."""
-    start = rows(out)
-    if wait_for(lambda: rows(out) > start + rng.randint(1, 20), proc):
+    """SIGKILL the launcher and its whole run (its process group) at a random round once a
+    checkpoint is complete (a user's --resume needs one: without, they start again)."""
+    target = rows(out) + rng.randint(1, 20)  # drawn once: a seed gives the same faults
+    if wait_for(lambda: rows(out) > target and
+                checkpoint.resume_point(out, WORKERS) is not None, proc):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         say(f"chaos: SIGKILL the launcher and its run at {rows(out)} rounds recorded")

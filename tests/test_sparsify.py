@@ -64,6 +64,15 @@ def test_split_k_gives_every_layer_one_entry_then_splits_the_rest_by_size():
     assert split_k(2, [1, 5, 1, 9]) == [0, 1, 0, 1]
     assert split_k(100, [2, 3]) == [2, 3]
     assert split_k(17, [5, 1, 7, 4]) == [5, 1, 7, 4]
+    assert split_k(2, [0, 0, 5]) == [0, 0, 2] and split_k(5, [3, 0, 4]) == [2, 0, 3]
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # any sizes: sums to min(k, total), within each layer, one each first
+        sizes = [int(s) for s in rng.integers(0, 40, int(rng.integers(1, 12)))]
+        k = int(rng.integers(0, sum(sizes) + 5))
+        ks = split_k(k, sizes)
+        assert sum(ks) == min(k, sum(sizes)) and all(0 <= a <= s for a, s in zip(ks, sizes))
+        if k >= sum(s > 0 for s in sizes):
+            assert all(a >= 1 for a, s in zip(ks, sizes) if s > 0)
 
 
 def test_per_layer_topk_picks_each_layers_own_largest():

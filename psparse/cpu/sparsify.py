@@ -146,19 +146,19 @@ def split_k(k: int, sizes: list[int]) -> list[int]:
     or a small one (a bias at 1%: 0.06 of an entry) would never be sent and never train,
     its accumulator growing for ever (GRACE sends at least one entry per tensor too). With
     fewer entries than layers, the k largest layers get one each."""
-    total, n = sum(sizes), len(sizes)
+    total, n = sum(sizes), sum(s > 0 for s in sizes)  # (an empty layer gets nothing)
     k = min(k, total)
     if k < n:
-        chosen = set(sorted(range(n), key=lambda i: (-sizes[i], i))[:k])
-        return [1 if i in chosen else 0 for i in range(n)]
-    rest, room = k - n, [s - 1 for s in sizes]
+        chosen = set(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))[:k])
+        return [1 if i in chosen else 0 for i in range(len(sizes))]
+    rest, room = k - n, [max(0, s - 1) for s in sizes]
     spare = total - n
     exact = [rest * r / spare if spare else 0.0 for r in room]
     ks = [int(e) for e in exact]
-    order = sorted(range(n), key=lambda i: (ks[i] - exact[i], i))
+    order = sorted(range(len(sizes)), key=lambda i: (ks[i] - exact[i], i))
     for i in order[: rest - sum(ks)]:
         ks[i] += 1
-    return [1 + min(ki, r) for ki, r in zip(ks, room)]
+    return [(1 if s > 0 else 0) + min(ki, r) for ki, r, s in zip(ks, room, sizes)]
 
 
 def density_to_k(density: float, numel: int) -> int:

@@ -36,6 +36,7 @@ from ..rundir import (
     complete_run,
     held_run,
     open_truncated,
+    write_atomic,
 )
 from ..server.records import merge_run_dir
 from ..wire import keyranges
@@ -184,7 +185,7 @@ def prepare_run_dir(plan: Plan) -> None:
         if plan.baseline == "powersgd":
             record["powersgd_rank"] = plan.powersgd_rank
             record["powersgd_warmup"] = plan.powersgd_warmup
-    plan.config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    write_atomic(plan.config_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def check_start(plan: Plan) -> None:
@@ -395,6 +396,8 @@ def main(argv=None) -> int:
                 rendezvous_port=free_port() if (args.baseline or args.script)
                 and not (args.hostfile or args.slurm) else 0)
 
+    if plan.resume and args.overwrite:
+        p.error("--overwrite starts a fresh run and --resume continues one: give one of them")
     if plan.resume:
         done = complete_run(out)
         if done:

@@ -6,9 +6,9 @@ resuming from the newest iteration for which every process saved a checkpoint
 (psparse/checkpoint.py), up to R times, as torchrun's ``--max-restarts`` restarts its worker
 group. When no checkpoint is complete yet, the run starts again from the beginning. A run that
 fails again with the same cause at the same iteration is not restarted again: that fault is in
-the run (its data, its code), not in a machine, and would only repeat. A process ended by a
-signal (SIGKILL from an operator, a scheduler, the OOM killer) is restarted whatever came
-before, up to R times: the signal came from outside the run.
+the run (its data, its code), not in a machine, and would only repeat. A process ended by
+SIGKILL, SIGTERM, SIGINT or SIGHUP (an operator, a scheduler, the OOM killer) is restarted
+whatever came before, up to R times: the signal came from outside the run.
 
 Each attempt's logs stay in ``logs/attempt-I/``. summary.json gets ``attempts``: one record per
 attempt with its cause (the first process that failed, its exit code, the iterations completed
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +43,9 @@ BACKOFF_S = 2.0  # default wait before a restart: ports and sockets of the stopp
 STOPPED = "terminated by signal"  # how a server's summary begins when the launcher stopped it
 # exit codes of a shell (ssh's remote one, srun's) whose command could not be run at all
 NOT_STARTED = {126: "its program is not executable", 127: "its program was not found"}
+# signals that come from outside a run (an operator, a scheduler, the OOM killer): a process
+# they end is restarted even after the same failure (a SIGSEGV or SIGABRT is the run's own)
+OUTSIDE_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 
 
 @dataclass
@@ -265,7 +269,7 @@ class Restarts:
                 self.say(f"psparse-launch: no restart left ({self.max_restarts} used); the run "
                          f"failed: {attempt.describe()}")
             return False
-        killed = (attempt.process_exit_code or 0) < 0  # by a signal: from outside the run
+        killed = -(attempt.process_exit_code or 0) in OUTSIDE_SIGNALS  # not a crash
         if len(self.attempts) > 1 and self.attempts[-2].cause() == attempt.cause() \
                 and not killed:
             self.say("psparse-launch: the run failed again with the same cause at the same "

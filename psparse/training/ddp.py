@@ -39,6 +39,7 @@ from ..rundir import (
     SUMMARY_FILE,
     rank_file,
     ring_allreduce_bytes,
+    write_atomic,
     write_json,
 )
 from .loop import setup
@@ -149,7 +150,7 @@ class AllreduceExchange:
         self.log(**final)
         dist.barrier()
         wall = time.perf_counter() - self.t0
-        (self.out / rank_file(self.rank)).write_text(json.dumps({
+        write_atomic(self.out / rank_file(self.rank), json.dumps({
             "rank": self.rank, "iterations": self.iterations, "numel": self.numel,
             "baseline": self.baseline, "wall_s": round(wall, 3),
             "ddp_buckets": self.timer.buckets if self.timer else None,

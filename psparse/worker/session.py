@@ -42,7 +42,7 @@ from ..cpu.sparsify import density_to_k
 from ..gpu.devices import device_backend
 from ..policies import Layout, PolicyError, build_policy
 from ..policies.memory import SCALECOM_BETA, Memory, density_schedule
-from ..rundir import EVAL_VALUES, rank_file
+from ..rundir import EVAL_VALUES, rank_file, write_atomic
 from . import amp, lifecycle
 from .board import TimingLog
 from .client import ServerGone, WorkerError
@@ -328,7 +328,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.stats.items()}}
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / rank_file(self.rank)).write_text(json.dumps(info, indent=2))
+            write_atomic(self.out_dir / rank_file(self.rank), json.dumps(info, indent=2))
             if self.ctx.recorder:
                 self.ctx.recorder.save(self.out_dir / f"selections-rank-{self.rank}.npz")
         self.say(f"done in {wall:.1f} s (checksum {info['checksum']})")
