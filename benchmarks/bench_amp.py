@@ -17,7 +17,7 @@ Then what else an accuracy run spends time on, at the fastest mode: start-up and
 launcher's wall time less the training's), against a 30-epoch run, and one evaluation on the
 whole test set (10,000 images, rank 0, with the run's autocast) on one core and on every core
 (as the loop evaluates: loop.eval_threads), against an epoch's training (195 iterations of
-8 x 32 images).
+8 x 32 images); and one worker's data, a batch's crop, flip and normalisation, against a step.
 Writes ``loop_amp`` to benchmarks/results/bench.json.
 """
 
@@ -119,6 +119,22 @@ def eval_s(mode: str) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def batch_ms(repeats: int = 200) -> float:
+    """Mean ms of one worker's CIFAR-10 batch of 32 (crop, flip, normalise: Shard.batch)."""
+    import torch
+
+    from psparse.data import Shard, load_dataset
+
+    torch.set_num_threads(1)
+    shard = Shard(load_dataset("cifar10", None), 0, 8, 32, 0)
+    for it in range(5):
+        shard.batch(it)
+    t = time.perf_counter()
+    for it in range(repeats):
+        shard.batch(it)
+    return 1e3 * (time.perf_counter() - t) / repeats
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,6 +166,9 @@ def main(argv=None) -> int:
                 ["mode", "iteration ms (median)", f"speed-up vs {base}",
                  "compute-only limit ms", "over the limit"]))
     one, every = eval_s(best)
+    data_ms = batch_ms()
+    print(f"\none worker's batch (crop, flip, normalise): {data_ms:.2f} ms, "
+          f"{data_ms / steps[best]:.1%} of its step at {best}")
     epoch_s = EPOCH * runs[best] / 1e3
     print(f"\nat {best}: start-up and shutdown {starts[best]:.1f} s once per run, "
           f"{starts[best] / (30 * epoch_s):.1%} of a 30-epoch run's training "
@@ -164,6 +183,7 @@ def main(argv=None) -> int:
             "speedup_vs_" + base: {m: round(runs[base] / runs[m], 3) for m in modes},
             "startup_s": {m: round(v, 1) for m, v in starts.items()},
             "eval_s_one_core": round(one, 2), "eval_s": round(every, 2), "eval_mode": best,
+            "batch_ms": round(data_ms, 3),
             "epoch_train_s": round(epoch_s, 1),
             "iterations": args.iterations}})
     return 0
