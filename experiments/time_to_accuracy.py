@@ -225,12 +225,12 @@ def timings(model: str, rate: str) -> tuple[dict[str, float], dict[str, dict]]:
 
 # The accuracy runs' recorded files, committed as they finish (``--stage record``): config,
 # summary, evaluations and the gzipped metrics of each, enough for a report on a fresh checkout
-RECORDED = RESULTS / "tta-runs"
+RECORDED = "tta-runs"  # under RESULTS (read at call time: a test points RESULTS elsewhere)
 RECORDED_FILES = ("config.json", "summary.json", "eval.jsonl")
 
 
 def recorded_dir(model: str, name: str, seed: int) -> Path:
-    return RECORDED / model / f"{name}-s{seed}"
+    return RESULTS / RECORDED / model / f"{name}-s{seed}"
 
 
 def record_run(model: str, name: str, seed: int) -> Path:
