@@ -28,7 +28,7 @@ from ..cpu import reference
 from ..cpu.jit import REFERENCE, LazyModule, Reusable, address_table, compiled
 from ..cpu.selection import NonFiniteError
 from ..gpu.device_aggregation import DeviceAggregator
-from ..wire.protocol import dense_is_smaller, index_dtype_for
+from ..wire.protocol import all_finite, dense_is_smaller, index_dtype_for
 from ..wire.values import FP32, ValueFormat
 from ..xp import cupy_or_none
 
@@ -354,7 +354,7 @@ def _finite_or_raise(target: np.ndarray, keys: np.ndarray,
     """A round's values with what a memory held added are finite (the memory would keep an
     inf for ever), else NonFiniteError naming the first key that is not (``key``: as ``keys``
     give it, the shard's or part's)."""
-    if not np.isfinite(target).all():
+    if not all_finite(target):  # (one compiled pass, no temporary array)
         error = NonFiniteError(what)
         error.key = int(keys[np.flatnonzero(~np.isfinite(target))[0]])
         raise error

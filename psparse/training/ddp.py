@@ -42,7 +42,7 @@ from ..rundir import (
     write_atomic,
     write_json,
 )
-from .loop import setup
+from .loop import make_optimizer, setup
 from .loop import train as train_loop
 
 
@@ -183,7 +183,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
           powersgd_rank: int = 4, master_addr: str | None = None,
           powersgd_warmup: int = POWERSGD_WARMUP) -> int:
     world = cfg.workers
-    data, shard, model, opt, device = setup(cfg, rank)  # opt: the built-in loop's SGD
+    data, shard, model, _, device = setup(cfg, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if master_addr:
         os.environ["MASTER_ADDR"] = master_addr
@@ -221,6 +221,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
     else:
         timer = TimedHook(default_hooks.allreduce_hook, None)  # what DDP does by default
     ddp.register_comm_hook(None, timer)
+    opt = make_optimizer(cfg, model, memory_momentum=False)  # DDP keeps no DGC memory
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,

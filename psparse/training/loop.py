@@ -16,6 +16,7 @@ at the end, and the server stops the run if they differ. The same loop trains th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -136,25 +137,21 @@ def evaluate_model(model: torch.nn.Module, data, device: torch.device,
     return loss_sum / n, correct / n
 
 
-class eval_threads:
+@contextlib.contextmanager
+def eval_threads(device: torch.device):
     """On the CPU, evaluate with every core this process may run on: the other ranks wait
     for the evaluator's round meanwhile, so the cores their training threads use are idle
     (8 workers on 2 cores: one thread each; a whole CIFAR-10 test pass of ResNet-20 took 5.7 s
     on one, 11% of an epoch's training, benchmarks/bench_amp.py). Restores the thread count."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        self.threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                else os.cpu_count() or 1
-            torch.set_num_threads(max(self.threads, cores))
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.threads)
-        return False
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+        torch.set_num_threads(max(threads, cores))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def setup(cfg: RunConfig, rank: int):
@@ -172,11 +169,13 @@ def setup(cfg: RunConfig, rank: int):
     return data, shard, model, make_optimizer(cfg, model), device
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.SGD:
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
+                   memory_momentum: bool | None = None) -> torch.optim.SGD:
     """The built-in loop's optimizer (a --baseline run's too): SGD with --lr, --momentum,
-    --nesterov and --weight-decay. With DGC the momentum is applied locally (in the memory),
-    so SGD must not add more."""
-    momentum = 0.0 if cfg.memory == "dgc" else cfg.momentum
+    --nesterov and --weight-decay. With DGC's memory the momentum is applied locally (in the
+    memory), so SGD must not add more; ``memory_momentum`` False: no such memory (DDP)."""
+    in_memory = cfg.memory == "dgc" if memory_momentum is None else memory_momentum
+    momentum = 0.0 if in_memory else cfg.momentum
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                            momentum=momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.nesterov and momentum > 0)
