@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta check-kernels gpu-bundle gpu-check-cpu
+.PHONY: install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -28,8 +28,7 @@ data: install
 		ln -s $(SHARED_CIFAR) $(DATA)/cifar10-jpeg.tar.gz && echo "linked $(SHARED_CIFAR)"; fi
 
 # Two pytest processes (pytest-xdist), each file's tests kept together in one of them: most tests
-# wait on sockets and child processes, so two overlap well on 2 cores (benchmarks/README.md,
-# "Test-suite time"). TEST_WORKERS=0 runs them all in one process.
+# wait on sockets and child processes, so two overlap well on 2 cores (docs/notes/bench-test-suite.md). TEST_WORKERS=0 runs them all in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 test: install data
@@ -59,9 +58,9 @@ demo: install data
 	$(PY) -m experiments.demo --out runs/demo
 
 # experiment sweeps: make exp-lenet-mnist, exp-paced-100mbit, exp-resnet20-cifar10,
-# exp-cifar-lenet, exp-policies, exp-cost-model (see experiments/README.md)
+# exp-cifar-lenet, exp-policies, exp-cost-model (experiments/README.md; then make pages)
 # issue 15: psparse against DDP and DDP + PowerSGD on an emulated cluster (root: network
-# namespaces, tc, cgroups; see experiments/README.md section 6)
+# namespaces, tc, cgroups; see docs/notes/cluster-time-to-accuracy.md)
 exp-cluster: install data
 	$(PY) -m experiments.cluster
 
@@ -86,6 +85,11 @@ exp-values: install data
 # LeNet-5 to 98% against DDP, its fp16/bf16 hooks and PowerSGD's warm-up grid (~50 min)
 exp-tta: install data
 	$(PY) -m experiments.time_to_accuracy --only lenet
+
+# experiments/README.md and benchmarks/README.md from the results JSON (experiments/pages.py);
+# make test checks that the committed pages are current
+pages: install
+	$(PY) -m experiments.pages
 
 exp-%: install data
 	$(PY) -m experiments.run $*

@@ -1,7 +1,7 @@
 """The device check: one command that exercises psparse's GPU path and writes every figure.
 
 Run through ``bash benchmarks/gpu_check.sh`` (which sets up the bundled wheels and data; see
-benchmarks/README.md). Steps, each with its own time limit, all within ``--budget`` seconds:
+docs/notes/bench-gpu.md). Steps, each with its own time limit, all within ``--budget`` seconds:
 
 1. device and versions (nvidia-smi, torch, CuPy, pyzmq, numba, llvmlite);
 2. the kernel gate (``python -m psparse.gpu.kernel_check``: NVRTC compiles every kernel);

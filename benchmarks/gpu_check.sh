@@ -9,7 +9,7 @@
 # msgpack and pytest must be there. What a bare GPU machine lacks travels in the folder
 # gpu-bundle/ (make gpu-bundle; GPU_BUNDLE=... for another path): the pyzmq wheel, installed
 # into a temporary target, and MNIST plus the CIFAR-10 archive, used as the data folder.
-# The steps and the figures: benchmarks/gpu_check.py; how to run it: benchmarks/README.md.
+# The steps and the figures: benchmarks/gpu_check.py; how to run it: docs/notes/bench-gpu.md.
 # Writes gpu_check.json and the step logs to OUTDIR (default $OUT, else out-gpu).
 set -u -o pipefail
 cd "$(dirname "$0")/.."

@@ -32,6 +32,6 @@ export PSPARSE_CACHE=${PSPARSE_CACHE:-${HOME:-/tmp}/.cache/psparse}
 
 if ! "$PYTHON" -c "import torch, numpy, msgpack, zmq" 2>/dev/null; then
     echo "gpu setup: $PYTHON lacks torch, numpy, msgpack or pyzmq; on a GPU machine without"
-    echo "network copy gpu-bundle/ along (make gpu-bundle) -- see benchmarks/README.md"
+    echo "network copy gpu-bundle/ along (make gpu-bundle) -- see docs/notes/bench-gpu.md"
     return 1 2>/dev/null || exit 1
 fi

@@ -16,8 +16,7 @@ images, a schedule of 936 steps) it reaches 98.2-98.3% test accuracy (chance: 10
 oneDNN's bf16 kernels, its AVX512 ones and torch's own (ONEDNN_MAX_CPU_ISA unset, AVX512_CORE,
 AVX2); on the full set the accuracy keeps gaining, so it runs to the schedule's end. With the
 test's small arguments it stops early, at iterations 90-110 of 124, at 87.4-91.2% on 3 seeds
-under each of those settings (python -m experiments.open_ended_isa --user; experiments/README.md,
-section 12).
+under each of those settings (python -m experiments.open_ended_isa --user; docs/notes/float-kernels.md).
 
     psparse-launch --workers 4 --policy vote --policy-arg keep=1.5 examples/open_ended.py
     psparse-launch --workers 4 ... examples/open_ended.py --fixed   # the fixed-length form

@@ -8,7 +8,7 @@ host, h1..h8: one worker each), each a network namespace with one veth link to a
 in both directions with tc tbf at the rate, and a CPU share of --cpus / 9 cores (default 1.5 of
 this machine's 2: 1/6 core per host; cgroup cpu quota: the hosts compute side by side, as
 separate machines would, not one after another; the other 0.5 core is left to everything else,
-which should be capped there, see experiments/README.md section 6). Every run is ``psparse-launch --hostfile`` started inside h0 with
+which should be capped there, see docs/notes/cluster-time-to-accuracy.md). Every run is ``psparse-launch --hostfile`` started inside h0 with
 ``--rsh launch/nsrsh.sh`` entering the workers' hosts: the real cluster path. The link byte
 counters of every host (``ip -s link``) are read before and after each run.
 

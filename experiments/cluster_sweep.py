@@ -12,7 +12,7 @@ PSPARSE_RUNS = {
     "core": ["--density", "0.01", "--policy", "core"],
     "vote": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=1.5"],
     "topk-limit2k": ["--density", "0.01", "--policy", "topk", "--server-limit", "2k"],
-    # the fewest bytes at top-k's accuracy (experiments/README.md section 13), timed in issue 50
+    # the fewest bytes at top-k's accuracy (docs/notes/value-formats.md), timed in issue 50
     "ema-int4": ["--density", "0.01", "--policy", "ema", "--values", "int4"],
     "vote2-int4": ["--density", "0.01", "--policy", "vote", "--policy-arg", "keep=2",
                    "--values", "int4"],
@@ -37,7 +37,7 @@ PEER_RUNS = {
 }
 RUNS = {**PSPARSE_RUNS, **PEER_RUNS}
 
-# Sized for ~90 minutes of this 2-core machine (experiments/README.md, section 6), on hosts of
+# Sized for ~90 minutes of this 2-core machine (docs/notes/cluster-time-to-accuracy.md), on hosts of
 # 1/6 core. LeNet: 300 iterations (1.3 epochs of 8 x 32 images), long enough for PowerSGD to
 # reach the target too. ResNet-20: 100 iterations, the first minutes of training only. Start-up
 # (~1 min per run: 8 torch imports) is extra. Evaluation (rank 0, on its 1/6 core) uses a fixed

@@ -73,7 +73,7 @@ VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, agains
 # accuracy and the cluster runs alike -- 30 epochs (5,850 iterations of 8 x 32 images) with a
 # 2-epoch linear warm-up then cosine, lr 0.2 (0.1 per 128 images, the ResNet paper's, scaled
 # linearly), Nesterov, weight decay 5e-4, bf16 autocast and channels-last batches (2.5x faster
-# steps; experiments/README.md section 6.3 has the schedule's figures), evaluated every epoch;
+# steps; docs/notes/cluster-time-to-accuracy.md has the schedule's figures), evaluated every epoch;
 # the cluster runs 100 iterations of the same; a third rate, 100 Mbit/s, where DDP's ring is a
 # small part of an iteration.
 RESNET20_BASE = ["--workers", "8", "--model", "resnet20", "--dataset", "cifar10",
@@ -246,7 +246,25 @@ def record_run(model: str, name: str, seed: int) -> Path:
     with open(src / "metrics.jsonl", "rb") as fin, \
             gzip.GzipFile(dst / "metrics.jsonl.gz", "wb", mtime=0) as fout:
         shutil.copyfileobj(fin, fout)
+    # the machine that made it (the results page names it; runs are recorded where they ran)
+    (dst / "machine.json").write_text(json.dumps(
+        {"cpu": this_machine(), "float_kernels": float_kernels()}, indent=2) + "\n")
     return dst
+
+
+def this_machine() -> str:
+    """'<CPU model>, <n> cores' from /proc/cpuinfo (the CPU's flags say which float kernels)."""
+    import os
+
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def accuracy_record(model: str, name: str, seed: int) -> dict | None:

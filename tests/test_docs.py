@@ -302,7 +302,7 @@ def test_every_file_the_docs_name_exists():
     import re
 
     readmes = [ROOT / d / "README.md" for d in ("", "experiments", "benchmarks", "launch")]
-    for doc in [*readmes, *(ROOT / "docs").glob("*.md")]:
+    for doc in [*readmes, *(ROOT / "docs").rglob("*.md")]:
         text = doc.read_text()
         named = set(re.findall(r"\b((?:docs|psparse|experiments|benchmarks|launch|examples|tests)"
                                r"/[\w/-]+\.(?:md|py|cu|sh|toml))\b", text))
@@ -323,7 +323,7 @@ def test_every_psparse_name_the_docs_give_exists():
 
     readmes = [ROOT / d / "README.md" for d in ("", "experiments", "benchmarks", "launch")]
     missing = []
-    for doc in [*readmes, *(ROOT / "docs").glob("*.md")]:
+    for doc in [*readmes, *(ROOT / "docs").rglob("*.md")]:
         for name in sorted(set(re.findall(r"(?<![\w/.-])psparse(?:\.[A-Za-z_]\w*)+",
                                           doc.read_text()))):
             parts = name.split(".")

@@ -14,7 +14,7 @@ tests/test_cpu_kernels.py holds them to it. They import nothing above psparse.cp
   straight into the output there, push after push. So every entry is summed as
   ``((0 + v_0) + v_1) + ...`` over the ranks that hold it, as numpy's ``add.at`` into a zeroed
   accumulator does, and nothing model-sized is touched. Measured against it
-  (benchmarks/bench_aggregation.py, benchmarks/README.md): a k-way merge of the N lists (a
+  (benchmarks/bench_aggregation.py, docs/notes/bench-cpu-kernels.md): a k-way merge of the N lists (a
   branch per list per output), and a dense scratch per block read out through the bitmap in
   index order (the read-out took half the time: a branch per word and per set bit).
 * ``divide``: the sums divided by N, in place (a separate loop: it vectorises).

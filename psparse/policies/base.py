@@ -291,7 +291,7 @@ class ScoredPolicy(SelectionPolicy):
     ``score``. ``_score`` is the n floats of scratch the reference writes into.
     ``compiled_selection`` is the policy's switch: False, its host selection runs the numpy way
     (as before the compiled kernels) also where they would take the arrays, because the compiled
-    score was measured slower there (benchmarks/README.md, "Host selection compiled")."""
+    score was measured slower there (docs/notes/bench-select.md, "Host selection compiled")."""
 
     compiled_selection = True
 
