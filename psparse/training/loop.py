@@ -32,6 +32,7 @@ from ..options import add_config_arguments, resolve_config
 from ..policies import PolicyError
 from ..worker import environment
 from ..worker.client import ServerGone, WorkerError, report_failure
+from ..worker.divergence import loss_diverged
 from ..worker.flat_model import pick_device
 from ..worker.session import Session, failure_cause
 from . import schedule
@@ -58,8 +59,7 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
         with precision.autocast():
             loss = F.cross_entropy(forward(x), y)
         if not torch.isfinite(loss):
-            raise WorkerError(f"training diverged at iteration {it}: loss is {loss.item()} "
-                              "(lower --lr, or use --clip-norm)")
+            raise loss_diverged(it, loss.item(), "lower --lr, or use --clip-norm")
         precision.backward(loss)
         session.exchange(loss)
         if schedule.varies(cfg):

@@ -30,8 +30,6 @@ velocity or ScaleCom's filtered memory) to restore it from.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -80,14 +78,6 @@ class GradScaling:
         self.scale = scale
         # the factor GradScaler.unscale_ multiplies by: 1/S in double, rounded to float32
         self.inv_scale = float(np.float32(1.0 / scale))
-
-    def loss(self, loss, it: int):
-        """(the loss as a float or None, whether it overflowed): with a scaler a non-finite
-        loss is an overflow to skip, not a divergence."""
-        if loss is None:
-            return None, False
-        value = float(loss.item() if hasattr(loss, "item") else loss)
-        return (value, False) if math.isfinite(value) else (None, True)
 
     def save(self, memory) -> None:
         """Keep the memory's state as it is before the step (restored if the step is skipped),

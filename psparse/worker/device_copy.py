@@ -16,8 +16,8 @@ import numpy as np
 from ..gpu.device_policy import DeviceSelection
 from ..gpu.radix import RP_W
 from ..policies import PolicyError, check_output
-from .client import WorkerError
 from .device_values import DeviceValues
+from .divergence import accumulator_diverged
 from .exchange import RoundContext
 
 FLAG_RANGE, FLAG_ORDER = 0, 1
@@ -122,8 +122,7 @@ class SelectionCopy:
         under a GradScaler (the round sends nothing), else a diverged run (WorkerError)."""
         bad = sum(int(r.reshape(-1, RP_W)[:, 1].sum()) for r in reports)
         if bad and self.s.scaling is None:
-            raise WorkerError(f"training diverged at iteration {it}: the accumulator holds "
-                              f"{bad} NaN or inf entries")
+            raise accumulator_diverged(it, f"the accumulator holds {bad} NaN or inf entries")
         return bool(bad)
 
     def _indices(self, it, chosen, limit, method: str, tag: str, extra, part: int):

@@ -32,9 +32,9 @@ import torch
 
 from ..gpu.backend import CaptureFailed
 from ..gpu.device_policy import DeviceSelection, Fusion
-from .client import WorkerError
 from .device_copy import SelectionCopy
-from .exchange import RoundContext, check_scaling
+from .divergence import read_loss, require_scaler
+from .exchange import RoundContext
 
 GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
 
@@ -95,7 +95,7 @@ class DeviceRound:
             begin = dev.mark()
             skipped = agg.get("overflow")
             if skipped:  # some worker overflowed (a GradScaler's step): every one skips
-                check_scaling(s, it)
+                require_scaler(s, it)
                 s.scaling.restore(s.memory)
             else:
                 self._apply(agg, it)
@@ -158,14 +158,7 @@ class DeviceRound:
     def _read_loss(self, it: int, host_loss, staged: bool, loss_host):
         """(the loss as read back, whether it overflowed): not finite is an overflow under a
         GradScaler (the step is skipped), else a diverged run."""
-        if staged:
-            host_loss = float(loss_host[0])
-        if host_loss is not None and not np.isfinite(host_loss):
-            if self.s.scaling is not None:
-                return None, True
-            raise WorkerError(f"training diverged at iteration {it}: loss is {host_loss} "
-                              "(lower the learning rate, or use clip_norm)")
-        return host_loss, False
+        return read_loss(float(loss_host[0]) if staged else host_loss, it, self.s.scaling)
 
     def _scale_in(self, it: int, lo: int = 0, hi: int | None = None):
         """Under a GradScaler (psparse.worker.amp): the memory saved before the round's first
@@ -202,7 +195,7 @@ class DeviceRound:
     def skip(self, agg, it: int) -> None:
         """A round in parts that the server flagged (some part overflowed somewhere): the
         memory as before the step, ``.grad`` inf, nothing observed."""
-        check_scaling(self.s, it)
+        require_scaler(self.s, it)
         with self.dev.stream_scope():
             self.s.scaling.restore(self.s.memory)
             self.dev.lead_torch()

@@ -17,7 +17,6 @@ Rounds see the worker through a ``RoundContext`` (its parts and a few callbacks)
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 from ..cpu.sparsify import NonFiniteError, topk_exact
 from ..policies import check_output
 from ..xp import INDEX_DTYPE, to_device, to_host
-from .client import WorkerError
+from .divergence import accumulator_diverged, read_loss, require_scaler
 
 
 class RoundClock:
@@ -107,35 +106,6 @@ class RoundContext:
         return self._arange
 
 
-def host_loss(loss, it: int) -> float | None:
-    """A loss (tensor or number) as a float, refused when not finite."""
-    if loss is None:
-        return None
-    loss = float(loss.item() if hasattr(loss, "item") else loss)
-    if not math.isfinite(loss):
-        raise WorkerError(f"training diverged at iteration {it}: loss is {loss} "
-                          "(lower the learning rate, or use clip_norm)")
-    return loss
-
-
-def check_scaling(ctx, it: int) -> None:
-    """A flagged round needs this worker's GradScaler, which skips the step with the others."""
-    if ctx.scaling is None:
-        raise WorkerError(f"the server flagged iteration {it} as an overflow, but this worker "
-                          "has no GradScaler (connect(..., scaler=...))")
-
-
-def diverged(it: int, exc: Exception) -> WorkerError:
-    """The error of an accumulator that holds NaN or inf: a diverged run, or an fp16 step
-    that overflowed under a GradScaler psparse was not given."""
-    return WorkerError(
-        f"training diverged at iteration {it}: {exc}. If this run trains in fp16 with a "
-        "torch.amp.GradScaler, give the scaler to psparse (connect(..., scaler=scaler), "
-        "psparse.ddp_hook.register(model, scaler=scaler), or exchange(loss, scaler=scaler)): "
-        "an overflowed step is then skipped on every rank and the scale backs off; "
-        "otherwise lower the learning rate")
-
-
 def select(ctx: RoundContext, acc, it: int, group):
     """The policy's indices and their accumulator values (zeroed there)."""
     indices = ctx.policy.select(acc, it, group=group)
@@ -209,7 +179,7 @@ class HostRound:
     def exchange(self, it: int, loss) -> None:
         ctx = self.ctx
         scaling = ctx.scaling  # a GradScaler's step (psparse.worker.amp), or None
-        loss, overflow = scaling.loss(loss, it) if scaling else (host_loss(loss, it), False)
+        loss, overflow = read_loss(loss, it, scaling)
         t1 = ctx.clock.begin()
         k = ctx.set_budget(it)
         ctx.net.gather_grad()
@@ -232,7 +202,7 @@ class HostRound:
             try:
                 indices, values = self.shape.choose(ctx, it, acc)
             except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
-                raise diverged(it, exc) from None
+                raise accumulator_diverged(it, str(exc)) from None
             if recorder:
                 recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
         t2 = time.perf_counter()
@@ -258,7 +228,7 @@ class HostRound:
         """A round the server flagged as an overflow (a GradScaler's): the memory as before
         the step, ``.grad`` inf, nothing observed; the iteration is done."""
         ctx = self.ctx
-        check_scaling(ctx, it)
+        require_scaler(ctx, it)
         ctx.scaling.skip(ctx.net, ctx.memory)
         ctx.note_live(agg)
         ctx.applied(it)

@@ -30,7 +30,8 @@ from ..policies import PolicyError, SelectionPolicy, check_output
 from ..xp import INDEX_DTYPE
 from . import buckets
 from .client import WorkerError
-from .exchange import RoundContext, diverged, host_loss
+from .divergence import accumulator_diverged, read_loss
+from .exchange import RoundContext
 
 
 class Parts:
@@ -164,7 +165,7 @@ class Parts:
                     chosen.append(policy.select_slice(acc[offset:offset + size], k, offset)
                                   + offset)
         except NonFiniteError as exc:
-            raise diverged(it, exc) from None
+            raise accumulator_diverged(it, str(exc)) from None
         indices = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
         check_output(policy, indices, it, policy.max_push)
         if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
@@ -184,10 +185,8 @@ class Parts:
         if self.device:
             pass  # the GPU path reads the loss back with part 0's copy (a non-finite one
             # under a GradScaler is an overflow there too)
-        elif scaling is not None:  # a non-finite loss under a GradScaler: skip, not diverge
-            loss, self.loss_overflowed = scaling.loss(loss, it)
-        else:
-            loss = host_loss(loss, it)
+        else:  # a non-finite loss under a GradScaler: skip, not diverge
+            loss, self.loss_overflowed = read_loss(loss, it, scaling)
         self.trace.append("exchange")
         for b in range(len(self.buckets) - 1, 0, -1):
             if b not in self.pushed:
