@@ -30,9 +30,10 @@ Two stages that run nothing, for a grid made piece by piece (ResNet-20's accurac
 ~20-45 min each on 2 cores: run them in the background from a worktree pinned to one commit):
 ``status`` lists every accuracy run of the grid as done, recorded, running, stopped, failed or
 missing, with its iterations and best evaluation; ``record`` copies the finished ones' results
-(config, summary, evaluations, gzipped metrics; no checkpoints) to
-experiments/results/tta-runs/<model>/<run>-s<seed>/ for committing, and a report on a fresh
-checkout reads them where runs/tta/ has none.
+(config, summary, evaluations, gzipped metrics, the machine; no checkpoints) to
+experiments/results/tta-runs/<model>/<run>-s<seed>/ for committing, then rewrites the results
+page (experiments/pages.py), and a report on a fresh checkout reads them where runs/tta/ has
+none.
 
 Composition of a run with a dense warm-up (PowerSGD's ``start_powerSGD_iter`` W): W iterations
 at DDP's steady iteration, the rest at the steady iteration of the same rank compressing from
@@ -586,6 +587,7 @@ def main(argv=None) -> int:
     models, stages = args.only.split(","), args.stage.split(",")
     names = args.runs.split(",")
     if "record" in stages:  # the finished accuracy runs' results into experiments/results/
+        recorded_any = False
         for model in models:
             for name in names:
                 for seed in wanted_seeds(name, args.seeds):
@@ -593,6 +595,10 @@ def main(argv=None) -> int:
                     if rec is not None:
                         print(f"[tta] recorded {record_run(model, name, seed).relative_to(ROOT)}"
                               f": best {100 * rec['best_acc']:.2f}%, to targets {rec['to']}")
+                        recorded_any = True
+        if recorded_any and RESULTS == ROOT / "experiments" / "results":
+            from experiments import pages  # the results page's ResNet-20 table reads records
+            pages.main([])
     if "status" in stages:  # at a glance: which accuracy runs are done, running or missing
         for model in models:
             rows = grid_status(model, names, args.seeds, args.data_dir)
