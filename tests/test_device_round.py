@@ -27,7 +27,7 @@ import torch
 from conftest import REPO, ServerProcess, python_module, read_jsonl
 
 import psparse
-from psparse.worker.device_round import DeviceRound
+from psparse.worker.device_round import DeviceEngine
 
 RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--iterations", "12",
        "--eval-every", "6", "--seed", "5", "--quiet", "--threads", "1"]
@@ -78,7 +78,8 @@ def train(port: int, rank: int, model, iterations: int, out, **options):
             ps.exchange(loss)  # a tensor: on the device path it is read with the round's copy
             optimizer.step()
             optimizer.zero_grad()
-        report = ps.rounds.report(iterations) if isinstance(ps.rounds, DeviceRound) else None
+        report = ps.rounds.engine.report(iterations) \
+            if isinstance(ps.rounds.engine, DeviceEngine) else None
         return ps.net.checksum(), report
 
 

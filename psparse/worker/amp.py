@@ -31,9 +31,7 @@ velocity or ScaleCom's filtered memory) to restore it from.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from ..xp import INDEX_DTYPE
 from .client import WorkerError
 
 __all__ = ["GradScaling", "scaling_for"]
@@ -96,28 +94,12 @@ class GradScaling:
         for name, saved in self.saved.items():
             getattr(memory, name)[...] = saved
 
-    def unscale(self, grad) -> bool:
-        """Unscale a gradient (the flat one, or one part's range: a tensor or a numpy view)
-        in place; True when it is not finite (this worker overflowed)."""
-        if isinstance(grad, torch.Tensor):
-            grad.mul_(self.inv_scale)
-            return not bool(torch.isfinite(grad).all())
+    def unscale(self, grad: np.ndarray) -> bool:
+        """Unscale a host gradient (the flat one, or one part's range) in place; True when it
+        is not finite (this worker overflowed). A GPU round unscales on its stream
+        (psparse.worker.device_round)."""
         grad *= np.float32(self.inv_scale)
         return not bool(np.isfinite(grad).all())
-
-    def nothing(self, ctx, it: int):
-        """An overflowing worker's selection: nothing (its proposal too, in a two-phase
-        round, where the others' proposals still need its empty one)."""
-        indices = np.empty(0, dtype=INDEX_DTYPE)
-        values = np.empty(0, dtype=np.float32)
-        if ctx.policy.two_phase:
-            ctx.client.propose(it, indices, values)
-        return indices, values
-
-    def skip(self, net, memory) -> None:
-        """A round some worker overflowed: memory as before the step, ``.grad`` all inf."""
-        self.restore(memory)
-        self.poison(net)
 
     @staticmethod
     def poison(net) -> None:

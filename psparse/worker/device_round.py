@@ -1,7 +1,8 @@
-"""A GPU worker's round: everything on the device, one synchronisation per message it sends.
+"""A GPU worker's round steps: everything on the device, one synchronisation per message sent.
 
-``Session.exchange`` hands a round to ``DeviceRound`` when the worker has a device backend
-(``--device cuda`` with CuPy; ``PSPARSE_EMULATE_GPU`` on the CPU for the tests). One round:
+``DeviceEngine`` is the engine of ``psparse.worker.round.Round`` when the worker has a device
+backend (``--device cuda`` with CuPy; ``PSPARSE_EMULATE_GPU`` on the CPU for the tests). One
+round:
 
 1. psparse's stream waits for torch's (the backward pass that wrote the flat gradient);
    the loss tensor is copied into a device slot (no ``.item()``);
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 
 import numpy as np
 import torch
@@ -33,18 +33,21 @@ import torch
 from ..gpu.backend import CaptureFailed
 from ..gpu.device_policy import DeviceSelection, Fusion
 from .device_copy import SelectionCopy
-from .divergence import read_loss, require_scaler
-from .exchange import RoundContext
+from .divergence import read_loss
+from .exchange import OnePhase, RoundContext, WholeModel
+from .round import Part, Sent, carries_extras
 
 GRAPH_UP_TO = 1 << 20  # models up to this many parameters capture their selection as a graph
+EVERYTHING = object()  # a WholeModel round's choice: the whole accumulator, copied back
 
 
-class DeviceRound:
-    """The device side of one worker's rounds (see the module docstring)."""
+class DeviceEngine:
+    """A round's steps on the device (see the module docstring); the round itself is
+    ``psparse.worker.round.Round``."""
 
-    def __init__(self, ctx: RoundContext, dev, whole: bool):
+    def __init__(self, ctx: RoundContext, dev, shape):
         self.s, self.dev = ctx, dev  # s: the round context (psparse.worker.exchange)
-        self.whole = whole  # the budget is the whole model: no selection (a dense round)
+        self.shape = shape  # exchange.OnePhase, TwoPhase or WholeModel
         xp = dev.xp
         net = ctx.net
         self.numel = net.numel
@@ -58,6 +61,7 @@ class DeviceRound:
         self.finite = xp.ones(1, dtype=xp.uint8)
         self._finite = ([], None)  # this round's (pairs for the copy back, host flag)
         self._saved_at = None
+        self._fusion = None  # the error feedback the engine may fold in (this round's)
         self.all_indices = None  # every index, on the device (dense aggregates)
         # small models are launch-bound: a one-phase round's selection as one CUDA graph per
         # budget (PSPARSE_CUDA_GRAPH=1 / 0 forces it on / off)
@@ -74,95 +78,40 @@ class DeviceRound:
         self.received_idx = xp.zeros(1, dtype=xp.int64)
         self.received_val = xp.zeros(1, dtype=xp.float32)
 
+    def scope(self):
+        """psparse's stream: every device step of a round goes there."""
+        return self.dev.stream_scope()
+
+    def end_round(self) -> None:
+        self.dev.end_round()
+
     # --------------------------------------------------------------------------- a round
-    def exchange(self, it: int, loss) -> None:
-        s, dev = self.s, self.dev
-        t1 = s.clock.begin()
-        s.net.gather_grad()  # torch's stream: gradients that are not views of the flat buffer
-        host_loss, staged = self._stage_loss(loss)  # torch's stream too: before the event
-        with dev.stream_scope():
-            dev.follow_torch()
-            start = dev.mark()
-            indices, values, host_loss, checksum, overflow = self._choose(it, host_loss,
-                                                                          staged)
-            self._time_device("select", start, dev.copied)  # passed: the copy back waited
-            if self._apply_marks is not None:  # the previous round's, passed by now
-                self._time_device("apply", *self._apply_marks)
-            t2 = time.perf_counter()
-            agg = s.client.push(it, indices, values, host_loss, checksum, s.dense_buffer(),
-                                overflow=overflow)
-            t3 = time.perf_counter()
-            begin = dev.mark()
-            skipped = agg.get("overflow")
-            if skipped:  # some worker overflowed (a GradScaler's step): every one skips
-                require_scaler(s, it)
-                s.scaling.restore(s.memory)
-            else:
-                self._apply(agg, it)
-            self._apply_marks = (begin, dev.mark())
-            dev.lead_torch()
-        self._after(agg, it, skipped)
-        dev.end_round()
-        s.clock.add("select_s", t2 - t1)
-        s.clock.add("wait_s", t3 - t2)
-        s.clock.end(t3)
-
-    def push_part(self, it: int, part: int, first: int, end: int, loss,
-                  checksum_due: bool, bounds: tuple[int, int],
-                  loss_overflowed: bool = False) -> None:
-        """One bucket of a round in parts (``--bucket-mb`` / ``--overlap``): the engine over
-        layers [first, end) (keys ``bounds``), error feedback fused as in a whole round, one
-        copy back, the part sent. Part 0 (pushed last, by exchange) carries the loss and the
-        checksum. Under a GradScaler the part is unscaled first and its finiteness comes back
-        with the copy: a part that overflowed goes empty, with the flag."""
-        s, dev = self.s, self.dev
-        policy, memory = s.policy, s.memory
-        host_loss, staged = self._stage_loss(loss) if part == 0 else (None, False)
-        with dev.stream_scope():
-            dev.follow_torch()
-            start = dev.mark()
-            finite_pairs, finite_host = self._scale_in(it, *bounds)
-            fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
-                            memory.accumulator, memory.velocity)
-            policy.engines.layers, policy.fusion = (first, end), fusion
-            try:
-                chosen = policy.select(memory.accumulator, it)
-            finally:
-                policy.engines.layers, policy.fusion = None, None
-            if fusion.accumulate is not None:
-                raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
-            extra, loss_host, weights = self._extras(staged, checksum_due)
-            indices, values = self.selections.copy_back(it, chosen, policy.max_push, "select",
-                                                        extra + finite_pairs, part)
-            self._time_device("select", start, dev.copied)
-        host_loss, overflow = self._read_loss(it, host_loss, staged, loss_host)
-        overflow = overflow or loss_overflowed or self._overflowed(finite_host)
-        checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
-            if checksum_due else None
-        if overflow:  # nothing of this part's gradient is sent (its memory is restored)
-            indices, values = np.empty(0, np.int64), np.empty(0, np.float32)
-        s.client.send_part(it, part, indices, values, host_loss, checksum, overflow=overflow)
-
-    def _extras(self, staged: bool, checksum_due: bool):
-        """The pairs a round's copy back adds: the loss slot, the weights on checksum rounds."""
+    def take(self, it: int, part: Part | None, staged) -> Sent:
+        """The round's (or part's) selection, error feedback fused, and one copy back with the
+        loss, the weights on checksum rounds and a GradScaler's finiteness."""
         dev = self.dev
-        extra, loss_host, weights = [], None, None
-        if staged:
-            loss_host = dev.pinned("loss", 1, np.float64)
-            extra.append((self.loss, loss_host))
-        if checksum_due:
-            weights = dev.pinned("weights", self.numel, np.float32)
-            extra.append((self.params, weights))
-        return extra, loss_host, weights
+        dev.follow_torch()  # the backward pass that wrote the gradient
+        start = dev.mark()
+        self._finite = self._scale_in(it, part)  # under a GradScaler: unscaled, checked
+        chosen = self._choose(it) if part is None else self._choose_part(it, part)
+        sent = self._copy_back(it, part, chosen, staged)
+        self._time_device("select", start, dev.copied)  # passed: the copy back waited
+        return sent
 
-    def _read_loss(self, it: int, host_loss, staged: bool, loss_host):
-        """(the loss as read back, whether it overflowed): not finite is an overflow under a
-        GradScaler (the step is skipped), else a diverged run."""
-        return read_loss(float(loss_host[0]) if staged else host_loss, it, self.s.scaling)
+    def stage_loss(self, it: int, loss) -> tuple[float | None, bool]:
+        """(a host loss, whether the loss waits in the device slot): a loss tensor on the
+        backend's device is copied into the slot on torch's stream, to come back with the
+        round's copy; a host number, or a tensor elsewhere, is read as it is."""
+        if isinstance(loss, torch.Tensor) and loss.device.type == self.dev.torch_device:
+            self.loss_torch.copy_(loss.detach().reshape(-1)[:1].to(torch.float64))
+            return None, True
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(-1)[0]
+        return (None if loss is None else float(loss)), False
 
-    def _scale_in(self, it: int, lo: int = 0, hi: int | None = None):
+    def _scale_in(self, it: int, part: Part | None):
         """Under a GradScaler (psparse.worker.amp): the memory saved before the round's first
-        device work, the gradient's keys [lo, hi) unscaled in place, and their finiteness
+        device work, the gradient's keys (the part's) unscaled in place, and their finiteness
         staged for the round's copy back: ([(device flag, host flag)], host flag); without
         one, ([], None)."""
         scaling = self.s.scaling
@@ -171,69 +120,20 @@ class DeviceRound:
         if self._saved_at != it:
             scaling.save(self.s.memory)  # on psparse's stream: after the last round's work
             self._saved_at = it
-        grad = self.grad if lo == 0 and hi in (None, self.numel) else self.grad[lo:hi]
+        grad = self.grad if part is None else self.grad[part.lo:part.hi]
         grad *= np.float32(scaling.inv_scale)
         self.finite[0] = self.dev.xp.isfinite(grad).all()
-        host = self.dev.pinned(f"finite-{lo}", 1, np.uint8)
+        host = self.dev.pinned(f"finite-{0 if part is None else part.lo}", 1, np.uint8)
         return [(self.finite, host)], host
 
-    @staticmethod
-    def _overflowed(finite_host) -> bool:
-        return finite_host is not None and not finite_host[0]
-
-    def _after(self, agg, it: int, skipped: bool) -> None:
-        """On torch's stream, after the round: a skipped step's ``.grad`` is inf (so that
-        ``scaler.step`` skips), an applied one's is × S for ``scaler.step``'s unscale."""
-        s = self.s
-        if skipped:
-            s.scaling.poison(s.net)
-            s.note_live(agg)
-            s.applied(it)
-        elif s.scaling is not None:
-            s.scaling.rescale(s.net)
-
-    def skip(self, agg, it: int) -> None:
-        """A round in parts that the server flagged (some part overflowed somewhere): the
-        memory as before the step, ``.grad`` inf, nothing observed."""
-        require_scaler(self.s, it)
-        with self.dev.stream_scope():
-            self.s.scaling.restore(self.s.memory)
-            self.dev.lead_torch()
-        self._after(agg, it, True)
-        self.dev.end_round()
-
-    def _time_device(self, phase: str, start, stop) -> None:
-        self.device_ms[phase] += self.dev.elapsed_ms(start, stop)
-
-    def report(self, rounds: int) -> dict:
-        """rank-R.json's ``device``: the backend's crossings, graph rounds, device time."""
-        per = max(1, rounds)
-        return {**self.dev.report(rounds), "graph_rounds": self.graph_rounds,
-                "select_device_ms_per_iteration": round(self.device_ms["select"] / per, 4),
-                "apply_device_ms_per_iteration": round(self.device_ms["apply"] / per, 4)}
-
-    def _stage_loss(self, loss) -> tuple[float | None, bool]:
-        """A loss tensor on the backend's device is copied into the device slot on torch's
-        stream (call it before ``follow_torch``), to come back with the round's copy (True); a
-        host number, or a tensor elsewhere, is read as it is."""
-        if isinstance(loss, torch.Tensor) and loss.device.type == self.dev.torch_device:
-            self.loss_torch.copy_(loss.detach().reshape(-1)[:1].to(torch.float64))
-            return None, True
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().reshape(-1)[0]
-        return (None if loss is None else float(loss)), False
-
-    def _choose(self, it: int, host_loss, staged: bool):
-        """This round's (indices, values) on the host, the loss, and the checksum (if due)."""
-        s = self.s
+    def _choose(self, it: int):
+        """A whole round's choice: the round shape's, error feedback fused into the engine
+        where the policy lets it, or a captured graph replayed."""
+        s, shape = self.s, self.shape
         policy, memory = s.policy, s.memory
-        s.set_budget(it)
-        self._finite = self._scale_in(it)  # under a GradScaler: unscaled, checked
         grad = memory.clipped(self.grad)
-        if self.whole:
-            acc = memory.add_clipped(grad)
-            return self._finish(it, None, acc, host_loss, staged, whole=True)
-        if self.use_graphs and policy.graph_safe and memory.clip_norm is None:
+        if self.use_graphs and policy.graph_safe and memory.clip_norm is None and \
+                isinstance(shape, OnePhase):
             # the first round at a budget runs launch by launch (it builds the engines);
             # the second captures the graph, which every later one replays
             budget = (policy.k, tuple(policy.live))  # core's split follows the live ranks
@@ -245,22 +145,34 @@ class DeviceRound:
                 graph, chosen = entry
                 graph.launch()
                 self.graph_rounds += 1
-                return self._finish(it, chosen, None, host_loss, staged)
-        fusion = Fusion(memory.accumulate_spec(grad) if policy.fuses_accumulation else None,
+                return chosen
+        fuse = policy.fuses_accumulation and not isinstance(shape, WholeModel)
+        fusion = Fusion(memory.accumulate_spec(grad) if fuse else None,
                         memory.accumulator, memory.velocity)
         if fusion.accumulate is None:
             memory.add_clipped(grad)
-        policy.fusion = fusion
+        policy.fusion, self._fusion = fusion, fusion
         try:
-            group = None
-            if policy.two_phase:
-                group = self._proposal_round(it, fusion)
-            chosen = policy.select(memory.accumulator, it, group=group)
+            chosen = shape.choose(s, it, memory.accumulator, self)
         finally:
-            policy.fusion = None
+            policy.fusion, self._fusion = None, None
         if fusion.accumulate is not None:  # the policy never read the accumulator
             memory.add_clipped(grad)
-        return self._finish(it, chosen, None, host_loss, staged)
+        return chosen
+
+    def _choose_part(self, it: int, part: Part):
+        """A bucket's choice: the engine over its layers, its gradient folded in."""
+        policy, memory = self.s.policy, self.s.memory
+        fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
+                        memory.accumulator, memory.velocity)
+        policy.engines.layers, policy.fusion = (part.first, part.end), fusion
+        try:
+            chosen = policy.select(memory.accumulator, it)
+        finally:
+            policy.engines.layers, policy.fusion = None, None
+        if fusion.accumulate is not None:
+            raise AssertionError(f"{type(policy).__name__} did not fold a bucket's gradient")
+        return chosen
 
     def _capture(self, it: int, budget):
         """The round's selection (accumulation and take fused) captured as a graph for the
@@ -290,72 +202,81 @@ class DeviceRound:
         s.say(f"no CUDA graph for {policy.describe()} ({why}): rounds run launch by launch")
         return None
 
-    def _proposal_round(self, it: int, fusion: Fusion):
-        """Phase 1 of a two-phase round: the proposal back (a synchronisation), the group's
-        indices up."""
-        s, dev, policy = self.s, self.dev, self.s.policy
-        proposal = policy.propose(s.memory.accumulator, it)
+    # the round shapes' steps (exchange.OnePhase, TwoPhase, WholeModel)
+    def select(self, it: int, acc, group):
+        if group is not None:
+            group = self.dev.upload("group", np.asarray(group, dtype=np.int64))
+        return self.s.policy.select(acc, it, group=group)
+
+    def proposal(self, it: int, acc, proposal):
+        """Phase 1 of a two-phase round: the proposal back on the host (a synchronisation,
+        with a GradScaler's finiteness: an overflowing worker proposes nothing)."""
+        s, dev, fusion = self.s, self.dev, self._fusion
         if fusion.accumulate is not None:  # no proposal read the accumulator: fold it now
             s.memory.add_clipped(fusion.accumulate[2])
             fusion.accumulate = None
         pairs, finite_host = self._finite
-        if proposal is None and not pairs:  # nothing to send: no copy
-            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
-        elif proposal is None:  # only the finiteness to read (a GradScaler's step)
+        idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
+        if proposal is not None:
+            idx, val = self.selections.copy_back(it, proposal, s.policy.max_propose,
+                                                 "propose", pairs)
+        elif pairs:  # only the finiteness to read (a GradScaler's step)
             dev.copy_back(pairs)
+        if self._overflowed(finite_host):
             idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
-        else:
-            idx, val = self.selections.copy_back(it, proposal, policy.max_propose, "propose",
-                                                 pairs)
-        if self._overflowed(finite_host):  # an overflowing worker proposes nothing
-            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
-        group = s.client.propose(it, idx.astype(np.int64, copy=False), val)
-        return dev.upload("group", np.asarray(group, dtype=np.int64))
+        return idx.astype(np.int64, copy=False), val
 
-    def _finish(self, it, chosen, acc, host_loss, staged: bool, whole: bool = False):
-        """The round's copy back: the selection (or the whole accumulator), the loss, the
-        weights on checksum rounds."""
+    def everything(self, it: int, acc):
+        return EVERYTHING
+
+    def _copy_back(self, it: int, part: Part | None, chosen, staged) -> Sent:
+        """The round's one copy back: the selection (or the whole accumulator), the loss, the
+        weights on checksum rounds, a GradScaler's finiteness."""
         s, dev = self.s, self.dev
-        checksum_due = s.checksum_due(it)
-        extra, loss_host, weights = self._extras(staged, checksum_due)
+        host_loss, on_device = staged if staged is not None else (None, False)
+        checksum_due = carries_extras(part) and s.checksum_due(it)
+        extra = []
+        if on_device:
+            loss_host = dev.pinned("loss", 1, np.float64)
+            extra.append((self.loss, loss_host))
+        if checksum_due:
+            weights = dev.pinned("weights", self.numel, np.float32)
+            extra.append((self.params, weights))
         finite_pairs, finite_host = self._finite
-        extra = extra + finite_pairs
-        if whole:
+        extra += finite_pairs
+        if chosen is EVERYTHING:
+            acc, memory = s.memory.accumulator, s.memory
             values = dev.pinned("whole", self.numel, np.float32)
             dev.copy_back([(acc, values)] + extra)
             acc.fill(0)
-            if s.memory.velocity is not None:
-                s.memory.velocity.fill(0)
-            s.memory.after_take()
+            if memory.velocity is not None:
+                memory.velocity.fill(0)
+            memory.after_take()
             indices = s.all_indices()
         else:
-            indices, values = self.selections.copy_back(it, chosen, s.policy.max_push, "select",
-                                                        extra)
-        host_loss, overflow = self._read_loss(it, host_loss, staged, loss_host)
+            indices, values = self.selections.copy_back(
+                it, chosen, s.policy.max_push, "select", extra, 0 if part is None else part.index)
+        loss, overflow = read_loss(float(loss_host[0]) if on_device else host_loss, it,
+                                   s.scaling)
         overflow = overflow or self._overflowed(finite_host)
         checksum = hashlib.blake2b(weights.data, digest_size=8).hexdigest() \
             if checksum_due else None
         if overflow:  # nothing of a non-finite gradient is sent; every worker skips the step
             indices, values = np.empty(0, np.int64), np.empty(0, np.float32)
-        return indices, values, host_loss, checksum, overflow
+        return Sent(indices, values, loss, checksum, overflow)
+
+    @staticmethod
+    def _overflowed(finite_host) -> bool:
+        return finite_host is not None and not finite_host[0]
 
     # -------------------------------------------------------------------------- aggregate
     def apply(self, agg, it: int) -> None:
-        """A round in parts: its merged aggregate applied as a whole round's is, timed."""
-        dev = self.dev
-        with dev.stream_scope():
-            if self._apply_marks is not None:
-                self._time_device("apply", *self._apply_marks)
-            begin = dev.mark()
-            self._apply(agg, it)
-            self._apply_marks = (begin, dev.mark())
-            dev.lead_torch()
-        dev.end_round()
-
-    def _apply(self, agg, it: int) -> None:
-        """The aggregate up (once), observed by the policy there, into the gradient."""
+        """The aggregate up (once), observed by the policy there, into the gradient; torch's
+        stream waits for it."""
         s, dev, xp = self.s, self.dev, self.dev.xp
-        s.note_live(agg)
+        if self._apply_marks is not None:  # the previous round's, passed by now
+            self._time_device("apply", *self._apply_marks)
+        begin = dev.mark()
         values = dev.upload("aggregate-values", np.asarray(agg.values, dtype=np.float32),
                             out=self._buffer("received_val", agg.values.size, xp.float32))
         if agg.get("dense"):
@@ -372,7 +293,24 @@ class DeviceRound:
             if indices.size:
                 dev.launch_over("psparse_scatter", indices.size, (
                     indices, values, np.int64(indices.size), self.grad))
-        s.applied(it)
+        self._apply_marks = (begin, dev.mark())
+        dev.lead_torch()
+
+    def restore(self) -> None:
+        """A skipped step: the memory as before it (on psparse's stream), torch's stream
+        waiting for that."""
+        self.s.scaling.restore(self.s.memory)
+        self.dev.lead_torch()
+
+    def _time_device(self, phase: str, start, stop) -> None:
+        self.device_ms[phase] += self.dev.elapsed_ms(start, stop)
+
+    def report(self, rounds: int) -> dict:
+        """rank-R.json's ``device``: the backend's crossings, graph rounds, device time."""
+        per = max(1, rounds)
+        return {**self.dev.report(rounds), "graph_rounds": self.graph_rounds,
+                "select_device_ms_per_iteration": round(self.device_ms["select"] / per, 4),
+                "apply_device_ms_per_iteration": round(self.device_ms["apply"] / per, 4)}
 
     def _buffer(self, name: str, size: int, dtype):
         """A device buffer of at least ``size`` entries (grown, never shrunk), its first

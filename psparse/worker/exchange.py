@@ -1,18 +1,11 @@
-"""One worker's round on the host (``HostRound``): its shapes, its clock and its context.
+"""What every worker round works with: its context, its clock and its shapes.
 
-One worker's round on the host: what a round sends, the clock every round shares, and the
-context rounds work in (docs/architecture.md, "One iteration").
-
-A round runs between a training loop's ``loss.backward()`` and its ``optimizer.step()``: fold
-the gradient into the error-feedback accumulator, let the policy choose, push, receive the
-aggregate, let the policy observe it, write it into ``.grad``. Three things decide what it
-sends, one class each (a *round shape*): ``OnePhase`` (the policy selects), ``TwoPhase`` (a
-proposal round first: ``cltk``, ``vote``) and ``WholeModel`` (the budget is the whole model:
-nothing to select). ``HostRound`` runs them on the host; ``psparse.worker.device_round.DeviceRound``
-is the same round on a GPU; ``psparse.worker.parts.Parts`` the same round in buckets of layers.
-
-Rounds see the worker through a ``RoundContext`` (its parts and a few callbacks), never the
-``Session`` itself, and keep time on one ``RoundClock``.
+The round itself is ``psparse.worker.round`` (written once for the host and the GPU, whole or
+in parts). Three things decide what a whole-model round sends, one class each (a *round
+shape*): ``OnePhase`` (the policy selects), ``TwoPhase`` (a proposal round first: ``cltk``,
+``vote``) and ``WholeModel`` (the budget is the whole model: nothing to select). Rounds see the
+worker through a ``RoundContext`` (its parts and a few callbacks), never the ``Session``
+itself, and keep time on one ``RoundClock``.
 """
 
 from __future__ import annotations
@@ -23,10 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cpu.sparsify import NonFiniteError, topk_exact
 from ..policies import check_output
-from ..xp import INDEX_DTYPE, to_device, to_host
-from .divergence import accumulator_diverged, read_loss, require_scaler
+from ..xp import INDEX_DTYPE
 
 
 class RoundClock:
@@ -115,29 +106,25 @@ def select(ctx: RoundContext, acc, it: int, group):
 
 
 # ------------------------------------------------------------------------------ round shapes
-# A round shape decides what a round sends: ``choose(ctx, it, accumulator)`` returns the
-# (indices, values) to push, taken out of the accumulator; the rest of a round (accumulate
-# before, push and apply after) is the same for every shape.
+# A round shape decides what a whole-model round sends: ``choose(ctx, it, acc, engine)`` returns
+# what the engine's ``select`` or ``everything`` returns (the host: the (indices, values) taken
+# out of the accumulator; the GPU: the selection on the device, taken with the round's copy
+# back). The rest of a round is the same for every shape (psparse.worker.round).
 class OnePhase:
     """The policy selects from the accumulator; those entries are pushed."""
 
-    def choose(self, ctx: RoundContext, it: int, acc):
-        return select(ctx, acc, it, None)
+    def choose(self, ctx: RoundContext, it: int, acc, engine):
+        return engine.select(it, acc, None)
 
 
 class TwoPhase:
     """The policy proposes indices, the server keeps the group's choice, the policy selects
     with that choice in hand (``cltk``, ``vote``)."""
 
-    def choose(self, ctx: RoundContext, it: int, acc):
-        policy = ctx.policy
-        proposal = policy.propose(acc, it)
-        if proposal is None:
-            proposal = np.empty(0, dtype=np.int64)
-        check_output(policy, proposal, it, policy.max_propose, "propose")
-        proposal = proposal.astype(INDEX_DTYPE, copy=False)
-        group = ctx.client.propose(it, proposal, acc[proposal])
-        return select(ctx, acc, it, np.asarray(group, dtype=INDEX_DTYPE))
+    def choose(self, ctx: RoundContext, it: int, acc, engine):
+        indices, values = engine.proposal(it, acc, ctx.policy.propose(acc, it))
+        group = ctx.client.propose(it, indices, values)
+        return engine.select(it, acc, group)
 
 
 class WholeModel:
@@ -145,9 +132,8 @@ class WholeModel:
     be confused with a *dense push*, the encoding ``client.push`` picks when all values are
     smaller than (index, value) pairs.)"""
 
-    def choose(self, ctx: RoundContext, it: int, acc):
-        everything = ctx.all_indices()
-        return everything, ctx.memory.take(everything)
+    def choose(self, ctx: RoundContext, it: int, acc, engine):
+        return engine.everything(it, acc)
 
 
 def budget_steps(policy, k_at, iterations: int, warmup: bool, start: int) -> list[list[int]]:
@@ -167,81 +153,3 @@ def budget_steps(policy, k_at, iterations: int, warmup: bool, start: int) -> lis
 def round_shape(policy, whole: bool):
     """A two-phase policy keeps its proposal phase even at density 1 (the run says so)."""
     return TwoPhase() if policy.two_phase else WholeModel() if whole else OnePhase()
-
-
-# ----------------------------------------------------------------------------- host rounds
-class HostRound:
-    """A round on the host (a CPU worker, or a GPU worker without CuPy)."""
-
-    def __init__(self, ctx: RoundContext, shape):
-        self.ctx, self.shape = ctx, shape
-
-    def exchange(self, it: int, loss) -> None:
-        ctx = self.ctx
-        scaling = ctx.scaling  # a GradScaler's step (psparse.worker.amp), or None
-        loss, overflow = read_loss(loss, it, scaling)
-        t1 = ctx.clock.begin()
-        k = ctx.set_budget(it)
-        ctx.net.gather_grad()
-        if scaling is not None:  # unscaled before anything reads it
-            scaling.save(ctx.memory)
-            overflow = scaling.unscale(ctx.net.grad) or overflow
-        grad = ctx.net.grad_array()
-        recorder = ctx.recorder if not overflow else None
-        host_grad = to_host(grad) if recorder else None  # read before the next backward
-        grad_topk = topk_exact(host_grad, k) if recorder else None
-        if overflow:  # nothing of a non-finite gradient reaches the accumulator
-            indices, values = scaling.nothing(ctx, it)
-        else:
-            acc = ctx.memory.add(grad)  # error feedback: carry what was not sent
-            # the push empties the sent entries: keep what the policy chose from
-            host_acc = to_host(acc).copy() if recorder else None
-            probe = ctx.probe if ctx.probe is not None and ctx.probe.due(it) else None
-            if probe is not None:  # before the push: the aggregate comes after every file
-                probe.save(it, to_host(acc))
-            try:
-                indices, values = self.shape.choose(ctx, it, acc)
-            except NonFiniteError as exc:  # selection refuses an accumulator with NaN or inf
-                raise accumulator_diverged(it, str(exc)) from None
-            if recorder:
-                recorder.record(host_grad, grad_topk, to_host(indices), host_acc)
-        t2 = time.perf_counter()
-        checksum = ctx.net.checksum() if ctx.checksum_due(it) else None
-        agg = ctx.client.push(it, indices, values, loss, checksum, ctx.dense_buffer(),
-                              overflow=overflow)
-        t3 = time.perf_counter()
-        if agg.get("overflow"):  # some worker overflowed: every worker skips this step
-            if ctx.probe is not None and ctx.probe.due(it):
-                ctx.probe.discard(it)
-            self.skip(agg, it)
-        else:
-            self.apply(agg, it)
-            if scaling is not None:
-                scaling.rescale(ctx.net)
-            if ctx.probe is not None and ctx.probe.due(it):
-                ctx.probe.reduce(it, ctx.all_indices() if agg.get("dense") else agg.indices, k)
-        ctx.clock.add("select_s", t2 - t1)
-        ctx.clock.add("wait_s", t3 - t2)
-        ctx.clock.end(t3)
-
-    def skip(self, agg, it: int) -> None:
-        """A round the server flagged as an overflow (a GradScaler's): the memory as before
-        the step, ``.grad`` inf, nothing observed; the iteration is done."""
-        ctx = self.ctx
-        require_scaler(ctx, it)
-        ctx.scaling.skip(ctx.net, ctx.memory)
-        ctx.note_live(agg)
-        ctx.applied(it)
-
-    def apply(self, agg, it: int) -> None:
-        """The round's aggregate: the policy observes it, it lands in .grad; the iteration
-        is done."""
-        ctx = self.ctx
-        ctx.note_live(agg)
-        if agg.get("dense"):
-            ctx.policy.observe(*to_device(np, ctx.all_indices(), agg.values), it)
-            ctx.net.set_grad(None, agg.values)
-        else:
-            ctx.policy.observe(*to_device(np, agg.indices, agg.values), it)
-            ctx.net.set_grad(agg.indices, agg.values)
-        ctx.applied(it)

@@ -21,26 +21,21 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..config import DEFAULT_BUCKET_MB, ConfigError
-from ..cpu.sparsify import NonFiniteError
 from ..option_rules import bucket_refusal
-from ..policies import PolicyError, SelectionPolicy, check_output
-from ..xp import INDEX_DTYPE
+from ..policies import SelectionPolicy
 from . import buckets
 from .client import WorkerError
-from .divergence import accumulator_diverged, read_loss
 from .exchange import RoundContext
+from .round import Part, Round
 
 
 class Parts:
-    """The parts of one worker's rounds; ``rounds`` applies a merged aggregate (a
-    ``HostRound``, or a ``DeviceRound``, which also pushes each part from the device)."""
+    """The buckets of one worker's rounds and their timing; each bucket is taken and sent by
+    ``round`` (``Round.send_part``), the merged aggregate applied by ``Round.finish``."""
 
-    def __init__(self, ctx: RoundContext, rounds, servers: int):
-        self.ctx, self.rounds = ctx, rounds
-        self.device = getattr(rounds, "push_part", None) is not None
+    def __init__(self, ctx: RoundContext, round_: Round, servers: int):
+        self.ctx, self.round = ctx, round_
         cfg, policy = ctx.cfg, ctx.policy
         why = bucket_refusal(
             two_phase=policy.two_phase, whole_model=policy.layout.granularity != "layer",
@@ -52,7 +47,8 @@ class Parts:
         sizes = ctx.net.layer_sizes
         self.buckets = buckets.plan(sizes, cfg.bucket_mb or DEFAULT_BUCKET_MB)
         self.edges = buckets.boundaries(sizes, self.buckets)
-        self.offsets = [o for o, _ in policy.layout.slices]
+        self.parts = [Part(b, first, end, self.edges[b], self.edges[b + 1])
+                      for b, (first, end) in enumerate(self.buckets)]
         self.bucket_of = [b for b, (first, end) in enumerate(self.buckets)
                           for _ in range(first, end)]
         self.overlap = cfg.overlap
@@ -66,7 +62,6 @@ class Parts:
         self.trace: list[str] = []  # this round's events, in order (rank-R.json: last_round)
         self.last_trace: list[str] = []
         self.pushed_in_backward = 0
-        self.loss_overflowed = False  # this step's loss was not finite (a GradScaler's skip)
         if self.overlap:
             for layer, p in enumerate(ctx.net.parameters):
                 self.hooks.append(p.register_post_accumulate_grad_hook(
@@ -92,17 +87,12 @@ class Parts:
         ctx.before(it)
         self.t_begin = ctx.clock.begin()
         ctx.set_budget(it)
-        self.checksum_due = ctx.checksum_due(it)
-        # the GPU path reads the weights back with part 0's copy (DeviceRound.push_part)
-        self.checksum = ctx.net.checksum() if self.checksum_due and not self.device else None
         self.in_round = True
         self.iteration = it
         self.ready = [0] * len(self.buckets)
         self.pushed = set()
         self.trace = []
         self.select_s = 0.0
-        if ctx.scaling is not None and not self.device:  # the memory to restore if skipped
-            ctx.scaling.save(ctx.memory)  # (a DeviceRound saves on its stream, first part)
 
     def on_grad(self, layer: int) -> None:
         """A parameter's gradient is complete (autograd hook, during backward)."""
@@ -124,55 +114,16 @@ class Parts:
                 self.push(b)
                 self.pushed_in_backward += 1
 
-    def push(self, b: int, loss=None, checksum: str | None = None) -> None:
-        """Fold bucket b's gradient in, select per layer, push part b."""
-        ctx = self.ctx
+    def push(self, b: int, staged=None) -> None:
+        """Bucket b's gradients gathered, the bucket taken and sent (``staged``: part 0's
+        loss, as the round's engine staged it)."""
         t0 = time.perf_counter()
-        it = self.iteration
-        first, end = self.buckets[b]
-        ctx.net.gather_layers(first, end)
-        if self.device:  # the engine over the bucket's layers, one copy back
-            self.rounds.push_part(it, b, first, end, loss, b == 0 and self.checksum_due,
-                                  (self.edges[b], self.edges[b + 1]),
-                                  b == 0 and self.loss_overflowed)
-        else:
-            self._push_host(it, b, first, end, loss, checksum)
+        part = self.parts[b]
+        self.ctx.net.gather_layers(part.first, part.end)
+        self.round.send_part(self.iteration, part, staged)
         self.pushed.add(b)
         self.trace.append(f"push {b}")
         self.select_s += time.perf_counter() - t0
-
-    def _push_host(self, it: int, b: int, first: int, end: int, loss, checksum) -> None:
-        ctx = self.ctx
-        lo, hi = self.edges[b], self.edges[b + 1]
-        grad = ctx.net.grad_range(lo, hi)
-        scaling = ctx.scaling
-        overflow = b == 0 and self.loss_overflowed
-        if scaling is not None:  # unscaled before the memory sees it (psparse.worker.amp)
-            overflow = scaling.unscale(grad) or overflow
-        if overflow:  # nothing of this part reaches the memory; every rank skips the step
-            nothing = np.empty(0, dtype=INDEX_DTYPE)
-            ctx.client.send_part(it, b, nothing, np.empty(0, np.float32), loss, checksum,
-                                 overflow=True)
-            return
-        acc = ctx.memory.add_range(grad, lo, hi)
-        policy = ctx.policy
-        chosen = []
-        try:
-            for layer in range(first, end):
-                k, offset = policy.slice_k[layer], self.offsets[layer]
-                if k > 0:
-                    size = ctx.net.layer_sizes[layer]
-                    chosen.append(policy.select_slice(acc[offset:offset + size], k, offset)
-                                  + offset)
-        except NonFiniteError as exc:
-            raise accumulator_diverged(it, str(exc)) from None
-        indices = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
-        check_output(policy, indices, it, policy.max_push)
-        if indices.size and (int(indices[0]) < lo or int(indices[-1]) >= hi):
-            raise PolicyError(f"policy {type(policy).__name__}.select_slice() at iteration "
-                              f"{it} chose an index outside its layer")
-        indices = indices.astype(INDEX_DTYPE, copy=False)
-        ctx.client.send_part(it, b, indices, ctx.memory.take(indices), loss, checksum)
 
     def exchange(self, it: int, loss) -> None:
         """After backward: push what the hooks did not (all buckets without overlap), last of
@@ -180,30 +131,19 @@ class Parts:
         ctx = self.ctx
         if not self.in_round:
             self.begin(it)
-        scaling = ctx.scaling
-        self.loss_overflowed = False
-        if self.device:
-            pass  # the GPU path reads the loss back with part 0's copy (a non-finite one
-            # under a GradScaler is an overflow there too)
-        else:  # a non-finite loss under a GradScaler: skip, not diverge
-            loss, self.loss_overflowed = read_loss(loss, it, scaling)
+        staged = self.round.engine.stage_loss(it, loss)  # the host reads it now
         self.trace.append("exchange")
         for b in range(len(self.buckets) - 1, 0, -1):
             if b not in self.pushed:
                 self.push(b)
-        self.push(0, loss, self.checksum)
+        self.push(0, staged)
         t2 = time.perf_counter()
         agg = ctx.client.await_parts(it)
         t3 = time.perf_counter()
         self.trace.append("aggregate")
         self.in_round = False
         self.last_trace = self.trace
-        if agg.get("overflow"):  # some rank overflowed in some part: every rank skips
-            self.rounds.skip(agg, it)
-        else:
-            self.rounds.apply(agg, it)
-            if scaling is not None:
-                scaling.rescale(ctx.net)
+        self.round.finish(agg, it)  # some rank overflowed in some part: every rank skips
         ctx.clock.add("select_s", self.select_s)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.add("compute_s", t2 - self.t_begin - self.select_s)  # between the pushes

@@ -20,8 +20,9 @@ aggregate into every parameter's ``.grad``, so any ``torch.optim`` optimizer the
 update on every replica. The built-in ``psparse-worker`` loop is a user of this class too.
 
 The session builds a worker's parts (flat model, device backend, memory, policy, client) and
-its round: ``exchange.HostRound`` on the host, ``device_round.DeviceRound`` on a GPU, either
-in buckets through ``parts.Parts``; they see it only through a ``RoundContext``. The session
+its round: ``round.Round`` with the host's engine (``round.HostEngine``) or a GPU's
+(``device_round.DeviceEngine``), whole or in buckets through ``parts.Parts``; they see it only
+through a ``RoundContext``. The session
 keeps what is the user's: registration, the run's length and evaluator, the end of the run,
 checkpoints (their state: psparse/worker/session_state.py).
 """
@@ -46,12 +47,13 @@ from ..rundir import EVAL_VALUES, rank_file, write_atomic
 from . import amp, lifecycle
 from .board import TimingLog
 from .client import ServerGone, WorkerError
-from .device_round import DeviceRound
-from .exchange import HostRound, RoundContext, WholeModel, budget_steps, round_shape
+from .device_round import DeviceEngine
+from .exchange import RoundContext, budget_steps, round_shape
 from .flat_model import FlatModel
 from .optimizers import as_optimizer
 from .parts import Parts
 from .recall import RecallProbe
+from .round import HostEngine, Round
 from .selections import SelectionRecorder
 from .session_state import Checkpointed
 from .sharded_client import open_client
@@ -151,8 +153,9 @@ class Session(lifecycle.LoopControl, Checkpointed):
                                   bool(cfg.density_warmup), self.start)
         whole = all(step[1] == self.net.numel for step in self.steps)
         shape = round_shape(self.policy, whole)
-        self.rounds = DeviceRound(self.ctx, self.dev, isinstance(shape, WholeModel)) \
-            if self.dev is not None else HostRound(self.ctx, shape)
+        engine = DeviceEngine(self.ctx, self.dev, shape) if self.dev is not None \
+            else HostEngine(self.ctx, shape)
+        self.rounds = Round(self.ctx, engine)
         if cfg.overlap or cfg.bucket_mb is not None:
             self.parts = Parts(self.ctx, self.rounds, self.servers)
 
@@ -315,8 +318,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
         _check_eval_values(final)
         wall = time.perf_counter() - self._t_created
         # the rounds' device crossings, before the reads of the final report below
-        device = self.rounds.report(self.iteration - self.start) \
-            if isinstance(self.rounds, DeviceRound) else None
+        device = self.rounds.engine.report(self.iteration - self.start) \
+            if isinstance(self.rounds.engine, DeviceEngine) else None
         values = {k: float(v) for k, v in final.items()} if self.is_evaluator else {}
         self.client.finish(self.iteration - 1, values, self.net.checksum())
         info = {"rank": self.rank, "iterations": self.iteration, "numel": self.net.numel,
