@@ -195,3 +195,37 @@ def test_no_module_outside_the_kernel_folders_is_over_450_lines():
     for f in (ROOT / "psparse").rglob("*.py"):
         if not {"cpu", "gpu"} & set(f.relative_to(ROOT / "psparse").parts[:1]):
             assert len(f.read_text().splitlines()) <= 450, f
+
+
+# What a worker's round does on the wire and to a GradScaler's step, and where it may be written:
+# psparse/worker/round.py (the round, once for every device, whole or in parts) and the round
+# shapes in exchange.py (a two-phase round's proposal); the client modules define the calls.
+ROUND_CALLS = re.compile(r"\bclient\.(push|send_part|propose)\(|\bscaling\.(poison|rescale)\(")
+ROUND_FILES = {"psparse/worker/round.py", "psparse/worker/exchange.py"}
+
+
+def round_calls(root: Path) -> dict[str, list[str]]:
+    """{file under root: the round's calls it makes} for every module that makes one."""
+    found = {}
+    for f in sorted((root / "psparse").rglob("*.py")):
+        calls = [m.group(0) for m in ROUND_CALLS.finditer(f.read_text())]
+        if calls:
+            found[f.relative_to(root).as_posix()] = calls
+    return found
+
+
+def test_a_workers_round_is_written_once():
+    """Host and GPU, whole model and parts share one round (psparse/worker/round.py): no other
+    module pushes, proposes, or finishes a GradScaler's step."""
+    found = round_calls(ROOT)
+    assert set(found) == ROUND_FILES, found
+    assert sorted(found["psparse/worker/exchange.py"]) == ["client.propose("]
+
+
+def test_the_round_check_finds_a_second_round(tmp_path):
+    planted = tmp_path / "psparse" / "worker" / "my_round.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("def exchange(ctx, it):\n    ctx.client.push(it, [], [])\n"
+                       "    ctx.scaling.rescale(ctx.net)\n")
+    assert round_calls(tmp_path) == {"psparse/worker/my_round.py": ["client.push(",
+                                                                     "scaling.rescale("]}
