@@ -38,6 +38,8 @@ METRICS_FIELDS = ("iter", "workers", "k", "budget", "union", "broadcast_entries"
 # What a worker's ps.log(...) / evaluation may put into eval.jsonl (finite numbers only), plus
 # the iteration it follows and the time since training started.
 EVAL_VALUES = ("epoch", "test_loss", "test_acc", "train_loss")
+# a report with one of these is an evaluation (a language model has a loss, no accuracy)
+EVAL_MEASURES = ("test_loss", "test_acc", "train_loss")
 EVAL_FIELDS = ("iter", *EVAL_VALUES, "time_s")
 SUMMARY_FIELDS = ("status", "error", "ended", "world_size", "numel", "k", "iterations", "wall_s",
                   "iterations_per_s", "train_s", "train_iterations_per_s", "union_over_k_mean", "union_over_k_max", "pushed_k_mean",

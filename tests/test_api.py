@@ -217,3 +217,27 @@ def test_psparse_imports_without_torch():
     code = "import sys, psparse; print('torch' in sys.modules, psparse.__version__)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.split() == ["False", psparse.__version__]
+
+
+def test_a_run_that_logs_only_a_loss_records_and_shows_it(tmp_path):
+    """A language model has a loss and no accuracy: ps.log(test_loss=...) alone is an
+    evaluation (eval.jsonl, summary.json, the progress line and the summary table)."""
+    out = tmp_path / "run"
+    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--workers", "2",
+                                     "--density", "0.05", SCRIPT, "--iterations", "20",
+                                     "--loss-only"),
+                       capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    evals = read_jsonl(out / "eval.jsonl")
+    assert [e["iter"] for e in evals] == [9, 19, 19]
+    assert all("test_acc" not in e and 0 < e["test_loss"] < 10 for e in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_acc"] is None and summary["test_loss"] == evals[-1]["test_loss"]
+    shown = f"test loss {evals[-1]['test_loss']:.4f}"
+    last_line = [line for line in r.stdout.splitlines() if line.startswith("iter ")][-1]
+    assert f"| {shown} |" in last_line, r.stdout  # the progress line's evaluation
+    table = [line.split() for line in r.stdout.splitlines() if line.startswith("test ")]
+    assert table == [shown.split()], r.stdout  # the summary's row, and no accuracy row
+    rep = subprocess.run(python_module("psparse.analysis.report", str(out), "--no-plots"),
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout + rep.stderr

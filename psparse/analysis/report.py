@@ -68,7 +68,7 @@ def short_label(summary: dict, config: dict) -> str:
 def row(run: dict) -> dict:
     s, evals = run["summary"], run["evals"]
     sent = s["upload_mb"] + s["broadcast_mb"]
-    accs = [e["test_acc"] for e in evals]
+    accs = [e["test_acc"] for e in evals if "test_acc" in e]
     return {
         "run": run["label"],
         "test_acc": s.get("test_acc"),
@@ -186,11 +186,12 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         if r["union_k"].size:
             unions.append((name, it[window - 1:] if window > 1 else it,
                            smooth(r["union_k"], window)))
-        if r["evals"]:
-            acc_it.append((name, [e["iter"] + 1 for e in r["evals"]],
-                           [100 * e["test_acc"] for e in r["evals"]]))
-            acc_t.append((name, [e.get("time_s", np.nan) for e in r["evals"]],
-                          [100 * e["test_acc"] for e in r["evals"]]))
+        evals = [e for e in r["evals"] if "test_acc" in e]  # a language model logs a loss
+        if evals:
+            acc_it.append((name, [e["iter"] + 1 for e in evals],
+                           [100 * e["test_acc"] for e in evals]))
+            acc_t.append((name, [e.get("time_s", np.nan) for e in evals],
+                          [100 * e["test_acc"] for e in evals]))
     # union/k lies between 1 (every worker chose the same k) and N (no two overlap)
     worlds = sorted({r["summary"].get("world_size") for r in runs if r["union_k"].size} - {None})
     figure("union_k.png", "Server broadcast size: union / k", "iteration", "union / k", unions,

@@ -68,10 +68,9 @@ class Progress:
             return
         it = m["iter"] + 1
         rate = it / m["time_s"] if m["time_s"] > 0 else 0.0
-        acc = f"{100 * e['test_acc']:.2f}%" if e else "-"
         loss = f"{m['loss']:.4f}" if m.get("loss") is not None else "-"
         union = f"{self._unions[-1]:.2f}" if self._unions else "-"
-        line = (f"iter {it:>6} | loss {loss} | test acc {acc} | union/k "
+        line = (f"iter {it:>6} | loss {loss} | {evaluation(e)} | union/k "
                 f"{union} | up {self._bytes[0] / 1e6:.2f} MB | down "
                 f"{self._bytes[1] / 1e6:.2f} MB | {rate:.1f} it/s")
         tty = sys.stdout.isatty()
@@ -83,13 +82,13 @@ class Progress:
         if not path.is_file() or self.quiet:
             return
         s = json.loads(path.read_text())
-        acc = f"{100 * s['test_acc']:.2f} %" if s.get("test_acc") is not None else "-"
         total = s["upload_mb"] + s["broadcast_mb"]
         rows = [
             ("iterations", f"{s['iterations']}  "
                            f"({s.get('train_iterations_per_s') or s['iterations_per_s']} it/s "
                            f"in training; {s['wall_s']:.1f} s in all)"),
-            ("test accuracy", acc),
+            *([(LONG[field], text) for field, text in evaluated(s)]
+              or [("test accuracy", "-")]),
             ("union/k", f"mean {s['union_over_k_mean']}  max {s['union_over_k_max']}  "
                         f"(k = {s['k']}, numel = {s['numel']})" if not s.get("baseline")
              else f"- ({s['baseline']}: dense ring allreduce)"),
@@ -115,6 +114,26 @@ class Progress:
         print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in rows))
         print(f"\nfiles: {self.out}/{{config.json, metrics.jsonl, eval.jsonl, summary.json, "
               "logs/" + (", shard-I/" if s.get("shards") else "") + "}")
+
+
+SHORT = {"test_acc": "test acc", "test_loss": "test loss", "train_loss": "train loss"}
+LONG = {**SHORT, "test_acc": "test accuracy"}
+
+
+def evaluation(record: dict | None) -> str:
+    """The progress line's evaluation: the accuracy, else the loss a run logs instead (a
+    language model's), else the accuracy to come."""
+    found = evaluated(record or {})
+    return " | ".join(f"{SHORT[field]} {text}" for field, text in found) or "test acc -"
+
+
+def evaluated(record: dict) -> list[tuple[str, str]]:
+    """(field, text) of the evaluation values an eval.jsonl record or summary.json holds:
+    the accuracy alone when there is one, else the losses (a language model's)."""
+    if record.get("test_acc") is not None:
+        return [("test_acc", f"{100 * record['test_acc']:.2f} %")]
+    return [(field, f"{record[field]:.4f}")
+            for field in ("test_loss", "train_loss") if record.get(field) is not None]
 
 
 def share(part: float, whole: float) -> str:

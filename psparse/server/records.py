@@ -19,6 +19,7 @@ import numpy as np
 
 from ..rundir import (
     EVAL_FILE,
+    EVAL_MEASURES,
     EVAL_VALUES,
     METRICS_FILE,
     SUMMARY_FILE,
@@ -116,7 +117,7 @@ class Records:
         if report.get("final"):
             self.finals[rank] = {"checksum": checksum, **record}
         # only the evaluator's results are the run's: another rank's cannot overwrite them
-        if "test_acc" in record and rank == evaluator:
+        if rank == evaluator and any(key in record for key in EVAL_MEASURES):
             record["time_s"] = self.elapsed()
             self.last_eval = record
             if self._eval:
