@@ -170,3 +170,46 @@ def test_without_a_server_the_error_names_the_address_and_how_to_set_it():
                         server=f"127.0.0.1:{port}", timeout=1)
     assert f"no answer from a psparse server at 127.0.0.1:{port} within 1 s" in str(err.value)
     assert "PSPARSE_SERVER=host:port" in str(err.value)
+
+
+class Bag(torch.nn.Module):
+    """An embedding (sparse gradients or dense) and a head: a language model's first layer."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8, sparse=sparse)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def train_bag(server, sparse: bool) -> torch.Tensor:
+    """Five Adam steps of ``Bag`` through psparse, tokens repeated within each batch."""
+    model = Bag(sparse)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    with psparse.connect(model, optimizer, rank=0, world_size=1, iterations=5, density=1.0,
+                         server=f"127.0.0.1:{server.port}") as ps:
+        for _ in range(ps.start, ps.iterations):
+            tokens = torch.randint(0, 10, (4, 6), generator=generator)  # repeats: summed
+            loss = torch.nn.functional.cross_entropy(model(tokens), torch.tensor([0, 1, 2, 0]))
+            loss.backward()
+            ps.exchange(loss)
+            optimizer.step()
+            optimizer.zero_grad()  # set to None: the next backward makes a new sparse tensor
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_a_sparse_embedding_trains_as_a_dense_one_and_sparse_adam_is_refused(server_factory):
+    dense = train_bag(server_factory(1), sparse=False)
+    sparse = train_bag(server_factory(1), sparse=True)
+    torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-7)  # the sums' order may differ
+    assert not torch.equal(dense, torch.cat([p.detach().flatten()
+                                             for p in Bag(False).parameters()]))  # it trained
+    model = Bag(sparse=True)
+    with pytest.raises(ConfigError, match="SparseAdam takes sparse gradients only.*use "
+                                          "torch.optim.Adam or AdamW"):
+        psparse.connect(model, torch.optim.SparseAdam(list(model.embed.parameters())),
+                        rank=0, world_size=1, iterations=5, server="127.0.0.1:1")

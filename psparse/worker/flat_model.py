@@ -93,6 +93,8 @@ class FlatModel:
                 continue
             if p.grad is None:
                 view.zero_()
+            elif p.grad.is_sparse:  # nn.Embedding(sparse=True): duplicates summed
+                view.copy_(p.grad.to_dense())
             else:
                 view.copy_(p.grad)
             p.grad = view

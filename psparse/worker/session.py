@@ -423,6 +423,13 @@ def check_model(model: torch.nn.Module) -> None:
 def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | None) -> None:
     """The optimizer fits the memory (``dgc`` applies momentum itself) and checkpoints have a
     run directory and an optimizer to save."""
+    sparse_only = [type(o).__name__ for o in getattr(optimizer, "members", [optimizer])
+                   if isinstance(o, torch.optim.SparseAdam)]
+    if sparse_only:
+        raise ConfigError(f"{sparse_only[0]} takes sparse gradients only, and psparse writes the "
+                          "aggregate into .grad as a dense tensor (its zeros are the entries no "
+                          "worker sent): use torch.optim.Adam or AdamW; nn.Embedding(sparse="
+                          "True) can stay, its sparse gradient is made dense for the exchange")
     if optimizer is not None and not memory.optimizer_momentum_applies and not (
             all(isinstance(o, torch.optim.SGD) for o in getattr(optimizer, "members",
                                                                  [optimizer]))
