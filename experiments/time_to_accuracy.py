@@ -64,6 +64,7 @@ from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS
 from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunCache, RunDir, md_table, mean_sd
 from psparse.provenance import float_kernels, provenance
+from psparse.training.loop import EMULATED_BF16, native_bf16
 from psparse.wire.transport import parse_rate
 
 VALIDATE_TARGET = 0.9  # LeNet: the target the composition is checked at, against direct times
@@ -139,6 +140,15 @@ def accuracy_args(model: str, name: str) -> list[str]:
     spec = TTA[model]
     return base_args(model) + RUNS[name] + ["--iterations", str(spec["iterations"]),
                                             "--eval-every", str(spec["eval_every"])]
+
+
+def bf16_refusal(models: list[str], native: bool) -> str | None:
+    """Why this CPU cannot run these models' accuracy runs, or None: ResNet-20's grid trains
+    in bf16, ~35 minutes a run with AVX512-BF16 or AMX and hours where bf16 is emulated (its
+    floats would come from other kernels than the recorded runs' too)."""
+    if native or not any("bf16" in TTA[m].get("base", []) for m in models):
+        return None
+    return f"{EMULATED_BF16}. The grid's bf16 runs need such a CPU (--any-cpu runs them here anyway)"
 
 
 def launch_local(out: Path, args: list[str], seed: int, data_dir: str | None) -> Path:
@@ -583,6 +593,9 @@ def main(argv=None) -> int:
                         "ones in runs/cluster/<model>-<rate>/ unless those finished with the "
                         "same arguments and code")
     p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    p.add_argument("--any-cpu", action="store_true",
+                   help="run bf16 accuracy runs (ResNet-20's) on a CPU that emulates bf16 too "
+                        "(about 10-15x slower, and other float kernels than the recorded runs')")
     args = p.parse_args(argv)
     models, stages = args.only.split(","), args.stage.split(",")
     names = args.runs.split(",")
@@ -607,6 +620,10 @@ def main(argv=None) -> int:
                                             "stopped", "failed", "missing")))
             print(md_table(["run", "seed", "state", "iterations", "best evaluation"], rows))
         return 0
+    why = "accuracy" in stages and not args.any_cpu and bf16_refusal(models, native_bf16())
+    if why:
+        print(f"[tta] {why}", file=sys.stderr)
+        return 2
     for model in models:
         if "accuracy" in stages:  # every run's seed 0 first: a comparison as early as it can
             for seed in range(3):

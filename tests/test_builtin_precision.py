@@ -14,6 +14,7 @@ import pytest
 from conftest import python_module, read_jsonl
 
 from psparse.config import ConfigError, RunConfig
+from psparse.training.loop import EMULATED_BF16, native_bf16
 from psparse.training.schedule import learning_rate, varies
 
 LENET = ["--workers", "2", "--model", "lenet", "--dataset", "mnist", "--iterations", "40",
@@ -89,6 +90,20 @@ def test_bf16_channels_last_trains_and_fp16_goes_through_the_scaler(tmp_path, ba
     assert evals[-1]["test_acc"] > 0.3  # evaluated with the same autocast: a real accuracy
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["amp"] == "bf16" and config["channels_last"] is True
+    # a CPU that emulates bf16 (no AVX512-BF16, no AMX) is told so, once, by rank 0
+    said = [(tmp_path / "bf16" / "logs" / f"rank-{r}.log").read_text().count(EMULATED_BF16)
+            for r in range(2)]
+    assert said == ([0, 0] if native_bf16() else [1, 0]), said
+
+
+def test_which_cpus_compute_bf16_in_hardware():
+    """/proc/cpuinfo's flags, as an AMX Xeon, an AVX512-BF16 EPYC and an AVX2-only EPYC
+    print them (shortened)."""
+    line = "flags\t\t: fpu vme sse2 avx2 {}\nbogomips\t: 4000\n"
+    assert native_bf16(line.format("avx512f avx512_bf16 amx_bf16 amx_tile") * 2)
+    assert native_bf16(line.format("avx512f avx512_bf16"))
+    assert not native_bf16(line.format("fma"))
+    assert native_bf16("processor\t: 0\n")  # no flags to read (another system): no warning
 
 
 def test_evaluation_on_every_core_equals_one_cores(data_root):

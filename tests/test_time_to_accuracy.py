@@ -12,6 +12,7 @@ from conftest import python_module, read_jsonl
 
 from psparse.launch import build_parser
 from psparse.options import resolve_config
+from psparse.training.loop import native_bf16
 
 
 def test_accuracy_runs_are_the_cluster_runs_but_for_length_and_evaluation():
@@ -151,3 +152,17 @@ def test_training_does_not_depend_on_length_or_evaluation(tmp_path):
     b = [{k: m.get(k) for k in keep} for m in read_jsonl(long / "metrics.jsonl")][:12]
     assert len(a) == 12 and a == b
     assert read_jsonl(short / "eval.jsonl")[0]["iter"] == 3  # the 4th iteration's evaluation
+
+
+def test_the_bf16_grid_is_refused_where_bf16_is_emulated(capsys):
+    """ResNet-20's runs train in bf16: on a CPU that emulates it they would take hours, so the
+    accuracy stage refuses them there (LeNet's, float32, run anywhere)."""
+    from experiments import time_to_accuracy as tta
+
+    assert "emulated" in tta.bf16_refusal(["lenet", "resnet20"], native=False)
+    assert tta.bf16_refusal(["resnet20"], native=True) is None
+    assert tta.bf16_refusal(["lenet"], native=False) is None
+    if not native_bf16():  # this machine: the real refusal, before anything starts
+        assert tta.main(["--only", "resnet20", "--stage", "accuracy", "--runs", "ddp",
+                         "--seeds", "1"]) == 2
+        assert "--any-cpu" in capsys.readouterr().err

@@ -50,6 +50,8 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
     --channels-last (the one whose GradScaler the session was given)."""
     forward = forward or model
     precision = precision or Precision(cfg.amp, cfg.channels_last, device)
+    if session.is_evaluator and precision.emulated():
+        session.say(EMULATED_BF16)
     t0 = time.perf_counter()
     for it in range(session.start, session.iterations):
         model.train()
@@ -79,6 +81,28 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
     session.close(**final)
 
 
+# bench_amp's one ResNet-20 step (batch 32, one thread) on an AMD EPYC with AVX2 only: float32
+# 276 ms, bf16 autocast 4,259 ms, bf16 + channels-last 2,637 ms (AVX512-BF16/AMX CPUs: 2.4x
+# faster than float32, docs/notes/bench-amp.md)
+EMULATED_BF16 = ("--amp bf16 on a CPU without AVX512-BF16 or AMX: bf16 convolutions and "
+                 "matrix products are emulated there, about 10-15x slower than float32 (measured "
+                 "on ResNet-20); leave --amp out on this machine, or train on one with bf16 "
+                 "support")
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 in hardware (the avx512_bf16 or amx_bf16 flag of
+    /proc/cpuinfo, or of the text given); True where that cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags")
+             for flag in line.partition(":")[2].split()}
+    return not flags or bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
 class Precision:
     """The built-in loop's --amp and --channels-last: how a batch enters the model, the
     forward's autocast, and backward and step through a GradScaler for fp16 (its scale is the
@@ -90,6 +114,10 @@ class Precision:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
         self.memory_format = torch.channels_last if channels_last else None
         self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+
+    def emulated(self) -> bool:
+        """bf16 autocast on a CPU that emulates bf16 (far slower than float32: EMULATED_BF16)."""
+        return self.dtype is torch.bfloat16 and self.device_type == "cpu" and not native_bf16()
 
     def images(self, x: torch.Tensor) -> torch.Tensor:
         if self.memory_format is not None and x.dim() == 4:
