@@ -6,9 +6,11 @@ psparse-launch."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,27 @@ def test_the_compiled_and_parameter_groups_example(tmp_path, optimizers, backend
         state = pickle.loads((out / "checkpoint" / "rank-0-20.pt").read_bytes())
         assert [list(s["state"]) != [] for s in state["optimizer"]["optimizers"]] == [True,
                                                                                       True]
+
+
+def test_the_char_gpt_example_trains_with_adamw_and_logs_a_loss(tmp_path):
+    """A language model's loop (examples/char_gpt.py): AdamW in two groups, clipping after
+    exchange, an output head tied to the embedding, a validation loss and no accuracy."""
+    r, summary = launch_example(tmp_path / "run", "--density", "1", str(EXAMPLES / "char_gpt.py"),
+                                "--steps", "30", "--eval-every", "10", "--chars", "100000")
+    assert r.returncode == 0 and summary["status"] == "ok", r.stdout + r.stderr + str(summary)
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text()
+             .splitlines()]
+    assert [e["iter"] for e in evals] == [9, 19, 29] and not any("test_acc" in e for e in evals)
+    losses = [e["test_loss"] for e in evals]
+    assert losses[-1] < losses[0] < math.log(128), losses  # from near uniform (ln 128), down
+    assert summary["test_loss"] == losses[-1] and summary["test_acc"] is None
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from char_gpt import CharGPT
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    model = CharGPT()
+    assert model.head.weight is model.tokens.weight
+    # the tied weight is one parameter, exchanged once (128 x 128 fewer than two would be)
+    assert summary["numel"] == sum(q.numel() for q in model.parameters()) == \
+        sum(q.numel() for _, q in model.named_parameters(remove_duplicate=False)) - 128 * 128
