@@ -238,6 +238,8 @@ def test_a_run_that_logs_only_a_loss_records_and_shows_it(tmp_path):
     assert f"| {shown} |" in last_line, r.stdout  # the progress line's evaluation
     table = [line.split() for line in r.stdout.splitlines() if line.startswith("test ")]
     assert table == [shown.split()], r.stdout  # the summary's row, and no accuracy row
-    rep = subprocess.run(python_module("psparse.analysis.report", str(out), "--no-plots"),
+    plots = tmp_path / "plots"  # the report's plots leave out a run with no accuracy
+    rep = subprocess.run(python_module("psparse.analysis.report", str(out), "--out", str(plots)),
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert (plots / "union_k.png").is_file() and not (plots / "accuracy_iterations.png").exists()
