@@ -97,7 +97,9 @@ class GradScaling:
     def unscale(self, grad: np.ndarray) -> bool:
         """Unscale a host gradient (the flat one, or one part's range) in place; True when it
         is not finite (this worker overflowed). A GPU round unscales on its stream
-        (psparse.worker.device_round)."""
+        (psparse.worker.device_round); a CUDA worker without CuPy unscales its pinned host copy
+        (its device .grad stays scaled, and is overwritten by the aggregate or the skip's inf
+        before anything reads it)."""
         grad *= np.float32(self.inv_scale)
         return not bool(np.isfinite(grad).all())
 

@@ -16,9 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..policies import check_output
-from ..xp import INDEX_DTYPE
-
 
 class RoundClock:
     """A worker's time split: ``compute_s`` (everything between rounds: data, forward,
@@ -95,14 +92,6 @@ class RoundContext:
         if self._arange is None:
             self._arange = np.arange(self.net.numel, dtype=np.int64)
         return self._arange
-
-
-def select(ctx: RoundContext, acc, it: int, group):
-    """The policy's indices and their accumulator values (zeroed there)."""
-    indices = ctx.policy.select(acc, it, group=group)
-    check_output(ctx.policy, indices, it, ctx.policy.max_push)  # before anything is sent
-    indices = indices.astype(INDEX_DTYPE, copy=False)  # the kernels take int64 (xp.py)
-    return indices, ctx.memory.take(indices)
 
 
 # ------------------------------------------------------------------------------ round shapes

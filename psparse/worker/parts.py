@@ -131,7 +131,7 @@ class Parts:
         ctx = self.ctx
         if not self.in_round:
             self.begin(it)
-        staged = self.round.engine.stage_loss(it, loss)  # the host reads it now
+        staged = self.round.stage_loss(it, loss)  # the host reads it now
         self.trace.append("exchange")
         for b in range(len(self.buckets) - 1, 0, -1):
             if b not in self.pushed:
@@ -143,7 +143,7 @@ class Parts:
         self.trace.append("aggregate")
         self.in_round = False
         self.last_trace = self.trace
-        self.round.finish(agg, it)  # some rank overflowed in some part: every rank skips
+        self.round.finish(agg, it)  # applied, or skipped on every rank (an overflow anywhere)
         ctx.clock.add("select_s", self.select_s)
         ctx.clock.add("wait_s", t3 - t2)
         ctx.clock.add("compute_s", t2 - self.t_begin - self.select_s)  # between the pushes

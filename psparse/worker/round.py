@@ -9,7 +9,7 @@ A round runs between a training loop's ``loss.backward()`` and its ``optimizer.s
 runs it in buckets of layers (``Round.send_part`` per bucket, then ``Round.finish``). What
 depends on where the arrays live is an *engine*'s: ``HostEngine`` below (numpy and the CPU
 kernels), or ``psparse.worker.device_round.DeviceEngine`` (a GPU's, or the strict emulator's).
-An engine answers five calls:
+An engine answers these calls:
 
 * ``stage_loss(it, loss)``: the loss, as the engine reads it (the host now; the GPU with the
   round's one copy back);
@@ -38,7 +38,7 @@ from ..cpu.sparsify import NonFiniteError, topk_exact
 from ..policies import PolicyError, check_output
 from ..xp import INDEX_DTYPE, to_device, to_host
 from .divergence import accumulator_diverged, read_loss, require_scaler
-from .exchange import RoundContext, select
+from .exchange import RoundContext
 
 NO_INDICES = np.empty(0, dtype=INDEX_DTYPE)
 NO_VALUES = np.empty(0, dtype=np.float32)
@@ -87,12 +87,14 @@ class Round:
         t1 = ctx.clock.begin()
         ctx.set_budget(it)
         ctx.net.gather_grad()
+        # the push inside the engine's scope too: a push rounded on the host (--values) feeds
+        # its rounding error back into the memory, on the device's stream
         with engine.scope():
             sent = engine.take(it, None, staged)
-        t2 = time.perf_counter()
-        agg = ctx.client.push(it, sent.indices, sent.values, sent.loss, sent.checksum,
-                              ctx.dense_buffer(), overflow=sent.overflow)
-        t3 = time.perf_counter()
+            t2 = time.perf_counter()
+            agg = ctx.client.push(it, sent.indices, sent.values, sent.loss, sent.checksum,
+                                  ctx.dense_buffer(), overflow=sent.overflow)
+            t3 = time.perf_counter()
         self.finish(agg, it)
         ctx.clock.add("select_s", t2 - t1)
         ctx.clock.add("wait_s", t3 - t2)
@@ -101,10 +103,14 @@ class Round:
     def send_part(self, it: int, part: Part, staged=None) -> None:
         """One bucket of a round in parts (its layers' gradients gathered): taken and sent;
         its aggregate comes with the others' (``client.await_parts``)."""
-        with self.engine.scope():
+        with self.engine.scope():  # the send too: its rounding error goes to the memory
             sent = self.engine.take(it, part, staged)
-        self.ctx.client.send_part(it, part.index, sent.indices, sent.values, sent.loss,
-                                  sent.checksum, overflow=sent.overflow)
+            self.ctx.client.send_part(it, part.index, sent.indices, sent.values, sent.loss,
+                                      sent.checksum, overflow=sent.overflow)
+
+    def stage_loss(self, it: int, loss):
+        """The loss as the engine reads it (a round in parts stages it before its last push)."""
+        return self.engine.stage_loss(it, loss)
 
     def finish(self, agg, it: int) -> None:
         """The round's aggregate: applied (then rescaled for a GradScaler), or, flagged as an
@@ -212,8 +218,15 @@ class HostEngine:
 
     # the round shapes' steps (exchange.OnePhase, TwoPhase, WholeModel)
     def select(self, it: int, acc, group):
-        return select(self.ctx, acc, it, None if group is None
-                      else np.asarray(group, dtype=INDEX_DTYPE))
+        """The policy's indices (checked before anything is sent) and their accumulator values,
+        zeroed there."""
+        ctx = self.ctx
+        if group is not None:
+            group = np.asarray(group, dtype=INDEX_DTYPE)
+        indices = ctx.policy.select(acc, it, group=group)
+        check_output(ctx.policy, indices, it, ctx.policy.max_push)
+        indices = indices.astype(INDEX_DTYPE, copy=False)  # the kernels take int64 (xp.py)
+        return indices, ctx.memory.take(indices)
 
     def proposal(self, it: int, acc, proposal):
         """A two-phase policy's proposal, checked, with its accumulator values."""
