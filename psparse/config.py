@@ -24,7 +24,9 @@ DEFAULT_EPOCHS = 8.0
 # The built-in loop's learning-rate schedules (--lr-schedule; training/schedule.py)
 LR_SCHEDULES = ("step", "cosine")
 # The error-feedback memories (psparse/policies/memory.py takes both from here)
-MEMORIES = ("residual", "dgc", "scalecom")
+MEMORIES = ("residual", "dgc", "scalecom", "adam")
+# --memory adam: the local Adam step's (beta1, beta2, eps), torch.optim.Adam's defaults
+ADAM_BETAS = (0.9, 0.999, 1e-8)
 SCALECOM_BETA = 0.1  # ScaleCom's low-pass filter's default beta (policies/memory.py's docstring)
 
 
@@ -102,8 +104,10 @@ class RunConfig:
         "policy parameter key=value (repeatable; default: the policy's defaults)")
     memory: str = option("residual",
         "error feedback: residual (acc += g), dgc (momentum correction + factor "
-        "masking; the optimizer then applies plain SGD) or scalecom (ScaleCom's "
-        "low-pass-filtered memory, m = (1-beta) m + beta (m + g - sent))")
+        "masking; the optimizer then applies plain SGD), scalecom (ScaleCom's "
+        "low-pass-filtered memory, m = (1-beta) m + beta (m + g - sent)) or adam (each "
+        "worker's own Adam step, acc += m_hat / (sqrt(v_hat) + eps), sent with error feedback; "
+        "the optimizer then applies plain SGD: for AdamW users at low density)")
     # scalecom's filter factor; validate() sets the default
     memory_beta: float | None = option(None,
         "with --memory scalecom: the low-pass filter's beta in (0, 1]; 1 is plain error "
@@ -357,7 +361,7 @@ class RunConfig:
             return
         why = bucket_refusal(
             whole_model=self.granularity != "layer", dense=self.density >= 1,
-            two_phase=self.policy in TWO_PHASE_POLICIES, scalecom=self.memory == "scalecom",
+            two_phase=self.policy in TWO_PHASE_POLICIES, scalecom=self.memory == "scalecom", adam=self.memory == "adam",
             clip=self.clip_norm is not None, shards=self.servers > 1,
             server_limit=self.server_limit is not None, elastic=self.elastic)
         if why is not None:

@@ -19,6 +19,8 @@ BUCKET_REFUSALS = (
      "gradient's top-k)"),
     ("scalecom", "does not work with --memory scalecom (its memory update after a push covers "
      "the whole vector)"),
+    ("adam", "does not work with --memory adam (its Adam step advances once per round, over "
+     "the whole vector)"),
     ("clip", "does not work with --clip-norm (clipping needs the whole gradient's norm before "
      "any bucket is accumulated)"),
     ("shards", "does not work with --servers > 1 yet (use one server)"),

@@ -169,7 +169,7 @@ def dev(request):
     return request.param()
 
 
-@pytest.mark.parametrize("kind", ["residual", "dgc", "scalecom"])
+@pytest.mark.parametrize("kind", ["residual", "dgc", "scalecom", "adam"])
 def test_device_memory_matches_the_cpu(dev, kind):
     cpu, device = Memory(65_537, kind), Memory(65_537, kind, dev=dev)
     rng = np.random.default_rng(4)
@@ -182,8 +182,8 @@ def test_device_memory_matches_the_cpu(dev, kind):
     np.testing.assert_array_equal(dev.read(device.take(dev.upload("indices", idx))),
                                   cpu.take(idx))
     np.testing.assert_array_equal(dev.read(device.accumulator), cpu.accumulator)
-    for name in ("velocity", "filtered"):
-        if getattr(cpu, name) is not None:
+    for name in ("velocity", "filtered", "first", "second", "powers"):
+        if getattr(cpu, name, None) is not None:
             np.testing.assert_array_equal(dev.read(getattr(device, name)), getattr(cpu, name))
 
 

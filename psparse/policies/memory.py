@@ -42,6 +42,26 @@ selection policy:
   here; ``--memory-beta`` sets it. docs/policies.md lists what of the paper is and is not
   implemented.
 
+* ``adam``: each worker's own Adam step, sent with error feedback (the remedy of issue 53 for
+  adaptive optimizers at low density). With the worker's local gradient g and its own moments::
+
+      m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2;   t += 1
+      acc += (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+  (torch.optim.Adam's step without the learning rate; b1, b2, eps = ``ADAM_BETAS``, Adam's
+  defaults), and the optimizer applies the aggregate with plain SGD (lr, and weight decay, which
+  for plain SGD is AdamW's decoupled decay). Adam applied to a sparse aggregate normalises
+  every coordinate by a variance made of mostly-zero rounds, so an entry that arrives after
+  many rounds of error feedback moves about as far as a dense step, whatever it carries
+  (docs/notes/adam-low-density.md). Here the moments see every local gradient, dense, and what
+  travels is the step itself, so nothing of it is lost, only delayed: sum of what was sent plus
+  the accumulator equals the sum of the local Adam steps. The same idea as DGC's momentum
+  correction (the momentum moves into the worker, before the compression), carried to Adam's
+  second moment; 1-bit Adam (Tang et al., ICML 2021) and 0/1 Adam (Lu et al., ICLR 2023)
+  compress Adam's momentum with error feedback after freezing a variance learned dense, which
+  this keeps local and live instead. No factor masking: the momentum's later contributions are
+  part of the dense Adam steps, and error feedback carries them.
+
 Optional local gradient clipping scales g to L2 norm <= clip_norm before it is accumulated.
 ``density_schedule`` gives the DGC paper's four-fold density warm-up: 25%, 6.25%, 1.5625%, ...
 per epoch over the first warm-up epochs, never below the target (DGC's released code
@@ -54,7 +74,7 @@ import math
 
 import numpy as np
 
-from ..config import MEMORIES, SCALECOM_BETA  # noqa: F401 (the names live in config)
+from ..config import ADAM_BETAS, MEMORIES, SCALECOM_BETA  # noqa: F401 (the names live in config)
 from ..cpu import updates
 from ..gpu.radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
 from ..xp import array_module
@@ -82,18 +102,28 @@ class Memory:
         self.accumulator = xp.zeros(numel, dtype=xp.float32)
         self.velocity = xp.zeros(numel, dtype=xp.float32) if kind == "dgc" else None
         self.filtered = xp.zeros(numel, dtype=xp.float32) if kind == "scalecom" else None
+        self.xp = xp
+        if kind == "adam":  # the local Adam step's moments, and (b1^t, b2^t) where they live
+            self.first = xp.zeros(numel, dtype=xp.float32)
+            self.second = xp.zeros(numel, dtype=xp.float32)
+            self.powers = xp.ones(2, dtype=xp.float64)
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
-        grad = self.clipped(grad)
+        grad = self.prepared(grad)
         if self.dev is not None:
-            return self.add_clipped(grad)
+            return self.add_prepared(grad)
         if self.filtered is not None:  # scalecom: p_t = m_t + g_t
             return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
         return updates.accumulate(self.accumulator, grad, self.velocity, self.momentum)
 
-    def add_clipped(self, grad):
-        """``add`` on the device of a gradient already clipped (``clipped``)."""
+    def prepared(self, grad):
+        """What the accumulator gains from ``grad``: the gradient clipped (``clipped``), and
+        for ``adam`` the local Adam step taken with it (``adam_step``; once per round)."""
+        return self.adam_step(self.clipped(grad))
+
+    def add_prepared(self, grad):
+        """``add`` on the device of a gradient already ``prepared``."""
         if self.dev is not None:
             mode, acc, grad, velocity, filtered, momentum = self.accumulate_spec(grad)
             n = np.int64(acc.size)
@@ -105,7 +135,7 @@ class Memory:
             else:
                 self.dev.xp.add(filtered, grad, out=acc)
             return acc
-        raise ValueError("add_clipped is the device path's (a host Memory has no backend)")
+        raise ValueError("add_prepared is the device path's (a host Memory has no backend)")
 
     def clipped(self, grad):
         """The gradient scaled to L2 norm <= clip_norm (unchanged without clipping). On the
@@ -121,9 +151,36 @@ class Memory:
         factor = xp.where(norm > self.clip_norm, self.clip_norm / xp.maximum(norm, 1e-300), 1.0)
         return grad * factor.astype(xp.float32)
 
+    def adam_step(self, grad):
+        """``adam``: the moments take ``grad``, and the local Adam step (what the accumulator
+        gains) comes back; the gradient unchanged for the other memories. One implementation
+        in array operations for the host and the device (``xp``: numpy or CuPy); on the device
+        the bias corrections stay device scalars (nothing is read back)."""
+        if self.kind != "adam":
+            return grad
+        xp, (b1, b2, eps) = self.xp, ADAM_BETAS
+        first, second, powers = self.first, self.second, self.powers
+        powers[0:1] *= b1
+        powers[1:2] *= b2
+        first *= np.float32(b1)
+        first += np.float32(1 - b1) * grad
+        second *= np.float32(b2)
+        second += np.float32(1 - b2) * xp.square(grad)
+        # torch.optim.Adam: (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        corrections = (1.0 - powers).astype(xp.float32)
+        denominator = xp.sqrt(second) / xp.sqrt(corrections[1:2])
+        denominator += np.float32(eps)
+        return (first / corrections[0:1]) / denominator
+
+    @property
+    def replayable(self) -> bool:
+        """The round's accumulation can be captured in a CUDA graph with the selection: not
+        with clipping (a norm first) or ``adam`` (its step's temporaries first)."""
+        return self.clip_norm is None and self.kind != "adam"
+
     def accumulate_spec(self, grad) -> tuple:
         """The device accumulation of ``grad`` as the radix engine folds it into its first pass
-        (psparse/gpu/radix.py: ``RadixSelect.run``); ``grad`` already clipped."""
+        (psparse/gpu/radix.py: ``RadixSelect.run``); ``grad`` already ``prepared``."""
         if self.filtered is not None:
             return (ACC_FILTERED, self.accumulator, grad, None, self.filtered, 0.0)
         if self.velocity is not None:
@@ -134,9 +191,9 @@ class Memory:
         """``add`` for the entries [lo, hi) alone (one bucket of layers, ``--overlap``), the
         same arithmetic per entry; returns the whole accumulator. Not for clipping (it needs
         the whole gradient's norm) or ``scalecom`` (its update covers the whole vector)."""
-        if self.clip_norm is not None or self.filtered is not None:
+        if self.clip_norm is not None or self.filtered is not None or self.kind == "adam":
             raise ValueError("a gradient in buckets cannot be clipped or folded into the "
-                             "scalecom memory bucket by bucket")
+                             "scalecom or adam memory bucket by bucket")
         velocity = None if self.velocity is None else self.velocity[lo:hi]
         updates.accumulate(self.accumulator[lo:hi], grad, velocity, self.momentum)
         return self.accumulator
@@ -187,8 +244,9 @@ class Memory:
 
     @property
     def optimizer_momentum_applies(self) -> bool:
-        """False for DGC: momentum is applied locally, so the optimizer must not add more."""
-        return self.velocity is None
+        """False for DGC and adam: the momentum is applied locally, so the optimizer must not
+        add more (plain SGD)."""
+        return self.velocity is None and self.kind != "adam"
 
     def state_dict(self) -> dict:
         """The arrays that carry over between rounds (checkpoints save them)."""
@@ -197,6 +255,8 @@ class Memory:
         state = {"accumulator": self.accumulator}
         if self.velocity is not None:
             state["velocity"] = self.velocity
+        if self.kind == "adam":
+            state.update(first=self.first, second=self.second, powers=self.powers)
         return state
 
 

@@ -200,9 +200,9 @@ def setup(cfg: RunConfig, rank: int):
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                    memory_momentum: bool | None = None) -> torch.optim.SGD:
     """The built-in loop's optimizer (a --baseline run's too): SGD with --lr, --momentum,
-    --nesterov and --weight-decay. With DGC's memory the momentum is applied locally (in the
-    memory), so SGD must not add more; ``memory_momentum`` False: no such memory (DDP)."""
-    in_memory = cfg.memory == "dgc" if memory_momentum is None else memory_momentum
+    --nesterov and --weight-decay. With DGC's or the adam memory the momentum is applied locally
+    (in the memory), so SGD must not add more; ``memory_momentum`` False: no such memory (DDP)."""
+    in_memory = cfg.memory in ("dgc", "adam") if memory_momentum is None else memory_momentum
     momentum = 0.0 if in_memory else cfg.momentum
     return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                            momentum=momentum, weight_decay=cfg.weight_decay,

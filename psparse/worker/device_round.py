@@ -131,8 +131,8 @@ class DeviceEngine:
         where the policy lets it, or a captured graph replayed."""
         s, shape = self.s, self.shape
         policy, memory = s.policy, s.memory
-        grad = memory.clipped(self.grad)
-        if self.use_graphs and policy.graph_safe and memory.clip_norm is None and \
+        grad = memory.prepared(self.grad)
+        if self.use_graphs and policy.graph_safe and memory.replayable and \
                 isinstance(shape, OnePhase):
             # the first round at a budget runs launch by launch (it builds the engines);
             # the second captures the graph, which every later one replays
@@ -150,20 +150,20 @@ class DeviceEngine:
         fusion = Fusion(memory.accumulate_spec(grad) if fuse else None,
                         memory.accumulator, memory.velocity)
         if fusion.accumulate is None:
-            memory.add_clipped(grad)
+            memory.add_prepared(grad)
         policy.fusion, self._fusion = fusion, fusion
         try:
             chosen = shape.choose(s, it, memory.accumulator, self)
         finally:
             policy.fusion, self._fusion = None, None
         if fusion.accumulate is not None:  # the policy never read the accumulator
-            memory.add_clipped(grad)
+            memory.add_prepared(grad)
         return chosen
 
     def _choose_part(self, it: int, part: Part):
         """A bucket's choice: the engine over its layers, its gradient folded in."""
         policy, memory = self.s.policy, self.s.memory
-        fusion = Fusion(memory.accumulate_spec(memory.clipped(self.grad)),
+        fusion = Fusion(memory.accumulate_spec(memory.prepared(self.grad)),
                         memory.accumulator, memory.velocity)
         policy.engines.layers, policy.fusion = (part.first, part.end), fusion
         try:
@@ -213,7 +213,7 @@ class DeviceEngine:
         with a GradScaler's finiteness: an overflowing worker proposes nothing)."""
         s, dev, fusion = self.s, self.dev, self._fusion
         if fusion.accumulate is not None:  # no proposal read the accumulator: fold it now
-            s.memory.add_clipped(fusion.accumulate[2])
+            s.memory.add_prepared(fusion.accumulate[2])
             fusion.accumulate = None
         pairs, finite_host = self._finite
         idx, val = np.empty(0, np.int64), np.empty(0, np.float32)

@@ -434,8 +434,10 @@ def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | N
             all(isinstance(o, torch.optim.SGD) for o in getattr(optimizer, "members",
                                                                  [optimizer]))
             and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
-        raise ConfigError("memory 'dgc' applies momentum in the accumulator: the optimizer "
-                          "must be plain SGD (torch.optim.SGD with momentum=0), got "
+        raise ConfigError(f"memory {memory.kind!r} applies "
+                          f"{'Adam' if memory.kind == 'adam' else 'momentum'} in the "
+                          "accumulator: the optimizer must be plain SGD (torch.optim.SGD with "
+                          f"momentum=0, the learning rate and weight decay yours), got "
                           f"{type(optimizer).__name__}")
     if cfg.checkpoint_every and (out_dir is None or optimizer is None):
         raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
