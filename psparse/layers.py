@@ -19,7 +19,7 @@ LAYERS = (
      "numba kernels (selection, the server's sums, index coding), their cache and loader, "
      "and their numpy references"),
     ("gpu", ("psparse.gpu",),
-     "CUDA C and the radix-select engine, the CuPy and emulated backends, the kernel "
+     "CUDA C and the radix-select engine, the backends (CuPy, emulated, the host's), the kernel "
      "emulator and NVRTC gate, a policy's and the server's device parts"),
     ("wire", ("psparse.wire",),
      "ZeroMQ transport, index codecs, the messages, the run description, key ranges, "

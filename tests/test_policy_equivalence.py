@@ -23,6 +23,7 @@ from policy_reference import REFERENCES
 from psparse.cpu import jit, selection, sparsify, updates
 from psparse.cpu.selection import sorted_union
 from psparse.cpu.sparsify import Selector
+from psparse.gpu import host_backend
 from psparse.policies import REGISTRY, Layout, base, build_policy, ema, frequency
 
 MODEL = [7037]
@@ -178,7 +179,9 @@ def selection_path(request, monkeypatch):
         # numba loaded: jit.compiled's small-call rule then runs the kernels at 7037 entries
         importlib.import_module("psparse.cpu.select_kernels")
     if request.param == "sampled":
-        monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
+        # the host's selectors are made by its engines (psparse.gpu.host_backend)
+        monkeypatch.setattr(host_backend, "Selector", functools.partial(Selector,
+                                                                        exact_below=1024))
         monkeypatch.setattr(sparsify, "BLOCK", 1000)
     return request.param
 
@@ -335,7 +338,7 @@ def test_frequency_streams_a_large_pool(monkeypatch, path):
     monkeypatch.setattr(jit, "REFERENCE", path == "numpy")
     if path == "compiled":
         monkeypatch.setattr(frequency, "STREAM_ABOVE", 1.0)
-    monkeypatch.setattr(base, "Selector", functools.partial(Selector, exact_below=1024))
+    monkeypatch.setattr(host_backend, "Selector", functools.partial(Selector, exact_below=1024))
     monkeypatch.setattr(sparsify, "BLOCK", 30_000)
     n, k = 300_000, 3000
     fast, ref = (build(c, Layout([n]), k, {}) for c in ("frequency", REFERENCES["frequency"]))

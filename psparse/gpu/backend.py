@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import sources
+from . import radix, sources
+from .device_policy import DeviceDecaying, DeviceEngines
+from .radix import CaptureFailed  # noqa: F401 (where the backends' users find it)
 
 THREADS = 256
 STEADY_AFTER = 3  # rounds before the steady state: the first builds the engines, the second
@@ -120,6 +122,45 @@ class Backend:
             self._dummies[dtype] = self.xp.zeros(1, dtype=dtype)
         return self._dummies[dtype]
 
+    # ------------------------------------------------------------ what policies ask for
+    # The same operations as the host's (psparse/gpu/host_backend.py), on the device.
+    def engines(self, layout):
+        """The radix engines one policy selects with (``device_policy.DeviceEngines``)."""
+        return DeviceEngines(self, layout)
+
+    def decaying(self, n: int, bounds=None) -> DeviceDecaying:
+        """A policy's lazily decayed state on the device (``device_policy.DeviceDecaying``)."""
+        return DeviceDecaying(n, self, bounds)
+
+    def accumulate(self, mode: int, acc, grad, velocity, filtered, momentum: float):
+        """Fold a (prepared) gradient into the accumulator, as the radix engine's first pass
+        would (``Memory.accumulate_spec`` names the mode)."""
+        if mode == radix.ACC_RESIDUAL:
+            acc += grad
+        elif mode == radix.ACC_DGC:
+            self.launch_over("psparse_dgc_accumulate", acc.size, (
+                grad, np.float32(momentum), velocity, acc, np.int64(acc.size)))
+        else:
+            self.xp.add(filtered, grad, out=acc)
+        return acc
+
+    def take(self, acc, indices, velocity):
+        """acc's values at ``indices``, then zero them there (and the velocity): one kernel."""
+        values = self.xp.empty(indices.size, dtype=self.xp.float32)
+        if indices.size:
+            self.launch_over("psparse_take", indices.size, (
+                indices, np.int64(indices.size), acc, np.int64(acc.size),
+                self.or_dummy(velocity, np.float32), np.int32(velocity is not None), values))
+        return values
+
+    def clipped(self, grad, clip_norm: float):
+        """The gradient scaled to L2 norm <= clip_norm, the factor min(1, clip / norm) a
+        device scalar (the norm is never read back)."""
+        xp = self.xp
+        norm = xp.sqrt(xp.sum(xp.square(grad.astype(xp.float64))))
+        factor = xp.where(norm > clip_norm, clip_norm / xp.maximum(norm, 1e-300), 1.0)
+        return grad * factor.astype(xp.float32)
+
     # ------------------------------------------------------------------------- crossings
     def constant(self, host: np.ndarray):
         """A table built once on the host, on the device (at setup, not per round)."""
@@ -183,10 +224,6 @@ class Backend:
         instead of running them: a round's selection as one launch (CUDA Graphs). Any
         crossing to the host inside ``work`` fails the capture (``CaptureFailed``)."""
         raise CaptureFailed(f"the {self.name} backend has no graphs")
-
-
-class CaptureFailed(RuntimeError):
-    """A graph could not be captured (a synchronisation inside, or no graph support)."""
 
 
 class Graph:

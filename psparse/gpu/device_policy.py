@@ -105,6 +105,15 @@ class DeviceEngines:
             engine.set_key(key)
         return engine
 
+    ranks_every_key = True  # every radix.Key mode (the host's engines rank fewer)
+
+    def topk(self, score, k: int, offset: int = 0):
+        """Sorted indices of the k largest |score| of one array (a user's score on the
+        device), relative to it: the engine over that array alone."""
+        found = self.select(f"topk@{offset}", radix.Key(radix.KEY_ABS, score), [k], None,
+                            final=False, values=False, segments=[(0, int(score.size))])
+        return found.indices.astype(self.dev.xp.int64)
+
     def select(self, name: str, key: radix.Key, ks, fusion: Fusion | None, *,
                final: bool = True, exclude_zero: bool = False, values=True,
                segments=None) -> DeviceSelection:

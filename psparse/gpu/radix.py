@@ -53,6 +53,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
+class CaptureFailed(RuntimeError):
+    """A graph could not be captured (a synchronisation inside, or no graph support)."""
+
 THREADS = 256
 TILE = THREADS * 16
 MAXBINS = 4096
@@ -186,7 +190,6 @@ class RadixSelect:
                  index_dtype=np.int64, values=None, take: bool = False, velocity=None,
                  out_idx=None, out_val=None):
         if dev.capturing:  # its tables and buffers would be graph nodes: build it before
-            from .backend import CaptureFailed
             raise CaptureFailed("a selection engine built inside a graph capture")
         xp = self.xp = dev.xp
         self.dev, self.key = dev, key

@@ -41,8 +41,8 @@ import numpy as np
 from ..cpu.jit import host_compiled
 from ..cpu.sparsify import Selector, split_k
 from ..gpu import radix
-from ..gpu.device_policy import DeviceEngines, Fusion
-from ..xp import to_host
+from ..gpu.device_policy import Fusion
+from ..gpu.host_backend import HostBackend
 
 
 class PolicyError(ValueError):
@@ -110,13 +110,15 @@ class SelectionPolicy:
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, xp=np, dev=None, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
-        # dev: the device backend of a GPU worker (psparse.gpu.backend), else None (the host)
+        # dev: the device backend of a GPU worker (psparse.gpu.backend), else None; the policy
+        # works through ``backend``, the device's or the host's (psparse.gpu.host_backend)
         self.dev = dev
-        if dev is not None and not self.device_path:
+        self.backend = dev or HostBackend(xp)
+        if self.backend.name != "host" and not self.device_path:
             raise PolicyError(f"policy {self.name!r} runs on the host path only (its threshold "
                               "controller reads counts back every round): use --device cpu")
-        self.xp = dev.xp if dev is not None else xp  # numpy, or cupy on the GPU
-        self.engines = DeviceEngines(dev, layout) if dev is not None else None
+        self.xp = self.backend.xp  # numpy, or cupy on the GPU
+        self.engines = self.backend.engines(layout)  # selections, where the arrays are
         self.fusion: Fusion | None = None  # the round's error-feedback work (set by the session)
         unknown = sorted(set(params) - set(self.params))
         if unknown:
@@ -127,7 +129,9 @@ class SelectionPolicy:
                 raise PolicyError(f"policy {self.name!r}: parameter {name!r} would hide the "
                                   "method of that name; rename the parameter")
             setattr(self, name, spec.convert(name, params.get(name, spec.default)))
-        self._selectors = [Selector(size) for _, size in layout.slices]
+        # the host's per-slice selectors (their scratch): the host engines' own
+        self._selectors = getattr(self.engines, "selectors", None) or \
+            [Selector(size) for _, size in layout.slices]
         self.live = list(range(world_size))  # ranks still in the run (fewer after an elastic loss)
         self.set_k(k)
 
@@ -139,7 +143,7 @@ class SelectionPolicy:
 
     def select(self, accumulator: np.ndarray, iteration: int,
                group: np.ndarray | None = None) -> np.ndarray:
-        if self.dev is not None and self.device_native:
+        if self.device_native and self.engines.ranks_every_key:
             return self.select_device(accumulator, iteration, group)
         return self.per_slice(accumulator, self.slice_k, self.select_slice)
 
@@ -147,7 +151,9 @@ class SelectionPolicy:
     # On a GPU worker ``select`` runs ``select_device``: the radix engine ranks ``device_key``
     # in every slice at once (psparse/gpu/device_policy.py), with no host round trip. A policy
     # that changes ``score`` or ``select_slice`` without saying how on the device keeps the
-    # host-style path there (its own array code on the device's arrays).
+    # host-style path there (its own array code on the device's arrays). The host's engines
+    # rank the keys |x| and the threshold's, not yet every policy's (``ranks_every_key``), so
+    # on the host ``select`` takes the per-slice path (``score``, ``select_slice``).
     fuses_accumulation = True  # select_device's first pass reads the accumulator first
 
     def device_key(self, accumulator):
@@ -245,13 +251,7 @@ class SelectionPolicy:
     # --------------------------------------------------------------------------- utilities
     def topk(self, score: np.ndarray, k: int, offset: int = 0) -> np.ndarray:
         """Sorted indices of the k largest |score| in a slice (exact; deterministic)."""
-        if self.dev is not None:  # the engine, on one array (a user's score on the device)
-            found = self.engines.select(f"topk@{offset}", radix.Key(radix.KEY_ABS, score), [k],
-                                        None, final=False, values=False,
-                                        segments=[(0, int(score.size))])
-            return found.indices.astype(self.xp.int64)
-        selector = self._selectors[self._slice_index(offset)]
-        return selector.topk(score, k)
+        return self.engines.topk(score, k, offset)
 
     def topk_scored(self, score, k: int, offset: int, full) -> np.ndarray:
         """``topk`` of a score written by ``score(sl, out)`` (score[sl] into out), without an
@@ -275,7 +275,7 @@ class SelectionPolicy:
 
     def host(self, array) -> np.ndarray:
         """A state array's values on the host (for checkpoints and digests, not rounds)."""
-        return self.dev.read(array) if self.dev is not None else to_host(array)
+        return self.backend.read(array)
 
     def describe(self) -> str:
         args = ", ".join(f"{n}={getattr(self, n)}" for n in self.params)

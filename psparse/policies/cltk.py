@@ -18,10 +18,9 @@ class CyclicLocalTopK(SelectionPolicy):
     def propose(self, accumulator, iteration):
         if self.live[iteration % len(self.live)] != self.rank:
             return None
-        if self.dev is not None:  # the proposal and its values, the accumulator untouched
-            return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
-                                       self.slice_k, self.fusion, final=False)
-        return self.per_slice(accumulator, self.slice_k, self.topk)
+        # the proposal (on a device with its values), the accumulator untouched
+        return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
+                                   self.slice_k, self.fusion, final=False)
 
     def select(self, accumulator, iteration, group=None):
         if group is None:

@@ -43,11 +43,10 @@ leaves out zero keys, marked in a byte mask, then one engine over the combined k
 
 import numpy as np
 
-from ..cpu import selection, updates
+from ..cpu import selection
 from ..cpu.jit import host_compiled
 from ..cpu.sparsify import positions, select_kernels, topk_exact
 from ..gpu import radix
-from ..gpu.device_policy import DeviceDecaying
 from .base import Param, SelectionPolicy
 
 CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|
@@ -70,13 +69,12 @@ class SharedCore(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        if self.dev is not None:
-            self.priority = DeviceDecaying(layout.numel, self.dev)
+        self.priority = self.backend.decaying(layout.numel)
+        self._forget()
+        if self.dev is not None:  # the device ranks with a mask of the core
             self.in_core = self.xp.zeros(layout.numel, dtype=self.xp.uint8)
             return
-        self.priority = updates.Decaying(layout.numel, self.xp)
         self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
-        self._forget()
 
     def select_device(self, accumulator, iteration, group=None):
         """The core (per slice, the largest nonzero priorities: an engine that leaves out zero
@@ -217,5 +215,4 @@ class SharedCore(SelectionPolicy):
 
     def load_state_dict(self, state):
         self.priority.load_state_dict(state)
-        if self.dev is None:
-            self._forget()
+        self._forget()  # the host's bounds (the device keeps none)

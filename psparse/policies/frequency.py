@@ -27,11 +27,10 @@ import sys
 
 import numpy as np
 
-from ..cpu import selection, sparsify, updates
+from ..cpu import selection, sparsify
 from ..cpu.jit import host_compiled
 from ..cpu.sparsify import select_kernels
 from ..gpu import radix
-from ..gpu.device_policy import DeviceDecaying
 from .base import Param, SelectionPolicy
 
 # A large host slice's pool is streamed when it is over this fraction of the slice, else listed
@@ -54,8 +53,7 @@ class Frequency(SelectionPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        self.priority = updates.Decaying(layout.numel, self.xp) if self.dev is None else \
-            DeviceDecaying(layout.numel, self.dev)
+        self.priority = self.backend.decaying(layout.numel)
         self._scratch = None  # the streamed pass's block buffers (host, large slices)
         self._mag = None  # |acc| of a small host slice
 

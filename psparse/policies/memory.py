@@ -75,15 +75,16 @@ import math
 import numpy as np
 
 from ..config import ADAM_BETAS, MEMORIES, SCALECOM_BETA  # noqa: F401 (the names live in config)
-from ..cpu import updates
+from ..gpu.host_backend import HostBackend
 from ..gpu.radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
-from ..xp import array_module
 
 
 class Memory:
-    """The accumulator (and DGC velocity, or ScaleCom's filtered memory) of one worker, on the
-    host (``xp=numpy``) or the GPU (``xp=cupy``: then ``add`` takes the gradient as a CuPy
-    view of the torch tensor).
+    """The accumulator (and DGC velocity, ScaleCom's filtered memory, or the adam memory's
+    moments) of one worker, where its backend keeps arrays: the host's
+    (``psparse.gpu.host_backend``, numpy) or a device's (``dev``: then ``add`` takes the
+    gradient as a CuPy view of the torch tensor). Each rule is written once; the backend does
+    its steps (accumulate, take, clip) where the arrays are.
 
     ``accumulator`` is what the policy selects from: for ``residual`` and ``dgc`` it is also
     what carries over to the next round; for ``scalecom`` it is p_t = m_t + g_t during a round
@@ -91,9 +92,9 @@ class Memory:
 
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
                  clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA, dev=None):
-        self.dev = dev  # a device backend (psparse.gpu.backend): kernels launched through it
-        if dev is not None:
-            xp = dev.xp
+        # dev: a device backend (psparse.gpu.backend), else None (the host's)
+        self.backend = dev or HostBackend(xp)
+        xp = self.backend.xp
         if kind not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {kind!r}")
         if kind == "scalecom" and not 0 < beta <= 1:
@@ -110,12 +111,7 @@ class Memory:
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
-        grad = self.prepared(grad)
-        if self.dev is not None:
-            return self.add_prepared(grad)
-        if self.filtered is not None:  # scalecom: p_t = m_t + g_t
-            return array_module(self.accumulator).add(self.filtered, grad, out=self.accumulator)
-        return updates.accumulate(self.accumulator, grad, self.velocity, self.momentum)
+        return self.add_prepared(self.prepared(grad))
 
     def prepared(self, grad):
         """What the accumulator gains from ``grad``: the gradient clipped (``clipped``), and
@@ -123,33 +119,14 @@ class Memory:
         return self.adam_step(self.clipped(grad))
 
     def add_prepared(self, grad):
-        """``add`` on the device of a gradient already ``prepared``."""
-        if self.dev is not None:
-            mode, acc, grad, velocity, filtered, momentum = self.accumulate_spec(grad)
-            n = np.int64(acc.size)
-            if mode == ACC_RESIDUAL:
-                acc += grad
-            elif mode == ACC_DGC:
-                self.dev.launch_over("psparse_dgc_accumulate", acc.size, (
-                    grad, np.float32(momentum), velocity, acc, n))
-            else:
-                self.dev.xp.add(filtered, grad, out=acc)
-            return acc
-        raise ValueError("add_prepared is the device path's (a host Memory has no backend)")
+        """``add`` of a gradient already ``prepared`` (the radix engine folds the same
+        accumulation into its first pass where a device round lets it: ``accumulate_spec``)."""
+        return self.backend.accumulate(*self.accumulate_spec(grad))
 
     def clipped(self, grad):
-        """The gradient scaled to L2 norm <= clip_norm (unchanged without clipping). On the
-        device the factor is computed there: min(1, clip / norm) as a device scalar, so the
-        norm is never read back (the host path compares it in Python)."""
-        if self.clip_norm is None:
-            return grad
-        xp = array_module(grad) if self.dev is None else self.dev.xp
-        if self.dev is None:
-            norm = float(xp.linalg.norm(grad))
-            return grad * np.float32(self.clip_norm / norm) if norm > self.clip_norm else grad
-        norm = xp.sqrt(xp.sum(xp.square(grad.astype(xp.float64))))
-        factor = xp.where(norm > self.clip_norm, self.clip_norm / xp.maximum(norm, 1e-300), 1.0)
-        return grad * factor.astype(xp.float32)
+        """The gradient scaled to L2 norm <= clip_norm (unchanged without clipping); on a
+        device the factor stays there (``Backend.clipped``)."""
+        return grad if self.clip_norm is None else self.backend.clipped(grad, self.clip_norm)
 
     def adam_step(self, grad):
         """``adam``: the moments take ``grad``, and the local Adam step (what the accumulator
@@ -195,7 +172,8 @@ class Memory:
             raise ValueError("a gradient in buckets cannot be clipped or folded into the "
                              "scalecom or adam memory bucket by bucket")
         velocity = None if self.velocity is None else self.velocity[lo:hi]
-        updates.accumulate(self.accumulator[lo:hi], grad, velocity, self.momentum)
+        self.backend.accumulate(ACC_RESIDUAL if velocity is None else ACC_DGC,
+                                self.accumulator[lo:hi], grad, velocity, None, self.momentum)
         return self.accumulator
 
     def take(self, indices):
@@ -203,15 +181,7 @@ class Memory:
 
         For ``scalecom`` the zeroed accumulator is r_t, and the memory becomes
         m_{t+1} = (1 - beta) m_t + beta r_t (the accumulator is left as scratch)."""
-        if self.dev is None:
-            values = updates.take(self.accumulator, indices, self.velocity)
-        else:
-            values = self.dev.xp.empty(indices.size, dtype=self.dev.xp.float32)
-            if indices.size:
-                self.dev.launch_over("psparse_take", indices.size, (
-                    indices, np.int64(indices.size), self.accumulator,
-                    np.int64(self.accumulator.size), self.dev.or_dummy(self.velocity, np.float32),
-                    np.int32(self.velocity is not None), values))
+        values = self.backend.take(self.accumulator, indices, self.velocity)
         self.after_take()
         return values
 
@@ -232,11 +202,10 @@ class Memory:
         copy per push (nothing is read back)."""
         if indices.size == 0:
             return
-        indices = np.ascontiguousarray(indices, dtype=np.int64)
-        error = np.ascontiguousarray(error, dtype=np.float32)
-        if self.dev is not None:  # asynchronous, through pinned buffers (psparse.gpu.backend)
-            indices = self.dev.upload("feedback-indices", indices)
-            error = self.dev.upload("feedback-error", error)
+        # on a device: asynchronous, through pinned buffers (psparse.gpu.backend)
+        indices = self.backend.upload("feedback-indices",
+                                      np.ascontiguousarray(indices, dtype=np.int64))
+        error = self.backend.upload("feedback-error", np.ascontiguousarray(error, np.float32))
         if self.filtered is not None:  # the indices of one push are distinct: no add.at
             self.filtered[indices] += np.float32(self.beta) * error
         else:

@@ -79,13 +79,8 @@ class Penalty(ScoredPolicy):
         self.previous = self.xp.asarray(self._previous_host)
 
     def state_dict(self):
-        if self.dev is not None:
-            return {"previous": self.previous}
-        return {"previous": self._previous_host}
+        return {"previous": self.previous}  # on the host the same array as _previous_host
 
     def load_state_dict(self, state):
         previous = np.asarray(state["previous"], dtype=np.int64)
-        if self.dev is not None:
-            self.observe(self.dev.upload("previous", previous), None, None)
-            return
-        self.observe(previous, None, None)
+        self.observe(self.backend.upload("previous", previous), None, None)

@@ -20,6 +20,5 @@ class RandomK(SelectionPolicy):
             rng = np.random.default_rng([self.seed, iteration, offset])
             parts.append(np.sort(rng.choice(size, size=k, replace=False)) + offset)
         chosen = np.concatenate(parts).astype(np.int64)
-        if self.dev is not None:  # drawn on the host: one asynchronous upload
-            return self.dev.upload("randomk", chosen)
-        return self.xp.asarray(chosen)
+        return self.backend.upload("randomk", chosen)  # drawn on the host: on a device, one
+        #                                                 asynchronous upload

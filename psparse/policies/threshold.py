@@ -10,16 +10,12 @@ accumulator. With ``--granularity layer`` the cap is split across the layers as 
 layer's share), and each layer keeps its own share's largest (the GPU selects every layer at
 once, so the rule is per layer there and here alike).
 
-On the host |accumulator| >= lam is found by the compiled ``select_kernels.at_least`` (64 entries
-per vector compare), or block by block in numpy (``selection.at_least``, its oracle) where the
-compiled kernels are off; the same indices either way.
+On the host (``HostEngines``) |accumulator| >= lam is found by the compiled
+``select_kernels.at_least`` (64 entries per vector compare), or block by block in numpy
+(``selection.at_least``, its oracle) where the compiled kernels are off; the same indices
+either way.
 """
 
-import numpy as np
-
-from ..cpu import selection, sparsify
-from ..cpu.jit import host_compiled
-from ..cpu.sparsify import select_kernels
 from ..gpu import radix
 from .base import Param, SelectionPolicy
 
@@ -36,12 +32,8 @@ class Threshold(SelectionPolicy):
 
     # select_kernels.at_least against kernels.at_least, measured back to back on the bench's
     # accumulator (benchmarks/bench_select.py's workload): 11M at 0.1% / 1%, 7.3 / 6.4 ms
-    # against 11.9 / 14.5 (top-k: 6.5 / 13.3); 61,706: 0.025 against 0.029-0.033 ms
-    compiled_selection = True
-
-    def __init__(self, layout, k, **kw):
-        super().__init__(layout, k, **kw)
-        self._scratch = np.empty(min(sparsify.BLOCK, layout.numel), np.float32)
+    # against 11.9 / 14.5 (top-k: 6.5 / 13.3); 61,706: 0.025 against 0.029-0.033 ms; so the
+    # host engines run the compiled one wherever the kernels take the arrays
 
     @property
     def max_push(self):
@@ -50,24 +42,9 @@ class Threshold(SelectionPolicy):
         return min(self.layout.numel, max(1, int(round(self.cap * self.k))))
 
     def select(self, accumulator, iteration, group=None):
-        shares = self.layout.split(self.max_push)
-        if self.dev is not None:  # per slice: |acc| >= lam, the share's largest if more
-            return self.engines.select("select", radix.Key(radix.KEY_THRESHOLD, accumulator,
-                                                           p0=self.lam), shares, self.fusion,
-                                       exclude_zero=True)
-        # on the host block by block: no model-sized |accumulator| or mask (selection.at_least)
-        if self.compiled_selection and host_compiled(accumulator):
-            chosen = select_kernels.at_least(accumulator, np.float32(self.lam))
-        else:
-            chosen = selection.at_least(accumulator, self.lam, self._scratch)
-        slices = self.layout.slices
-        bounds = selection.slice_bounds(chosen, slices)
-        if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):
-            return chosen
-        parts = []  # keep each slice's largest: the rest waits in the accumulator
-        for (lo, hi), (offset, size), share in zip(bounds, slices, shares):
-            if hi - lo <= share:
-                parts.append(chosen[lo:hi])
-            elif share > 0:
-                parts.append(self.topk(accumulator[offset:offset + size], share, offset) + offset)
-        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+        # per slice: |acc| >= lam, the share's largest if more (on the host block by block,
+        # with no model-sized |accumulator| or mask: HostEngines)
+        return self.engines.select("select", radix.Key(radix.KEY_THRESHOLD, accumulator,
+                                                       p0=self.lam),
+                                   self.layout.split(self.max_push), self.fusion,
+                                   exclude_zero=True)

@@ -27,10 +27,9 @@ class Vote(SelectionPolicy):
 
     def propose(self, accumulator, iteration):
         shares = self.layout.split(self.max_propose)
-        if self.dev is not None:  # the proposal and its values, the accumulator untouched
-            return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
-                                       shares, self.fusion, final=False)
-        return self.per_slice(accumulator, shares, self.topk)
+        # the proposal (on a device with its values), the accumulator untouched
+        return self.engines.select("propose", radix.Key(radix.KEY_ABS, accumulator),
+                                   shares, self.fusion, final=False)
 
     @property
     def max_propose(self):
