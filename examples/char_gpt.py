@@ -3,8 +3,11 @@
     psparse-launch --workers 4 --density 0.01 examples/char_gpt.py --steps 300
 
 The text is the Python standard library's own source (every machine with Python has it; no
-download). The model has token and position embeddings, causal self-attention blocks, and an
-output head tied to the token embedding. AdamW uses two parameter groups (no weight decay on
+download: ``psparse.data.text.corpus``). The model is the built-in ``--model gpt`` (token and
+position embeddings, causal self-attention blocks, an output head tied to the token embedding;
+its logits come shaped (B, vocab, T), the layout ``F.cross_entropy`` takes with (B, T) targets).
+Unlike the built-in loop (``psparse-launch --model gpt --dataset text``) this loop draws windows
+at random offsets and keeps weight decay off biases, LayerNorms and embeddings. AdamW uses two parameter groups (no weight decay on
 biases, LayerNorms and embeddings), warm-up then cosine, and clips the aggregate after
 ``exchange``. It logs a validation loss in nats per character, which is what a language model
 has instead of an accuracy. The unigram baseline (the loss of predicting the characters'
@@ -25,65 +28,14 @@ The psparse lines are marked  # psparse. Everything else is an ordinary PyTorch 
 import argparse
 import math
 import os
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import psparse  # psparse
-
-
-def corpus(chars: int) -> np.ndarray:
-    """The first ``chars`` characters of the standard library's modules (sorted by name) as
-    byte codes, non-ASCII bytes as 0. It is the same on every rank; it differs between Python
-    versions."""
-    text = bytearray()
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text += path.read_bytes()
-        if len(text) >= chars:
-            break
-    codes = np.frombuffer(bytes(text[:chars]), dtype=np.uint8).copy()
-    codes[codes >= 128] = 0
-    return codes
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int, dropout: float):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width), nn.Dropout(dropout))
-        self.heads, self.dropout = heads, dropout
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
-
-
-class CharGPT(nn.Module):
-    def __init__(self, vocab: int = 128, block: int = 64, width: int = 128, layers: int = 2,
-                 heads: int = 4, dropout: float = 0.1):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(block, width)
-        self.blocks = nn.Sequential(*[Block(width, heads, dropout) for _ in range(layers)])
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tokens.weight  # tied: one parameter, exchanged once
-        for embedding in (self.tokens, self.positions):  # GPT-2's: logits start near uniform
-            nn.init.normal_(embedding.weight, std=0.02)
-
-    def forward(self, idx):
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
-        return self.head(self.ln(self.blocks(x)))
+from psparse.data.text import corpus, unigram_loss
+from psparse.training.models import CharGPT  # the built-in --model gpt: an ordinary nn.Module
 
 
 def windows(codes: np.ndarray, starts: np.ndarray, block: int):
@@ -98,15 +50,9 @@ def validation_loss(model, codes: np.ndarray, block: int) -> float:
     model.eval()
     starts = np.arange(0, len(codes) - block - 1, block)
     x, y = windows(codes, starts, block)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss = F.cross_entropy(model(x), y)
     model.train()
     return float(loss)
-
-
-def unigram_loss(train: np.ndarray, valid: np.ndarray) -> float:
-    """The validation loss of predicting the training text's character frequencies."""
-    counts = np.bincount(train, minlength=128) + 1.0
-    return float(-np.log(counts[valid] / counts.sum()).mean())
 
 
 def main(**psparse_options):
@@ -154,7 +100,7 @@ def main(**psparse_options):
             starts = np.random.default_rng([args.seed, rank, step]).integers(
                 0, len(train) - args.block - 1, args.batch)
             x, y = windows(train, starts, args.block)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             ps.exchange(loss)  # psparse: the aggregate is now in every p.grad
             if not args.local_adam:  # clips the aggregate, as after DDP's allreduce

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .option_rules import bucket_refusal, parse_limit
+from .option_rules import bucket_refusal, loop_refusal, parse_limit
 from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
 # data.DATASETS are checked against these in the tests.
-MODELS = ("lenet", "mlp", "resnet20", "synthetic")
+MODELS = ("lenet", "mlp", "resnet20", "gpt", "synthetic")
 MODEL_ARGS = {"synthetic": ("numel", "layers", "tail", "scale", "seed")}  # the models that take
 # --model-arg, and their keys (models.SYNTHETIC_ARGS holds the defaults; a test keeps them equal)
-DATASETS = ("mnist", "cifar10", "digits")
+DATASETS = ("mnist", "cifar10", "digits", "text")
 # The built-in loop's (and the DDP baseline's) length without --epochs or --iterations
 DEFAULT_EPOCHS = 8.0
 # The built-in loop's learning-rate schedules (--lr-schedule; training/schedule.py)
@@ -154,9 +154,19 @@ class RunConfig:
         "the built-in loop first ramps the learning rate linearly up to --lr over this many "
         "epochs (W iterations: lr x (it+1)/W; Goyal et al. 2017), then follows --lr-schedule "
         "(default: no warm-up)")
+    optimizer: str = option("sgd",
+        "the built-in loop's optimizer: sgd (--momentum, --nesterov, --weight-decay) or adamw "
+        "(torch.optim.AdamW: --lr, --weight-decay as its decoupled decay, betas 0.9, 0.999); "
+        "with --memory adam the Adam step is each worker's own (sent with error feedback) and "
+        "the aggregate is applied by plain SGD")
     momentum: float = option(0.9, "SGD momentum")
     nesterov: bool = option(False, "SGD with Nesterov momentum (needs --momentum > 0)")
-    weight_decay: float = option(0.0, "SGD weight decay")
+    weight_decay: float = option(0.0, "weight decay (SGD's, or AdamW's decoupled decay)")
+    clip_aggregate: float | None = option(None,
+        "the built-in loop clips the aggregate (the exchanged gradient every replica holds "
+        "alike) to this L2 norm before the optimizer step, as DDP users clip after the "
+        "allreduce (--clip-norm instead clips each worker's own gradient before error "
+        "feedback); default: no clipping")
     amp: str | None = option(None,
         "the built-in loop's (and --baseline runs') forward pass under torch.autocast in bf16 "
         "or fp16 (with a GradScaler every rank skips alike); weights, accumulator and wire "
@@ -251,6 +261,10 @@ class RunConfig:
         need(self.dataset in DATASETS or ":" in self.dataset,
              f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)} or give "
              "package.module:factory")
+        need(self.model not in MODELS or self.model == "synthetic" or self.dataset not in
+             DATASETS or (self.model == "gpt") == (self.dataset == "text"),
+             f"model {self.model!r} does not train on dataset {self.dataset!r}: --model gpt "
+             "takes --dataset text (characters), the others take images")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
         need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
         need(self.memory in MEMORIES,
@@ -298,6 +312,8 @@ class RunConfig:
         need(self.amp in (None, "bf16", "fp16"),
              f"amp must be bf16 or fp16 (leave it out for float32), got {self.amp!r}")
         need(self.weight_decay >= 0, "weight-decay must be >= 0")
+        why = loop_refusal(self.optimizer, self.memory, self.nesterov, self.clip_aggregate)
+        need(why is None, why or "")
         need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
         need(self.eval_samples is None or self.eval_samples >= 1, "eval-samples must be >= 1")
         need(self.check_every >= 1, "check-every must be >= 1")

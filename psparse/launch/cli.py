@@ -145,7 +145,7 @@ def check_policy(cfg: RunConfig) -> None:
     import torch
 
     from ..cpu.sparsify import density_to_k
-    from ..data import IN_SHAPES
+    from ..data import IN_SHAPES, NUM_CLASSES
     from ..training.models import build_model, check_factory
 
     if not cfg.script and ":" in cfg.model:
@@ -154,7 +154,8 @@ def check_policy(cfg: RunConfig) -> None:
         layout = Layout([100_000], cfg.granularity)
     else:
         with torch.device("meta"):  # sizes only: no memory, no initialisation
-            model = build_model(cfg.model, IN_SHAPES[cfg.dataset], 10, cfg.model_kwargs())
+            model = build_model(cfg.model, IN_SHAPES[cfg.dataset], NUM_CLASSES[cfg.dataset],
+                                cfg.model_kwargs())
         layout = Layout([p.numel() for p in model.parameters() if p.requires_grad],
                         cfg.granularity)
     build_policy(cfg.policy, cfg.policy_args, layout, density_to_k(cfg.density, layout.numel),

@@ -68,7 +68,7 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
             for group in optimizer.param_groups:
                 group["lr"] = schedule.learning_rate(cfg, it, shard.batches_per_epoch,
                                                      session.iterations)
-        precision.step(optimizer)
+        precision.step(optimizer, cfg.clip_aggregate)
         done = it + 1
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \
                 and done < session.iterations:
@@ -130,7 +130,14 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, clip: float | None = None) -> None:
+        """The optimizer's step on the aggregate in ``.grad``, clipped to L2 norm ``clip``
+        first if given (under a GradScaler unscaled first: the AMP recipe)."""
+        if clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip)
         if self.scaler is None:
             optimizer.step()
         else:  # skips the step when the (exchanged) gradient holds an inf; the same on all ranks
@@ -161,7 +168,7 @@ def evaluate_model(model: torch.nn.Module, data, device: torch.device,
                 out = model(x)
             loss_sum += float(F.cross_entropy(out.float(), y, reduction="sum"))
             correct += int((out.argmax(1) == y).sum())
-            n += len(y)
+            n += y.numel()  # images: one label each; text: one per character
     return loss_sum / n, correct / n
 
 
@@ -198,14 +205,18 @@ def setup(cfg: RunConfig, rank: int):
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
-                   memory_momentum: bool | None = None) -> torch.optim.SGD:
+                   memory_momentum: bool | None = None) -> torch.optim.Optimizer:
     """The built-in loop's optimizer (a --baseline run's too): SGD with --lr, --momentum,
-    --nesterov and --weight-decay. With DGC's or the adam memory the momentum is applied locally
-    (in the memory), so SGD must not add more; ``memory_momentum`` False: no such memory (DDP)."""
+    --nesterov and --weight-decay, or AdamW (--optimizer adamw) with --lr and --weight-decay.
+    With DGC's or the adam memory the momentum (and Adam's step) is applied locally, in the
+    memory, so the aggregate is applied by plain SGD (for plain SGD, weight decay is AdamW's
+    decoupled decay); ``memory_momentum`` False: no such memory (DDP)."""
     in_memory = cfg.memory in ("dgc", "adam") if memory_momentum is None else memory_momentum
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw" and not in_memory:
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     momentum = 0.0 if in_memory else cfg.momentum
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                           momentum=momentum, weight_decay=cfg.weight_decay,
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.nesterov and momentum > 0)
 
 

@@ -1,7 +1,10 @@
-"""Models by name: LeNet-5, ResNet-20, a small MLP, ``synthetic`` of any size, or a user's factory.
+"""Models by name: LeNet-5, ResNet-20, a small MLP, a character-level GPT, ``synthetic`` of any
+size, or a user's factory.
 
-Models: LeNet-5 (MNIST, CIFAR-10), ResNet-20 (CIFAR-10), a tiny MLP for fast tests, and
-``synthetic``: a model of any size for load tests of the communication system."""
+Models: LeNet-5 (MNIST, CIFAR-10), ResNet-20 (CIFAR-10), a tiny MLP for fast tests, ``gpt``
+(a small character-level transformer for ``--dataset text``: the model family adaptive
+optimizers are used on), and ``synthetic``: a model of any size for load tests of the
+communication system."""
 
 from __future__ import annotations
 
@@ -218,7 +221,53 @@ class Synthetic(nn.Module):
         return _InjectGradient.apply(logits, self, self.batch_shift(x), *self.bulk)
 
 
-MODELS = {"lenet": LeNet5, "resnet20": ResNet20, "mlp": MLP, "synthetic": Synthetic}
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    """A character-level GPT: token and position embeddings, ``layers`` causal blocks, a final
+    LayerNorm and an output head tied to the token embedding (one parameter, exchanged once).
+    At the defaults (128 symbols, 64 positions, width 128, 2 blocks of 4 heads): 421,376
+    parameters. ``forward`` maps (B, T) token ids to logits shaped (B, vocab, T), the layout
+    ``F.cross_entropy`` takes with (B, T) targets (so the built-in loop's loss and accuracy
+    work per character unchanged)."""
+
+    def __init__(self, vocab: int = 128, block: int = 64, width: int = 128, layers: int = 2,
+                 heads: int = 4, dropout: float = 0.1):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.blocks = nn.Sequential(*[Block(width, heads, dropout) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight  # tied
+        for embedding in (self.tokens, self.positions):  # GPT-2's: logits start near uniform
+            nn.init.normal_(embedding.weight, std=0.02)
+
+    def forward(self, idx):
+        h = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(h))).transpose(1, 2)
+
+
+MODELS = {"lenet": LeNet5, "resnet20": ResNet20, "mlp": MLP, "gpt": CharGPT,
+          "synthetic": Synthetic}
 # --model-arg of the synthetic model: converters and defaults (config.MODEL_ARGS: the keys)
 SYNTHETIC_ARGS = {"numel": 1_000_000, "layers": 4, "tail": 1.15, "scale": 1e-3, "seed": 0}
 _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9}
@@ -306,6 +355,14 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int,
     if model_args:
         raise ConfigError(f"model {name!r} takes no model-arg (they are for "
                           f"{', '.join(MODEL_ARGS)} and package.module:factory models)")
+    text = len(in_shape) == 1  # (characters,): token ids
+    if (name == "gpt") != text:
+        raise ConfigError(f"model {name!r} trains on "
+                          f"{'text (--dataset text)' if name == 'gpt' else 'images'}, and the "
+                          f"data set's samples are {'text' if text else 'images'} "
+                          f"{tuple(in_shape)}: use --model gpt with --dataset text")
+    if name == "gpt":
+        return CharGPT(vocab=num_classes, block=in_shape[0])
     if name == "mlp":
         n = 1
         for d in in_shape:
