@@ -26,6 +26,7 @@ from experiments.page_text import (
     MEASURED_ON,
     NOTES_INTRO,
     SWEEPS,
+    TRANSFORMER_INTRO,
     WHICH_POLICY,
 )
 
@@ -212,6 +213,51 @@ def scaling_table() -> list[str]:
 
 
 # ------------------------------------------------------------------------------- pages
+# -------------------------------------------------------------------- the transformer
+TRANSFORMER_LABELS = {
+    "adamw-dense": "dense AdamW (the baseline)",
+    "local-adam-dense": "`--memory adam`, dense",
+    "adamw-topk": "AdamW on the aggregate, `topk`",
+    "adamw-topk-layer": "AdamW on the aggregate, `topk --granularity layer`",
+    "local-adam-topk": "`--memory adam`, `topk`",
+    "local-adam-topk-int4": "`--memory adam`, `topk --values int4`",
+    "local-adam-vote-int4": "`--memory adam`, `vote keep=1.5 --values int4`",
+}
+
+
+def transformer_table(workload: str) -> list[str]:
+    """experiments/transformer.py's runs of one workload: the validation loss, its share of
+    dense AdamW's gain over the unigram baseline (at the same iterations), union/k, bytes."""
+    path = RESULTS / f"transformer-{workload}.json"
+    if not path.is_file():
+        return ["Not yet measured.", ""]
+    result = json.loads(path.read_text())
+    unigram = result["unigram_loss"]
+    runs: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        if "test_loss" in r:
+            runs.setdefault(r["run"], []).append(r)
+    out = ["| configuration | iterations | validation loss, nats/char | share of dense's gain "
+           "| union/k | bytes, % of a ring allreduce | seeds | commit |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, records in runs.items():
+        base = name.removesuffix("-long")
+        dense = runs.get("adamw-dense" + name[len(base):], [])
+        gain = statistics.mean(unigram - r["test_loss"] for r in dense) if dense else None
+        share = "–" if gain is None else mean_sd(
+            [(unigram - r["test_loss"]) / gain for r in records], 100, 0) + " %"
+        seeds = ",".join(str(r["seed"]) for r in sorted(records, key=lambda r: r["seed"]))
+        out.append("| " + " | ".join([
+            TRANSFORMER_LABELS.get(base, base), str(records[0]["iterations"]),
+            mean_sd([r["test_loss"] for r in records], digits=3), share,
+            f"{statistics.mean(r['union_k'] for r in records):.2f}",
+            f"{100 * statistics.mean(r['sent_over_allreduce'] for r in records):.2f}%",
+            seeds, short(r.get("code") for r in records)]) + " |")
+    return out + ["", f"{result['workload']}; unigram baseline {unigram:.3f} nats/char "
+                  f"(chance, ln 128: 4.852). From `{path.name}` (machine: {result['machine']}; "
+                  "4 workers and the server on its cores).", ""]
+
+
 def notes_index(bench: bool) -> list[str]:
     """A link to each note (the benchmarks' or the experiments'), titled by its heading."""
     notes = []
@@ -273,6 +319,12 @@ def experiments_page() -> str:
     lines += tta_table()
     lines += ["![LeNet-5 at 25 Mbit/s: test accuracy against composed time]"
               "(results/tta-lenet-25mbit.png)", ""]
+    lines += TRANSFORMER_INTRO
+    lines += ["The built-in transformer (`--model gpt --dataset text --optimizer adamw`):", ""]
+    lines += transformer_table("builtin")
+    lines += ["A user's own script (`examples/char_gpt.py`: two parameter groups, windows at "
+              "random offsets):", ""]
+    lines += transformer_table("script")
     lines += ["## As workers are added: LeNet-5 / MNIST at 1%", ""]
     lines += scaling_table()
     lines += ["## Accuracy against bytes", "",

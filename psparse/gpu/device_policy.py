@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cpu import selection
 from ..cpu.updates import Decaying
 from . import radix
 
@@ -106,6 +107,16 @@ class DeviceEngines:
         return engine
 
     ranks_every_key = True  # every radix.Key mode (the host's engines rank fewer)
+
+    def at_least(self, x, lam: float):
+        """Sorted indices of |x| >= lam in one array: array code on the device (what a policy
+        that reads counts back every round, ``micro``, runs there)."""
+        return selection.at_least(x, lam, None)
+
+    def largest(self, values, count: int):
+        """Sorted positions of the ``count`` largest |values| (ties to the lower position)."""
+        xp = self.dev.xp
+        return xp.sort(xp.argsort(-xp.abs(values), kind="stable")[:count])
 
     def topk(self, score, k: int, offset: int = 0):
         """Sorted indices of the k largest |score| of one array (a user's score on the

@@ -56,6 +56,19 @@ class HostEngines:
         """Sorted indices (relative) of the k largest |score| in the slice at ``offset``."""
         return self.selectors[self.slice_index(offset)].topk(score, k)
 
+    def at_least(self, x, lam: float) -> np.ndarray:
+        """Sorted indices of |x| >= lam in one array (block by block: no |x| or mask of its
+        size), the compiled kernel where it takes the array, else its numpy oracle."""
+        if host_compiled(x):  # 64 entries per vector compare
+            return select_kernels.at_least(x, np.float32(lam))
+        return selection.at_least(x, lam, self._scratch)
+
+    def largest(self, values, count: int) -> np.ndarray:
+        """Sorted positions of the ``count`` largest |values| of one array (ties to the lower
+        position)."""
+        return self.selectors[0].topk(values, count) if len(self.selectors) == 1 and \
+            values.size <= self.layout.numel else Selector(values.size).topk(values, count)
+
     def select(self, name: str, key: radix.Key, ks, fusion=None, *, final: bool = True,
                exclude_zero: bool = False, values=True, segments=None) -> np.ndarray:
         """The ks largest keys per slice, as sorted global indices (``DeviceEngines.select``'s
@@ -79,10 +92,7 @@ class HostEngines:
     def _at_least(self, acc, lam: float, shares) -> np.ndarray:
         """|acc| >= lam, block by block (no model-sized |acc| or mask); per slice, the share's
         largest when more pass (the rest waits in the accumulator)."""
-        if host_compiled(acc):  # 64 entries per vector compare
-            chosen = select_kernels.at_least(acc, np.float32(lam))
-        else:  # its oracle
-            chosen = selection.at_least(acc, lam, self._scratch)
+        chosen = self.at_least(acc, lam)
         bounds = selection.slice_bounds(chosen, self.layout.slices)
         if all(hi - lo <= share for (lo, hi), share in zip(bounds, shares)):
             return chosen

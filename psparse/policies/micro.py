@@ -45,9 +45,6 @@ import math
 
 import numpy as np
 
-from ..cpu import selection, sparsify
-from ..cpu.jit import host_compiled
-from ..cpu.sparsify import Selector, select_kernels
 from .base import Param, PolicyError, SelectionPolicy
 
 
@@ -80,8 +77,6 @@ class Micro(SelectionPolicy):
                               "among the workers; it has no per-layer rule (use --granularity "
                               "model)")
         self.threshold = 0.0  # set at the first selection, from that round's k
-        self._scratch = np.empty(min(sparsify.BLOCK, layout.numel), np.float32)
-        self._selector = Selector(layout.numel)
 
     @property
     def max_propose(self) -> int:
@@ -113,11 +108,7 @@ class Micro(SelectionPolicy):
         j = self.owned(iteration)
         lo, hi = int(edges[j]), int(edges[j + 1])
         part = accumulator[lo:hi]
-        if self.dev is None and host_compiled(part):  # threshold's kernel: the same indices
-            chosen = select_kernels.at_least(part, np.float32(self.threshold))
-        else:
-            chosen = selection.at_least(part, self.threshold,
-                                      self._scratch if self.dev is None else None)
+        chosen = self.engines.at_least(part, self.threshold)
         cap = self.max_propose
         if chosen.size > cap:  # the largest go; the rest waits in the accumulator
             chosen = chosen[self._largest(part[chosen], cap)]
@@ -130,10 +121,7 @@ class Micro(SelectionPolicy):
 
     def _largest(self, values, count: int):
         """Sorted positions of the ``count`` largest |values| (ties to the lower position)."""
-        if self.dev is None:
-            return self._selector.topk(values, count)
-        xp = self.xp
-        return xp.sort(xp.argsort(-xp.abs(values), kind="stable")[:count])
+        return self.engines.largest(values, count)
 
     def observe(self, indices, values, iteration):
         self.steer(int(self.xp.count_nonzero(values)))
