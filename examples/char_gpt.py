@@ -7,9 +7,8 @@ download: ``psparse.data.text.corpus``). The model is the built-in ``--model gpt
 position embeddings, causal self-attention blocks, an output head tied to the token embedding;
 its logits come shaped (B, vocab, T), the layout ``F.cross_entropy`` takes with (B, T) targets).
 Unlike the built-in loop (``psparse-launch --model gpt --dataset text``) this loop draws windows
-at random offsets and keeps weight decay off biases, LayerNorms and embeddings. AdamW uses two parameter groups (no weight decay on
-biases, LayerNorms and embeddings), warm-up then cosine, and clips the aggregate after
-``exchange``. It logs a validation loss in nats per character, which is what a language model
+at random offsets. AdamW uses two parameter groups (no weight decay on biases, LayerNorms and
+embeddings), warm-up then cosine, and clips the aggregate after ``exchange``. It logs a validation loss in nats per character, which is what a language model
 has instead of an accuracy. The unigram baseline (the loss of predicting the characters'
 frequencies) is printed for comparison.
 

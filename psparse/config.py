@@ -143,7 +143,7 @@ class RunConfig:
     iterations: int | None = option(None,
         "training length in synchronous iterations (default: from --epochs)")
     batch_size: int = option(32, "minibatch size per worker")
-    lr: float = option(0.05, "SGD learning rate applied to the aggregate")
+    lr: float = option(0.05, "learning rate applied to the aggregate (SGD's, or AdamW's)")
     lr_steps: str | None = option(None,
         "epochs at which the learning rate is multiplied by 0.1, comma-separated (e.g. "
         "80,120; default: constant)")
@@ -261,8 +261,9 @@ class RunConfig:
         need(self.dataset in DATASETS or ":" in self.dataset,
              f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)} or give "
              "package.module:factory")
-        need(self.model not in MODELS or self.model == "synthetic" or self.dataset not in
-             DATASETS or (self.model == "gpt") == (self.dataset == "text"),
+        need(self.model not in MODELS or self.dataset not in DATASETS or
+             (self.model == "gpt") == (self.dataset == "text") and not
+             (self.model == "synthetic" and self.dataset == "text"),
              f"model {self.model!r} does not train on dataset {self.dataset!r}: --model gpt "
              "takes --dataset text (characters), the others take images")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")

@@ -60,7 +60,15 @@ def test_gpt_with_adamw_learns_the_text_through_the_launcher(tmp_path):
      "the aggregate is an Adam step, not a gradient"),
     ({"optimizer": "adamw", "memory": "dgc"}, "memory dgc is SGD's momentum correction"),
     ({"optimizer": "adam"}, "optimizer must be one of sgd, adamw"),
+    ({"model": "synthetic", "dataset": "text"}, "model 'synthetic' does not train on dataset"),
 ])
 def test_what_the_transformer_options_refuse(options, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig(**options).validate()
+
+
+def test_the_built_in_loop_with_the_adam_memory_says_adamw(tmp_path):
+    r = launch(tmp_path / "run", "--workers", "2", "--model", "gpt", "--dataset", "text",
+               "--memory", "adam", "--iterations", "5")
+    assert r.returncode == 2 and "--memory adam takes each worker's Adam step: give " \
+        "--optimizer adamw" in r.stderr, r.stderr

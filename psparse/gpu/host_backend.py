@@ -72,11 +72,14 @@ class HostEngines:
     def select(self, name: str, key: radix.Key, ks, fusion=None, *, final: bool = True,
                exclude_zero: bool = False, values=True, segments=None) -> np.ndarray:
         """The ks largest keys per slice, as sorted global indices (``DeviceEngines.select``'s
-        answer on the host: values are taken by the round, not here)."""
+        answer on the host; ``exclude_zero``: without entries whose key is 0). The device's
+        answer is a ``DeviceSelection`` that may carry the values (``final``, ``values``); on
+        the host the round takes them, so those two arguments change nothing here."""
         if segments is not None:
             raise ValueError("the host engines select over the layout's slices")
         if key.mode == radix.KEY_ABS:
-            return self._per_slice(key.x, ks, self.topk)
+            chosen = self._per_slice(key.x, ks, self.topk)
+            return chosen[key.x[chosen] != 0] if exclude_zero else chosen
         if key.mode == radix.KEY_THRESHOLD:
             return self._at_least(key.x, key.p0, ks)
         raise ValueError(f"the host engines have no ranking for key mode {key.mode} (the "
@@ -126,8 +129,11 @@ class HostBackend:
     def engines(self, layout) -> HostEngines:
         return HostEngines(layout)
 
-    def decaying(self, n: int) -> updates.Decaying:
-        """A lazily decayed vector of policy state (value = scale * stored)."""
+    def decaying(self, n: int, bounds=None) -> updates.Decaying:
+        """A lazily decayed vector of policy state (value = scale * stored). The device's
+        tracks each slice's maximum with ``bounds``; the host's does not (ema keeps its own)."""
+        if bounds is not None:
+            raise ValueError("the host's Decaying tracks no per-slice maxima (bounds)")
         return updates.Decaying(n, self.xp)
 
     # -------------------------------------------------------------------- error feedback

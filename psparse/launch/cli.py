@@ -297,6 +297,9 @@ def _resolve(p: argparse.ArgumentParser, args) -> RunConfig:
             if plugin.is_spec(spec) and not cfg.script:
                 plugin.load(spec, what)
         check_policy(cfg)
+        if not cfg.script and cfg.memory == "adam" and cfg.optimizer != "adamw":
+            raise ValueError("--memory adam takes each worker's Adam step: give --optimizer "
+                             "adamw, so that the run (and its --baseline runs) say AdamW")
     except (PolicyError, ValueError) as exc:
         p.error(str(exc))
     if cfg.threads is None:

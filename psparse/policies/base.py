@@ -114,7 +114,7 @@ class SelectionPolicy:
         # works through ``backend``, the device's or the host's (psparse.gpu.host_backend)
         self.dev = dev
         self.backend = dev or HostBackend(xp)
-        if self.backend.name != "host" and not self.device_path:
+        if not isinstance(self.backend, HostBackend) and not self.device_path:
             raise PolicyError(f"policy {self.name!r} runs on the host path only (its threshold "
                               "controller reads counts back every round): use --device cpu")
         self.xp = self.backend.xp  # numpy, or cupy on the GPU

@@ -108,6 +108,9 @@ class Memory:
             self.first = xp.zeros(numel, dtype=xp.float32)
             self.second = xp.zeros(numel, dtype=xp.float32)
             self.powers = xp.ones(2, dtype=xp.float64)
+            # the step's two scratch vectors: the same buffers every round (no allocation)
+            self._scratch = xp.empty(numel, dtype=xp.float32)
+            self._step = xp.empty(numel, dtype=xp.float32)
 
     def add(self, grad: np.ndarray) -> np.ndarray:
         """Fold one local gradient in; returns the accumulator to select from."""
@@ -137,17 +140,24 @@ class Memory:
             return grad
         xp, (b1, b2, eps) = self.xp, ADAM_BETAS
         first, second, powers = self.first, self.second, self.powers
+        scratch, step = self._scratch, self._step
         powers[0:1] *= b1
         powers[1:2] *= b2
         first *= np.float32(b1)
-        first += np.float32(1 - b1) * grad
+        first += xp.multiply(grad, np.float32(1 - b1), out=scratch)
         second *= np.float32(b2)
-        second += np.float32(1 - b2) * xp.square(grad)
-        # torch.optim.Adam: (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        xp.multiply(grad, grad, out=scratch)
+        scratch *= np.float32(1 - b2)
+        second += scratch
+        # torch.optim.Adam: (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps), its
+        # multiply-add where torch lerps the first moment (the last bit may differ)
         corrections = (1.0 - powers).astype(xp.float32)
-        denominator = xp.sqrt(second) / xp.sqrt(corrections[1:2])
-        denominator += np.float32(eps)
-        return (first / corrections[0:1]) / denominator
+        xp.sqrt(second, out=scratch)
+        scratch /= xp.sqrt(corrections[1:2])
+        scratch += np.float32(eps)
+        xp.divide(first, corrections[0:1], out=step)
+        step /= scratch
+        return step
 
     @property
     def replayable(self) -> bool:
