@@ -56,11 +56,11 @@ def cpu_per_iteration(samples: list[dict], iterations: int, eval_every: int) -> 
 
 
 def numel_and_shapes(model: str) -> tuple[int, list[tuple[int, ...]]]:
-    from psparse.data import IN_SHAPES
+    from psparse.data import IN_SHAPES, NUM_CLASSES
     from psparse.training.models import build_model
 
-    dataset = "mnist" if model == "lenet" else "cifar10"
-    net = build_model(model, IN_SHAPES[dataset], 10)
+    dataset = {"lenet": "mnist", "gpt": "text"}.get(model, "cifar10")
+    net = build_model(model, IN_SHAPES[dataset], NUM_CLASSES[dataset])
     shapes = [tuple(p.shape) for p in net.parameters() if p.requires_grad]
     return sum(p.numel() for p in net.parameters() if p.requires_grad), shapes
 
