@@ -46,15 +46,9 @@ class HostEngines:
 
     ranks_every_key = False  # only KEY_ABS and KEY_THRESHOLD (module docstring)
 
-    def slice_index(self, offset: int) -> int:
-        for i, (o, _) in enumerate(self.layout.slices):
-            if o == offset:
-                return i
-        raise ValueError(f"no slice starts at offset {offset}")
-
     def topk(self, score, k: int, offset: int = 0) -> np.ndarray:
         """Sorted indices (relative) of the k largest |score| in the slice at ``offset``."""
-        return self.selectors[self.slice_index(offset)].topk(score, k)
+        return self.selectors[self.layout.slice_index(offset)].topk(score, k)
 
     def at_least(self, x, lam: float) -> np.ndarray:
         """Sorted indices of |x| >= lam in one array (block by block: no |x| or mask of its

@@ -93,6 +93,13 @@ class Layout:
             offsets = np.cumsum([0, *layer_sizes[:-1]])
             self.slices = [(int(o), int(s)) for o, s in zip(offsets, layer_sizes)]
 
+    def slice_index(self, offset: int) -> int:
+        """The index of the slice that starts at ``offset``."""
+        for i, (o, _) in enumerate(self.slices):
+            if o == offset:
+                return i
+        raise ValueError(f"no slice starts at offset {offset}")
+
     def split(self, k: int) -> list[int]:
         return [k] if len(self.slices) == 1 else split_k(k, [s for _, s in self.slices])
 
@@ -259,10 +266,7 @@ class SelectionPolicy:
         return self._selectors[self._slice_index(offset)].topk_scored(score, k, full)
 
     def _slice_index(self, offset: int) -> int:
-        for i, (o, _) in enumerate(self.layout.slices):
-            if o == offset:
-                return i
-        raise ValueError(f"no slice starts at offset {offset}")
+        return self.layout.slice_index(offset)
 
     def state_digest(self) -> str:
         """Hash of the state: equal on all workers for policies whose state is shared."""
