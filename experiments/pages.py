@@ -222,6 +222,12 @@ TRANSFORMER_LABELS = {
     "local-adam-topk": "`--memory adam`, `topk`",
     "local-adam-topk-int4": "`--memory adam`, `topk --values int4`",
     "local-adam-vote-int4": "`--memory adam`, `vote keep=1.5 --values int4`",
+    "dense30-adamw-topk": "AdamW on the aggregate, `topk` after 30 dense iterations",
+    "frozen30-adamw-topk": "AdamW, variance frozen after 30 dense iterations (1-bit Adam), "
+                           "`topk`",
+    "frozen60-adamw-topk": "AdamW, variance frozen after 60 dense iterations, `topk`",
+    "frozen30-adamw-topk-int4": "AdamW, variance frozen after 30 dense iterations, "
+                                "`topk --values int4`",
 }
 
 

@@ -25,6 +25,10 @@ One run per configuration and seed:
   (``--memory adam``, plain SGD on the aggregate, each worker's gradient clipped to 1 with
   ``--clip-norm``), then with 4-bit values and with an aligning rule
   (``vote keep=1.5 --values int4``);
+* ``dense30-adamw-topk``, ``frozen{30,60}-adamw-topk`` (built-in only): 1-bit Adam's schedule,
+  AdamW on the aggregate after 30 (60) dense iterations (``--dense-warmup``), its second moment
+  frozen from then on (``--freeze-variance``), and the dense warm-up alone, without the
+  freeze, to tell the two apart; ``frozen30-adamw-topk-int4`` with 4-bit values;
 * ``-long`` (built-in only): dense, AdamW at 1% and the remedy at 1,200 iterations: whether the
   gap is the error feedback's delay (about numel / union entries, rounds between two sends of
   an entry) against the run's length.
@@ -69,6 +73,13 @@ BUILTIN = ["--model", "gpt", "--dataset", "text", "--optimizer", "adamw", "--lr"
            "--lr-schedule", "cosine", "--warmup-epochs", "0.031", "--batch-size", "16",
            "--weight-decay", "0.1", "--eval-every", "100"]
 ADAMW, LOCAL = ["--clip-aggregate", "1"], ["--memory", "adam", "--clip-norm", "1"]
+
+
+def dense_first(iterations: int) -> list[str]:
+    return ["--dense-warmup", str(iterations)]
+
+
+
 BUILTIN_RUNS = {  # name -> psparse-launch options (the iterations added)
     "adamw-dense": ["--density", "1", *ADAMW],
     "local-adam-dense": ["--density", "1", *LOCAL],
@@ -76,6 +87,10 @@ BUILTIN_RUNS = {  # name -> psparse-launch options (the iterations added)
     "local-adam-topk": [*TOPK, *LOCAL],
     "local-adam-topk-int4": [*TOPK, *LOCAL, *INT4],
     "local-adam-vote-int4": [*TOPK, *LOCAL, *VOTE, *INT4],
+    "dense30-adamw-topk": [*TOPK, *ADAMW, *dense_first(30)],
+    "frozen30-adamw-topk": [*TOPK, *ADAMW, *dense_first(30), "--freeze-variance"],
+    "frozen60-adamw-topk": [*TOPK, *ADAMW, *dense_first(60), "--freeze-variance"],
+    "frozen30-adamw-topk-int4": [*TOPK, *ADAMW, *dense_first(30), "--freeze-variance", *INT4],
     "adamw-dense-long": ["--density", "1", *ADAMW],
     "adamw-topk-long": [*TOPK, *ADAMW],
     "local-adam-topk-long": [*TOPK, *LOCAL],

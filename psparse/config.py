@@ -134,6 +134,10 @@ class RunConfig:
         "which interpolates geometrically to --density): 25% in epoch 1, 6.25% in epoch 2, "
         "1.56% in epoch 3, ... "
         "for this many epochs, never below --density")
+    dense_warmup: int = option(0,
+        "send every entry (density 1) for this many first iterations, then --density: the "
+        "dense warm-up of 1-bit Adam's schedule, whose end --freeze-variance freezes AdamW's "
+        "second moment at (default: none)")
     # How long and how.
     epochs: float | None = option(None,
         "training length in passes over the data (ignored when --iterations is given; "
@@ -162,6 +166,11 @@ class RunConfig:
     momentum: float = option(0.9, "SGD momentum")
     nesterov: bool = option(False, "SGD with Nesterov momentum (needs --momentum > 0)")
     weight_decay: float = option(0.0, "weight decay (SGD's, or AdamW's decoupled decay)")
+    freeze_variance: bool = option(False,
+        "the built-in loop's --optimizer adamw stops updating its second moment at the end of "
+        "--dense-warmup (1-bit Adam's schedule, Tang et al. 2021): from then on its step is a "
+        "fixed scaling of the momentum of the aggregates, so error feedback's late entries "
+        "count in full (psparse.training.optim.FrozenVarianceAdamW; docs/api.md)")
     clip_aggregate: float | None = option(None,
         "the built-in loop clips the aggregate (the exchanged gradient every replica holds "
         "alike) to this L2 norm before the optimizer step, as DDP users clip after the "
@@ -282,6 +291,12 @@ class RunConfig:
         self._check_values()
         need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")
         need(self.density_warmup >= 0, "density-warmup must be >= 0 (epochs)")
+        need(isinstance(self.dense_warmup, int) and self.dense_warmup >= 0,
+             "dense-warmup must be a whole number of iterations >= 0, got "
+             f"{self.dense_warmup!r}")
+        need(not (self.dense_warmup and self.density_warmup),
+             "dense-warmup (density 1 for N iterations) and density-warmup (DGC's four-fold "
+             "schedule) are two warm-ups: choose one")
         need(self.policy_args is None or all(isinstance(a, str) and "=" in a
                                              for a in self.policy_args),
              f"policy-arg entries must be key=value, got {self.policy_args!r}")
@@ -313,7 +328,8 @@ class RunConfig:
         need(self.amp in (None, "bf16", "fp16"),
              f"amp must be bf16 or fp16 (leave it out for float32), got {self.amp!r}")
         need(self.weight_decay >= 0, "weight-decay must be >= 0")
-        why = loop_refusal(self.optimizer, self.memory, self.nesterov, self.clip_aggregate)
+        why = loop_refusal(self.optimizer, self.memory, self.nesterov, self.clip_aggregate,
+                           self.freeze_variance, self.dense_warmup)
         need(why is None, why or "")
         need(self.eval_every >= 0, "eval-every must be >= 0 (0: only at the end)")
         need(self.eval_samples is None or self.eval_samples >= 1, "eval-samples must be >= 1")

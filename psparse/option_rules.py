@@ -46,9 +46,17 @@ def bucket_refusal(**facts: bool) -> str | None:
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def loop_refusal(optimizer: str, memory: str, nesterov: bool,
-                 clip_aggregate: float | None) -> str | None:
+def loop_refusal(optimizer: str, memory: str, nesterov: bool, clip_aggregate: float | None,
+                 freeze_variance: bool = False, dense_warmup: int = 0) -> str | None:
     """Why the built-in loop's optimizer options cannot go together, or None."""
+    if freeze_variance and (optimizer != "adamw" or memory == "adam"):
+        return ("freeze-variance freezes the second moment of the AdamW that applies the "
+                "aggregate: it needs --optimizer adamw without --memory adam (whose Adam step "
+                "is each worker's own)")
+    if freeze_variance and not dense_warmup:
+        return ("freeze-variance freezes AdamW's second moment at the end of the dense "
+                "warm-up: give its length with --dense-warmup N (1-bit Adam used about 15-25% "
+                "of the run)")
     if optimizer not in OPTIMIZERS:
         return f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}"
     if optimizer == "adamw" and memory == "dgc":

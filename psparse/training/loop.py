@@ -37,6 +37,7 @@ from ..worker.flat_model import pick_device
 from ..worker.session import Session, failure_cause
 from . import schedule
 from .models import build_model
+from .optim import FrozenVarianceAdamW
 
 __all__ = ["train", "evaluate_model", "WorkerError", "ServerGone", "main"]
 
@@ -207,13 +208,17 @@ def setup(cfg: RunConfig, rank: int):
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module,
                    memory_momentum: bool | None = None) -> torch.optim.Optimizer:
     """The built-in loop's optimizer (a --baseline run's too): SGD with --lr, --momentum,
-    --nesterov and --weight-decay, or AdamW (--optimizer adamw) with --lr and --weight-decay.
+    --nesterov and --weight-decay, or AdamW (--optimizer adamw) with --lr and --weight-decay
+    (its second moment frozen after --dense-warmup with --freeze-variance).
     With DGC's or the adam memory the momentum (and Adam's step) is applied locally, in the
     memory, so the aggregate is applied by plain SGD (for plain SGD, weight decay is AdamW's
     decoupled decay); ``memory_momentum`` False: no such memory (DDP)."""
     in_memory = cfg.memory in ("dgc", "adam") if memory_momentum is None else memory_momentum
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw" and not in_memory:
+        if cfg.freeze_variance:  # frozen at the end of the dense warm-up (1-bit Adam)
+            return FrozenVarianceAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                       freeze_after=cfg.dense_warmup)
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     momentum = 0.0 if in_memory else cfg.momentum
     return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay,

@@ -40,7 +40,7 @@ def connect(model: torch.nn.Module, optimizer=None, *,
     - ``server`` ("host:port"): the argument, else ``PSPARSE_SERVER``, else
       ``MASTER_ADDR``:``PSPARSE_PORT``;
     - options (``policy``, ``density``, ``granularity``, ``memory``, ``policy_args``,
-      ``clip_norm``, ``density_warmup``, ``check_every``, ``checkpoint_every``, ``timeout``,
+      ``clip_norm``, ``density_warmup``, ``dense_warmup``, ``check_every``, ``checkpoint_every``, ``timeout``,
       ``curve_keys``, ...; the fields of docs/cli.md's run configuration): keyword arguments, else
       the launcher's run configuration (``PSPARSE_CONFIG``, its config.json), else defaults;
     - ``iterations``: the argument, else the configuration's ``iterations``, else its

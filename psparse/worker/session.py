@@ -146,11 +146,11 @@ class Session(lifecycle.LoopControl, Checkpointed):
         """The budget steps the server will enforce, and the round object: on the host or the
         device, whole or in buckets of layers."""
         cfg = self.cfg
-        # an open-ended run's budget steps: through the end of the density warm-up
-        horizon = self.iterations or math.ceil(cfg.density_warmup * (self.batches_per_epoch
-                                                                      or 0)) + 1
+        # an open-ended run's budget steps: through the end of the (dense or density) warm-up
+        horizon = self.iterations or max(cfg.dense_warmup, math.ceil(
+            cfg.density_warmup * (self.batches_per_epoch or 0))) + 1
         self.steps = budget_steps(self.policy, self._k_at, horizon,
-                                  bool(cfg.density_warmup), self.start)
+                                  bool(cfg.density_warmup or cfg.dense_warmup), self.start)
         whole = all(step[1] == self.net.numel for step in self.steps)
         shape = round_shape(self.policy, whole)
         engine = DeviceEngine(self.ctx, self.dev, shape) if self.dev is not None \
@@ -196,7 +196,10 @@ class Session(lifecycle.LoopControl, Checkpointed):
                 self.client.received_bytes, **self.ctx.clock.times}
 
     def _k_at(self, it: int) -> int:
-        """Entries to send at iteration ``it`` (the density warm-up lowers it epoch by epoch)."""
+        """Entries to send at iteration ``it``: all of them during a dense warm-up; the
+        density warm-up lowers it epoch by epoch."""
+        if it < self.cfg.dense_warmup:
+            return self.net.numel
         if not self.cfg.density_warmup:
             return self.k
         epoch = it / self.batches_per_epoch
