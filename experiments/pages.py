@@ -228,6 +228,7 @@ TRANSFORMER_LABELS = {
     "frozen60-adamw-topk": "AdamW, variance frozen after 60 dense iterations, `topk`",
     "frozen30-adamw-topk-int4": "AdamW, variance frozen after 30 dense iterations, "
                                 "`topk --values int4`",
+    "dense30-local-adam-topk": "`--memory adam`, `topk` after 30 dense iterations",
 }
 
 

@@ -197,7 +197,7 @@ def test_state_dict_round_trip():
     c.observe(np.array([4, 9]), arr(1, 1), 0)
     d = make("penalty", 3, (50,))
     d.load_state_dict(c.state_dict())
-    assert d.previous.tolist() == [4, 9]
+    assert d.previous.indices.tolist() == [4, 9]
 
 
 def test_dgc_memory_momentum_correction_and_masking():

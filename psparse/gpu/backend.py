@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import radix, sources
-from .device_policy import DeviceDecaying, DeviceEngines
+from .device_policy import DeviceDecaying, DeviceEngines, DeviceIndexSet
 from .radix import CaptureFailed  # noqa: F401 (where the backends' users find it)
 
 THREADS = 256
@@ -131,6 +131,10 @@ class Backend:
     def decaying(self, n: int, bounds=None) -> DeviceDecaying:
         """A policy's lazily decayed state on the device (``device_policy.DeviceDecaying``)."""
         return DeviceDecaying(n, self, bounds)
+
+    def index_set(self, n: int) -> DeviceIndexSet:
+        """The indices of one aggregate as a byte mask (``device_policy.DeviceIndexSet``)."""
+        return DeviceIndexSet(n, self)
 
     def accumulate(self, mode: int, acc, grad, velocity, filtered, momentum: float):
         """Fold a (prepared) gradient into the accumulator, as the radix engine's first pass

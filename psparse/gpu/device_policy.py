@@ -165,6 +165,28 @@ def layout_bounds(layout) -> list[int]:
     return [o for o, _ in layout.slices] + [layout.numel]
 
 
+class DeviceIndexSet:
+    """A set of indices the group shares (the last aggregate's) on the device: ``indices``
+    and a byte mask of them that the radix engine reads (``KEY_PENALTY``); the host's is
+    ``host_backend.HostIndexSet``."""
+
+    def __init__(self, n: int, dev):
+        self.xp = dev.xp
+        self.indices = dev.xp.empty(0, dtype=dev.xp.int64)
+        self.mask = dev.xp.zeros(n, dtype=dev.xp.uint8)
+
+    def replace(self, indices) -> None:
+        self.mask[self.indices] = 0
+        self.indices = indices.astype(self.xp.int64)  # a copy: the upload buffer is reused
+        self.mask[self.indices] = 1
+
+    def within(self, offset: int, size: int):
+        """The set's entries in [offset, offset + size), relative (a host-style path's)."""
+        lo, hi = (int(i) for i in self.xp.searchsorted(
+            self.indices, self.xp.asarray([offset, offset + size])))
+        return self.indices[lo:hi] - offset
+
+
 class DeviceDecaying(Decaying):
     """``Decaying`` on the device: ``stored`` there, ``scale`` a device double, renormalising
     (stored *= scale, flush below float32's smallest normal, scale = 1) decided by a kernel.

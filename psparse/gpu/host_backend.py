@@ -17,10 +17,13 @@ A policy or a ``Memory`` holds one backend, the host's (this module) or a device
   returns sorted int64 indices; the device a ``DeviceSelection`` (indices, values taken or
   read, counts) that the round copies back.
 
+* ``index_set(n)``: the indices of the last aggregate, kept for the next round (sorted on the
+  host, a byte mask on a device).
+
 The keys the host engines rank are those the built-in policies' one path states: |x|
 (``KEY_ABS``) and |x| >= lam, the share's largest if more (``KEY_THRESHOLD``); the scored
-policies (ema, penalty, core, frequency) still write their host ranking beside the device key
-(issue 52's next step).
+policies (ema, penalty, core, frequency) rank on the host by their compiled scores
+(``ScoredPolicy.score_kind``), written beside the device key.
 """
 
 from __future__ import annotations
@@ -102,6 +105,29 @@ class HostEngines:
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
+class HostIndexSet:
+    """A set of indices the group shares (the last aggregate's), as the host ranks with it:
+    sorted, and looked up slice by slice (``within``). The device's (``DeviceIndexSet``) is a
+    byte mask the radix engine reads."""
+
+    mask = None  # the host engines take no mask
+
+    def __init__(self, xp=np):
+        self.xp = xp
+        self.indices = xp.empty(0, dtype=xp.int64)  # sorted
+        self._host = np.empty(0, dtype=np.int64)  # the same, for searchsorted
+
+    def replace(self, indices) -> None:
+        """The set becomes these (sorted, distinct) indices."""
+        self._host = np.array(to_host(indices), dtype=np.int64)
+        self.indices = self.xp.asarray(self._host)
+
+    def within(self, offset: int, size: int):
+        """The set's entries in [offset, offset + size), relative to offset."""
+        lo, hi = (int(i) for i in np.searchsorted(self._host, [offset, offset + size]))
+        return self.indices[lo:hi] - offset
+
+
 class HostBackend:
     """The host's answers to what a policy and a memory ask of a backend (module docstring)."""
 
@@ -124,11 +150,13 @@ class HostBackend:
         return HostEngines(layout)
 
     def decaying(self, n: int, bounds=None) -> updates.Decaying:
-        """A lazily decayed vector of policy state (value = scale * stored). The device's
-        tracks each slice's maximum with ``bounds``; the host's does not (ema keeps its own)."""
-        if bounds is not None:
-            raise ValueError("the host's Decaying tracks no per-slice maxima (bounds)")
-        return updates.Decaying(n, self.xp)
+        """A lazily decayed vector of policy state (value = scale * stored); with ``bounds``
+        (slice edges) it can track each slice's largest stored value, as the device's does."""
+        return updates.Decaying(n, self.xp, bounds)
+
+    def index_set(self, n: int) -> HostIndexSet:
+        """The indices of one aggregate, kept until the next (penalty's shared entries)."""
+        return HostIndexSet(self.xp)
 
     # -------------------------------------------------------------------- error feedback
     def accumulate(self, mode: int, acc, grad, velocity, filtered, momentum: float):

@@ -31,6 +31,7 @@ Arrays live where the accumulator lives: ``self.xp`` is numpy, or CuPy when the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -298,6 +299,11 @@ class ScoredPolicy(SelectionPolicy):
     score was measured slower there (docs/notes/bench-select.md, "Host selection compiled")."""
 
     compiled_selection = True
+
+    @functools.cached_property
+    def _score(self):
+        # made on first use: the device ranks its key and never writes the score
+        return self.xp.empty(self.layout.numel, dtype=self.xp.float32)
 
     def select_slice(self, acc, k, offset):
         if self.compiled_selection and host_compiled(acc):

@@ -8,24 +8,24 @@ and the k largest scores are sent. An index the group has recently found large g
 still wins. (This is the blended-score variant; the candidate scheme is ``frequency``.)
 
 Cost (issue 18, item 3): the priority decays lazily (``updates.Decaying``: one scale factor,
-so ``observe`` touches only the aggregate's entries), and max(priority) is kept up to date there
-(only the aggregated entries grow). The selection ranks by the score divided by the positive
+so ``observe`` touches only the aggregate's entries), and max(priority) per slice is kept up to
+date there (only the aggregated entries grow), by the backend's decaying vector on the host and
+the device alike. The selection ranks by the score divided by the positive
 constant lam / max(priority), |acc_i| * (stored_i + max(stored) / lam), the same order (up to
 rounding) in three operations per entry instead of four. On the host the selection runs the
 numpy way (``_scorer``, a block at a time through ``Selector.topk_scored``): the compiled score
 (``select_kernels.top_k``, kind EMA, reading the priority only where |acc| times max(stored) +
 floor could reach the threshold) was measured slower (``compiled_selection``). ``observe``'s
-add and maxima run the numpy way too (``_add_reference``): the compiled scatter that does both
-was measured slower at 0.1% density (``compiled_update``).
+add and maxima run the numpy way too (``Decaying.add``): the compiled scatter that does both
+(``add_compiled`` with ``tops``) was measured 6.4 against 6.8 ms at 1% but 1.46 against 1.10
+at 0.1%.
 """
 
 import numpy as np
 
-from ..cpu import selection, updates
-from ..cpu.jit import host_compiled
 from ..cpu.sparsify import select_kernels
 from ..gpu import radix
-from ..gpu.device_policy import DeviceDecaying, layout_bounds
+from ..gpu.device_policy import layout_bounds
 from .base import Param, ScoredPolicy
 
 STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum exceeds this
@@ -34,11 +34,8 @@ STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum e
 class EMA(ScoredPolicy):
     name = "ema"
     # select_kernels.top_k's EMA score, measured back to back against the numpy way at 11M:
-    # 37-39 ms against 24-29 (its bound by max(stored) lets too few lines be skipped); the
-    # add_compiled, the add and the maxima in one pass, measured the same way: 6.4 ms against
-    # 6.8 at 1%, but 1.46 against 1.10 at 0.1%; so the numpy way (_add_reference) runs
+    # 37-39 ms against 24-29 (its bound by max(stored) lets too few lines be skipped)
     compiled_selection = False
-    compiled_update = False
     params = {
         "beta": Param(float, 0.9, "EMA decay per round", lambda v: 0 <= v < 1, "in [0, 1)"),
         "lam": Param(float, 16.0, "weight of the shared priority", lambda v: v >= 0, ">= 0"),
@@ -46,22 +43,21 @@ class EMA(ScoredPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        if self.dev is not None:  # max(stored) per slice kept on the device (priority.top)
-            self.priority = DeviceDecaying(layout.numel, self.dev, layout_bounds(layout))
-            return
-        self.priority = updates.Decaying(layout.numel, self.xp)
-        self._score = self.xp.empty(layout.numel, dtype=self.xp.float32)
-        self._top = np.zeros(len(layout.slices), np.float32)  # max(stored priority) per slice
-        self._edges = np.array([o for o, _ in layout.slices] + [layout.numel], np.int64)
+        # max(stored) per slice tracked beside it (priority.top), on the host or the device
+        self.priority = self.backend.decaying(layout.numel, layout_bounds(layout))
 
     def device_key(self, accumulator):
         return radix.Key(radix.KEY_EMA, accumulator, aux=self.priority.stored, p0=self.lam,
                          pdev=self.priority.top)
 
+    def _top(self, offset) -> float:
+        """max(stored priority) in the slice at ``offset`` (a host-style path's read)."""
+        return float(self.priority.top[self._slice_index(offset)])
+
     def score(self, acc, offset):
         """The documented score (the selection ranks a multiple of it)."""
         out = super().score(acc, offset)
-        top = float(self._top[self._slice_index(offset)])
+        top = self._top(offset)
         if top > 0 and self.lam > 0:
             out *= np.float32(self.lam / top)
         return out
@@ -69,7 +65,7 @@ class EMA(ScoredPolicy):
     def score_kind(self, acc, offset):
         """|acc| * (stored + floor), floor = max(stored) / lam; |acc| when there is no priority
         yet or lam = 0. The largest stored + floor bounds the factor (q)."""
-        top = np.float32(self._top[self._slice_index(offset)])
+        top = np.float32(self._top(offset))
         if top <= 0 or self.lam == 0:
             return (select_kernels.ABS,)
         floor = np.float32(float(top) / self.lam)
@@ -81,7 +77,7 @@ class EMA(ScoredPolicy):
         at ``offset``; |acc| when there is no priority yet or lam = 0)."""
         xp = self.xp
         stored = self.priority.stored[offset:offset + acc.size]
-        top = float(self._top[self._slice_index(offset)])
+        top = self._top(offset)
         if top <= 0 or self.lam == 0:
             return lambda sl, out: xp.abs(acc[sl], out=out)
         floor = np.float32(top / self.lam)
@@ -93,50 +89,15 @@ class EMA(ScoredPolicy):
         return score
 
     def observe(self, indices, values, iteration):
-        if self.dev is not None:  # the same rule, decided on the device
-            self.priority.decay(self.beta, track_max=True)
-            self.priority.add(indices, values, 1.0 - self.beta, track_max=True)
-            self.priority.renormalise_above(STORED_LIMIT)
-            return
-        if self.priority.decay(self.beta):  # rescaled: the maxima too
-            self._top = self._maxima()
-        priority = self.priority
-        if self.compiled_update and host_compiled(priority.stored):  # one compiled pass
-            priority.add_compiled(indices, values, 1.0 - self.beta, tops=self._top,
-                                  edges=self._edges)
-        else:  # the reference
-            self._add_reference(indices, values)
-        if float(self._top.max()) > STORED_LIMIT and self.priority.scale < 1:
-            # the score multiplies |acc| by about max(stored) * (1 + 1 / lam): keep that far
-            # from float32's range (the priority itself, at scale 1, is what was aggregated)
-            self.priority.renormalise()
-            self._top = self._maxima()
-
-    def _add_reference(self, indices, values):
-        """``observe``'s add and maxima in numpy (the compiled pass's reference)."""
-        xp, priority = self.xp, self.priority
-        if xp is np and all(sel.exact for sel in self._selectors):  # small: a gather, a scatter
-            add = np.float32((1.0 - self.beta) / priority.scale) * np.abs(values)  # as add()
-            updated = (priority.stored[indices] + add).astype(np.float32, copy=False)
-            priority.stored[indices] = updated
-        else:
-            updated = xp.empty(indices.size, dtype=xp.float32)  # stored[indices]
-            priority.add(indices, values, 1.0 - self.beta, out=updated)
-        for s, (lo, hi) in enumerate(selection.slice_bounds(indices, self.layout.slices)):
-            if hi > lo:
-                self._top[s] = max(self._top[s], np.float32(float(updated[lo:hi].max())))
-
-    def _maxima(self):
-        stored = self.priority.stored
-        return np.array([float(stored[o:o + n].max()) if n else 0.0
-                         for o, n in self.layout.slices], np.float32)
+        # the maxima follow the decay's rescale and the add; the score multiplies |acc| by
+        # about max(stored) * (1 + 1 / lam): renormalised before that nears float32's range
+        self.priority.decay(self.beta, track_max=True)
+        self.priority.add(indices, values, 1.0 - self.beta, track_max=True)
+        self.priority.renormalise_above(STORED_LIMIT)
 
     def state_dict(self):
         return self.priority.state_dict()
 
     def load_state_dict(self, state):
         self.priority.load_state_dict(state)
-        if self.dev is not None:
-            self.priority.refresh_maxima()
-            return
-        self._top = self._maxima()
+        self.priority.refresh_maxima()

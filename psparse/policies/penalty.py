@@ -18,7 +18,6 @@ import numpy as np
 
 from ..cpu.sparsify import positions, select_kernels
 from ..gpu import radix
-from ..xp import to_host
 from .base import Param, ScoredPolicy
 
 
@@ -37,30 +36,20 @@ class Penalty(ScoredPolicy):
 
     def __init__(self, layout, k, **kw):
         super().__init__(layout, k, **kw)
-        xp = self.xp
-        self.previous = xp.empty(0, dtype=xp.int64)  # sorted indices of the last aggregate
-        self._previous_host = np.empty(0, dtype=np.int64)  # the same, for searchsorted
-        if self.dev is not None:  # on the device: a mask of the last aggregate's indices
-            self.shared = xp.zeros(layout.numel, dtype=xp.uint8)
-            return
-        self._score = xp.empty(layout.numel, dtype=xp.float32)
+        # the last aggregate's indices: sorted on the host, a byte mask on the device
+        self.previous = self.backend.index_set(layout.numel)
 
     def device_key(self, accumulator):
-        return radix.Key(radix.KEY_PENALTY, accumulator, mask=self.shared, p0=self.pi)
+        return radix.Key(radix.KEY_PENALTY, accumulator, mask=self.previous.mask, p0=self.pi)
 
     def score_kind(self, acc, offset):
         """|acc| times pi, except at the slice's entries of the previous aggregate."""
-        return select_kernels.PENALTY, None, self._shared(offset, acc.size), self.pi
-
-    def _shared(self, offset, size):
-        """The previous aggregate's entries in the slice [offset, offset + size), relative."""
-        lo, hi = (int(i) for i in np.searchsorted(self._previous_host, [offset, offset + size]))
-        return self.previous[lo:hi] - offset
+        return select_kernels.PENALTY, None, self.previous.within(offset, acc.size), self.pi
 
     def _scorer(self, acc, offset):
         """A function writing score[sl] into out, for the slice of ``acc`` at ``offset``."""
         xp = self.xp
-        shared = self._shared(offset, acc.size)
+        shared = self.previous.within(offset, acc.size)
 
         def score(sl, out):
             xp.abs(acc[sl], out=out)
@@ -70,17 +59,11 @@ class Penalty(ScoredPolicy):
         return score
 
     def observe(self, indices, values, iteration):
-        if self.dev is not None:
-            self.shared[self.previous] = 0
-            self.previous = indices.astype(self.xp.int64)  # a copy: the upload buffer is reused
-            self.shared[self.previous] = 1
-            return
-        self._previous_host = np.array(to_host(indices), dtype=np.int64)
-        self.previous = self.xp.asarray(self._previous_host)
+        self.previous.replace(indices)
 
     def state_dict(self):
-        return {"previous": self.previous}  # on the host the same array as _previous_host
+        return {"previous": self.previous.indices}
 
     def load_state_dict(self, state):
         previous = np.asarray(state["previous"], dtype=np.int64)
-        self.observe(self.backend.upload("previous", previous), None, None)
+        self.previous.replace(self.backend.upload("previous", previous))
