@@ -229,6 +229,8 @@ TRANSFORMER_LABELS = {
     "frozen30-adamw-topk-int4": "AdamW, variance frozen after 30 dense iterations, "
                                 "`topk --values int4`",
     "dense30-local-adam-topk": "`--memory adam`, `topk` after 30 dense iterations",
+    "dense60-adamw-topk": "AdamW on the aggregate, `topk` after 60 dense iterations",
+    "dense60-local-adam-topk": "`--memory adam`, `topk` after 60 dense iterations",
 }
 
 
