@@ -143,11 +143,13 @@ def reusable(out: Path, identity: dict, code_id: str | None, reuse_any: bool) ->
 
 def run_one(model: str, rate: str, name: str, hosts: EmulatedCluster, code_id: str,
             reuse_any: bool, data_dir: str | None, seed: int = 0,
-            base: list[str] | None = None) -> Path:
+            base: list[str] | None = None, run_args: list[str] | None = None) -> Path:
     """One cluster run of ``name`` on ``model`` with the sweep's base arguments (or ``base``:
-    time_to_accuracy's ResNet-20 has its own schedule and precision)."""
+    time_to_accuracy's ResNet-20 has its own schedule and precision) and the sweep's arguments
+    of ``name`` (or ``run_args``: the transformer's runs are its own)."""
     out = run_dir(model, rate, name, seed)
-    args = (MODELS[model]["base"] if base is None else base) + RUNS[name] + ["--seed", str(seed)]
+    args = (MODELS[model]["base"] if base is None else base) + \
+        (RUNS[name] if run_args is None else run_args) + ["--seed", str(seed)]
     if data_dir:
         args += ["--data-dir", data_dir]
     # the hosts' CPU: share and pinning (netns.sh pins each host to one CPU; PSNET_PIN=0 not)

@@ -166,3 +166,26 @@ def test_the_bf16_grid_is_refused_where_bf16_is_emulated(capsys):
         assert tta.main(["--only", "resnet20", "--stage", "accuracy", "--runs", "ddp",
                          "--seeds", "1"]) == 2
         assert "--any-cpu" in capsys.readouterr().err
+
+
+def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains():
+    from experiments import transformer_tta as tt
+
+    # the cluster runs are the accuracy runs but for length and evaluation
+    for name, args in tt.RUNS.items():
+        long = resolve_config(build_parser().parse_args(
+            ["--out", "x", *tt.BASE, *args, "--iterations", str(tt.ITERATIONS)]))
+        short = resolve_config(build_parser().parse_args(
+            ["--out", "x", *tt.BASE, "--iterations", str(tt.TIMED), *tt.TIMING_ARGS[name]]))
+        differ = {k for k in vars(long) if getattr(long, k) != getattr(short, k)}
+        assert differ <= {"iterations"}, (name, differ)
+        assert long.model == "gpt" and long.optimizer == "adamw" and long.workers == tt.WORKERS
+    evals = [{"iter": 49, "test_loss": 2.4}, {"iter": 99, "test_loss": 1.99},
+             {"iter": 149, "test_loss": 2.01}]
+    assert tt.iterations_to(evals, 2.0) == 100 and tt.iterations_to(evals, 1.8) is None
+    # 60 dense iterations at psparse's dense iteration, the rest at the 1% twin's
+    assert tt.twin_of("dense60-local-adam-topk") == "local-adam-topk"
+    steady = {tt.DENSE: 900.0, "local-adam-topk": 300.0}
+    assert tt.composed_s("dense60-local-adam-topk", 100, steady) == pytest.approx(54 + 12)
+    assert tt.composed_s("dense60-local-adam-topk", 40, steady) == pytest.approx(36)
+    assert tt.composed_s("local-adam-topk", 100, steady) == pytest.approx(30)

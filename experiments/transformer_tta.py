@@ -1,0 +1,187 @@
+"""Issue 53's time-to-accuracy row: the built-in transformer with AdamW on the emulated
+cluster, psparse against DDP and DDP's bf16 compression hook.
+
+    python -m experiments.transformer_tta                       # all stages (~70 min)
+    python -m experiments.transformer_tta --stage accuracy --runs ddp,local-adam-topk
+    python -m experiments.transformer_tta --stage timing --rates 25mbit
+    python -m experiments.transformer_tta --stage report
+
+Composed as experiments/time_to_accuracy.py composes LeNet's and ResNet-20's (a run is
+bit-reproducible, so its loss after iteration t does not depend on the network):
+
+    time to a target loss = (iterations to it, from a full-length run on this machine)
+                          x (the steady iteration on the emulated cluster, same arguments)
+
+* ``accuracy``: 1,200-iteration runs of experiments/transformer.py's built-in configuration
+  (4 workers, AdamW, warm-up then cosine) on this machine, evaluated on the whole test text
+  every 50 iterations (runs/transformer/tta/<run>-s<seed>); iterations to a target are those
+  done at the first evaluation at or below it.
+* ``timing``: the same arguments on the emulated cluster (experiments/cluster.py: one worker per
+  host, the server on h0, each host 1/6 of a core, links at the rate), 30 iterations, no
+  evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/). A run with a dense warm-up
+  (``--dense-warmup W``) is composed from two measured iterations: W at psparse's dense one
+  (``psparse-dense``), the rest at its twin without the warm-up.
+* ``report``: experiments/results/transformer-tta.json (the results page's table is made from
+  it).
+
+The targets are validation losses in nats/char (the unigram baseline is 3.05): 2.0 is dense
+AdamW's loss after 300 iterations of experiments/transformer.py, 1.8 one that the 1% runs
+reach only late.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from experiments.harness import RESULTS, ROOT, RunDir
+from experiments.time_to_accuracy import launch_local, steady_ms, this_machine
+from experiments.transformer import ADAMW, BUILTIN, INT4, LOCAL, TOPK, dense_first
+from psparse.provenance import provenance
+from psparse.wire.transport import parse_rate
+
+WORKERS, ITERATIONS, EVAL_EVERY, TIMED = 4, 1200, 50, 30
+TARGETS = (2.0, 1.8)
+RATES = ("25mbit",)
+BASE = [*BUILTIN[:BUILTIN.index("--eval-every")], "--workers", str(WORKERS), "--threads", "1"]
+RUNS = {  # name -> arguments after BASE
+    "ddp": ["--baseline", "ddp", "--density", "1", *ADAMW],
+    "ddp-bf16": ["--baseline", "bf16", "--density", "1", *ADAMW],
+    "adamw-topk": [*TOPK, *ADAMW],
+    "local-adam-topk": [*TOPK, *LOCAL],
+    "local-adam-topk-int4": [*TOPK, *LOCAL, *INT4],
+    "dense60-local-adam-topk": [*TOPK, *LOCAL, *dense_first(60)],
+}
+# the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
+DENSE = "psparse-dense"
+TIMING_ARGS = {DENSE: ["--density", "1", *ADAMW], **RUNS}
+PEERS = ("ddp", "ddp-bf16")
+
+
+def warmup_of(name: str) -> int:
+    args = RUNS[name]
+    return int(args[args.index("--dense-warmup") + 1]) if "--dense-warmup" in args else 0
+
+
+def twin_of(name: str) -> str:
+    """The cluster run that times ``name``'s iterations after its dense warm-up."""
+    if not warmup_of(name):
+        return name
+    args = RUNS[name]
+    i = args.index("--dense-warmup")
+    plain = args[:i] + args[i + 2:]
+    return next(n for n, a in RUNS.items() if a == plain)
+
+
+def accuracy_dir(name: str, seed: int) -> Path:
+    return ROOT / "runs" / "transformer" / "tta" / f"{name}-s{seed}"
+
+
+def iterations_to(evals: list[dict], target: float) -> int | None:
+    """Iterations done at the first evaluation with test_loss at or below ``target``."""
+    return next((e["iter"] + 1 for e in evals if e["test_loss"] <= target), None)
+
+
+def composed_s(name: str, iterations: int, steady: dict[str, float]) -> float:
+    warm = min(iterations, warmup_of(name))
+    return (warm * steady[DENSE] + (iterations - warm) * steady[twin_of(name)]) / 1e3
+
+
+def report(rates) -> dict:
+    """Per rate and target: each run's iterations to the target, its composed time and its
+    ratio to DDP's and to the bf16 hook's; every figure named for where it was measured."""
+    out = {"workload": f"psparse-launch {' '.join(BASE)}, {ITERATIONS} iterations "
+                       f"(accuracy, evaluated every {EVAL_EVERY}) / {TIMED} (cluster timing)",
+           "machine": this_machine(), "commit": provenance()["git_commit"], "targets": TARGETS,
+           "runs": [], "timing": {}, "rows": []}
+    curves = {}
+    for name in RUNS:
+        run = RunDir(accuracy_dir(name, 0))
+        summary = run.summary()
+        if summary and summary.get("status") == "ok":
+            curves[name] = run.evals()
+            out["runs"].append({"run": name, "seed": 0, "code": run.code_id(),
+                                "final_loss": summary["test_loss"],
+                                "evals": [{"iter": e["iter"], "test_loss": e["test_loss"]}
+                                          for e in curves[name]]})
+    from experiments.cluster_report import run_dir
+    for rate in rates:
+        steady, links = {}, {}
+        for name in TIMING_ARGS:
+            d = run_dir("gpt", rate, name, 0)
+            summary = RunDir(d).summary()
+            if summary and summary.get("status") == "ok":
+                steady[name] = steady_ms(d)
+                links[name] = json.loads((d / "links.json").read_text())
+        out["timing"][rate] = {n: {"steady_ms": steady[n], "code": RunDir(
+            run_dir("gpt", rate, n, 0)).code_id(), "link_mb_per_iteration": max(
+                (h["rx_bytes"] + h["tx_bytes"]) / 1e6 / TIMED for k, h in links[n].items()
+                if isinstance(h, dict))} for n in steady}
+        for target in TARGETS:
+            times = {}
+            for name, evals in curves.items():
+                n = iterations_to(evals, target)
+                if n is not None and twin_of(name) in steady and \
+                        (not warmup_of(name) or DENSE in steady):
+                    times[name] = (n, composed_s(name, n, steady))
+                else:
+                    times[name] = (n, None)
+            for name, (n, seconds) in times.items():
+                ratio = {p: seconds / times[p][1] for p in PEERS
+                         if seconds and times.get(p, (0, None))[1]}
+                out["rows"].append({"rate": rate, "target": target, "run": name,
+                                    "iterations": n, "composed_s": seconds,
+                                    "vs_ddp": ratio.get("ddp"),
+                                    "vs_ddp_bf16": ratio.get("ddp-bf16"),
+                                    "link_rate_bits": parse_rate(rate)})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.transformer_tta",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", default="accuracy,timing,report",
+                    help="comma-separated stages, in this order (default all)")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"runs of the accuracy stage (default all: {', '.join(RUNS)}); the "
+                         "timing stage times the ones the composition needs")
+    ap.add_argument("--rates", default=",".join(RATES),
+                    help="the cluster's link rates (default %(default)s)")
+    args = ap.parse_args(argv)
+    names, stages, rates = args.runs.split(","), args.stage.split(","), args.rates.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
+    if "accuracy" in stages:
+        for name in names:
+            launch_local(accuracy_dir(name, 0), [*BASE, *RUNS[name], "--iterations",
+                                                 str(ITERATIONS), "--eval-every",
+                                                 str(EVAL_EVERY)], 0, None)
+    if "timing" in stages:
+        from experiments.cluster import emulated_cluster, run_one
+        code_id = provenance()["code_id"]
+        timed = list(dict.fromkeys(
+            [twin_of(n) for n in names] + ([DENSE] if any(map(warmup_of, names)) else [])))
+        for rate in rates:
+            with emulated_cluster(rate) as hosts:
+                for name in timed:
+                    run_one("gpt", rate, name, hosts, code_id, False, None,
+                            base=[*BASE, "--iterations", str(TIMED), "--eval-every", "0",
+                                  "--eval-samples", "64"],
+                            run_args=TIMING_ARGS[name])
+    if "report" in stages:
+        result = report(rates)
+        path = RESULTS / "transformer-tta.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        for r in result["rows"]:
+            print(f"{r['rate']} to {r['target']}: {r['run']}: {r['iterations']} iterations, "
+                  + (f"{r['composed_s']:.0f} s" if r["composed_s"] else "not composed")
+                  + (f", {r['vs_ddp']:.2f}x DDP" if r["vs_ddp"] else ""))
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
