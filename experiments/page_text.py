@@ -86,7 +86,11 @@ SWEEPS = [
     "| `scaling` | N = 2..32 workers: union/k and accuracy | 60; 7 s to 2.5 min each |",
     "| `low-density` | why `core` loses at 0.1%, and what holds | 26; 1.5–7 min each |",
     "| `python -m experiments.transformer` (`--workload script`) | the character-level GPT "
-    "with AdamW at 1%, and `--memory adam` | 27 (21); 1 min each, 4 min at 1,200 iterations |",
+    "with AdamW at 1%, `--memory adam`, the dense warm-up and the frozen variance | 51 (21); "
+    "2.5 min each, 10 min at 1,200 iterations |",
+    "| `python -m experiments.transformer_tta` (root) | the built-in transformer's time to a "
+    "validation loss: 1,200-iteration runs here, timed on the emulated cluster at 25 Mbit/s | "
+    "6 + 6; 10 min + 1 min each |",
     "| `resnet20-cifar10-long` | ResNet-20 / CIFAR-10, 30 epochs, step schedule, float32 | 3; "
     "67–90 min each |",
     "| `python -m experiments.time_to_accuracy` (`make exp-tta`, root) | full-length accuracy "
@@ -105,8 +109,10 @@ TRANSFORMER_INTRO = [
     "",
     "AdamW applied to a sparse aggregate keeps only part of dense AdamW's gain over the unigram "
     "baseline at the same number of steps. `--memory adam` (each worker's own Adam step, sent "
-    "with error feedback, applied by plain SGD) recovers part of it; none of the remedies "
-    "measured so far reaches dense within its seed spread. Why, and what each remedy changes: "
+    "with error feedback, applied by plain SGD) recovers part of it, and a dense warm-up "
+    "(`--dense-warmup`) before it more, at the warm-up's bytes; AdamW's variance frozen after "
+    "the warm-up (1-bit Adam's schedule, `--freeze-variance`) adds nothing measurable to the "
+    "warm-up alone. None reaches dense within its seed spread. Why, and what each remedy changes: "
     "[notes](../docs/notes/adam-low-density.md). \"share of dense's gain\" is (unigram − loss) "
     "/ (unigram − dense AdamW's mean loss at the same iterations).",
     "",

@@ -226,11 +226,11 @@ TRANSFORMER_LABELS = {
     "frozen30-adamw-topk": "AdamW, variance frozen after 30 dense iterations (1-bit Adam), "
                            "`topk`",
     "frozen60-adamw-topk": "AdamW, variance frozen after 60 dense iterations, `topk`",
-    "frozen30-adamw-topk-int4": "AdamW, variance frozen after 30 dense iterations, "
-                                "`topk --values int4`",
     "dense30-local-adam-topk": "`--memory adam`, `topk` after 30 dense iterations",
     "dense60-adamw-topk": "AdamW on the aggregate, `topk` after 60 dense iterations",
     "dense60-local-adam-topk": "`--memory adam`, `topk` after 60 dense iterations",
+    "dense60-local-adam-topk-int4": "`--memory adam`, `topk --values int4` after 60 dense "
+                                    "iterations",
 }
 
 
@@ -265,6 +265,39 @@ def transformer_table(workload: str) -> list[str]:
     return out + ["", f"{result['workload']}; unigram baseline {unigram:.3f} nats/char "
                   f"(chance, ln 128: 4.852). From `{path.name}` (machine: {result['machine']}; "
                   "4 workers and the server on its cores).", ""]
+
+
+def transformer_tta_table() -> list[str]:
+    """experiments/transformer_tta.py's row: iterations to a target loss (runs here) times the
+    emulated cluster's steady iteration, against DDP and its bf16 hook."""
+    path = RESULTS / "transformer-tta.json"
+    if not path.is_file():
+        return ["Not yet measured.", ""]
+    result = json.loads(path.read_text())
+    peers = {"ddp": "DDP (AdamW)", "ddp-bf16": "DDP with its bf16 hook (AdamW)"}
+    label = {**TRANSFORMER_LABELS, **peers}.get
+    out = ["| link | target, nats/char | run | iterations | composed time, s | vs DDP "
+           "| vs DDP's bf16 hook |", "|---|---|---|---|---|---|---|"]
+
+    def ratio(x):
+        return f"{x:.2f}x" if x else "–"
+
+    for r in result["rows"]:
+        seconds = f"{r['composed_s']:.0f}" if r["composed_s"] else "–"
+        out.append(f"| {r['rate']} | {r['target']:g} | {label(r['run'], r['run'])} | "
+                   f"{r['iterations'] or 'not reached'} | {seconds} | {ratio(r['vs_ddp'])} | "
+                   f"{ratio(r['vs_ddp_bf16'])} |")
+    timing = "; ".join(f"{rate}: " + ", ".join(
+        f"{name} {t['steady_ms']:.0f} ms ({t['link_mb_per_iteration']:.2f} MB on the busiest "
+        "link)" for name, t in runs.items()) for rate, runs in result["timing"].items())
+    return out + ["", f"Composed (a model of time from two measurements, as above): iterations "
+                  f"to the target from 1,200-iteration runs on this machine (seed 0, "
+                  f"evaluated every 50), times the steady iteration of the same arguments on "
+                  f"the emulated cluster (4 workers and the server, each a sixth of a core): "
+                  f"{timing}. A dense warm-up's iterations are counted at psparse's dense "
+                  f"iteration (psparse-dense). {result['workload']}; from "
+                  f"`{path.name}` (commit {result['commit'][:7]}, machine: "
+                  f"{result['machine']}).", ""]
 
 
 def notes_index(bench: bool) -> list[str]:
@@ -331,6 +364,8 @@ def experiments_page() -> str:
     lines += TRANSFORMER_INTRO
     lines += ["The built-in transformer (`--model gpt --dataset text --optimizer adamw`):", ""]
     lines += transformer_table("builtin")
+    lines += ["Time to a validation loss, the built-in transformer at 25 Mbit/s:", ""]
+    lines += transformer_tta_table()
     lines += ["A user's own script (`examples/char_gpt.py`: two parameter groups, windows at "
               "random offsets):", ""]
     lines += transformer_table("script")

@@ -28,8 +28,9 @@ One run per configuration and seed:
 * ``dense{30,60}-adamw-topk``, ``frozen{30,60}-adamw-topk`` (built-in only): 1-bit Adam's schedule,
   AdamW on the aggregate after 30 (60) dense iterations (``--dense-warmup``), its second moment
   frozen from then on (``--freeze-variance``), and the dense warm-up alone, without the
-  freeze, to tell the two apart; ``frozen30-adamw-topk-int4`` with 4-bit values;
-  ``dense{30,60}-local-adam-topk``: the dense warm-up before ``--memory adam``;
+  freeze, to tell the two apart;
+  ``dense{30,60}-local-adam-topk``: the dense warm-up before ``--memory adam`` (and with
+  4-bit values, ``-int4``);
 * ``-long`` (built-in only): dense, AdamW at 1% and the remedy at 1,200 iterations: whether the
   gap is the error feedback's delay (about numel / union entries, rounds between two sends of
   an entry) against the run's length.
@@ -91,10 +92,10 @@ BUILTIN_RUNS = {  # name -> psparse-launch options (the iterations added)
     "dense30-adamw-topk": [*TOPK, *ADAMW, *dense_first(30)],
     "frozen30-adamw-topk": [*TOPK, *ADAMW, *dense_first(30), "--freeze-variance"],
     "frozen60-adamw-topk": [*TOPK, *ADAMW, *dense_first(60), "--freeze-variance"],
-    "frozen30-adamw-topk-int4": [*TOPK, *ADAMW, *dense_first(30), "--freeze-variance", *INT4],
     "dense30-local-adam-topk": [*TOPK, *LOCAL, *dense_first(30)],
     "dense60-adamw-topk": [*TOPK, *ADAMW, *dense_first(60)],
     "dense60-local-adam-topk": [*TOPK, *LOCAL, *dense_first(60)],
+    "dense60-local-adam-topk-int4": [*TOPK, *LOCAL, *dense_first(60), *INT4],
     "adamw-dense-long": ["--density", "1", *ADAMW],
     "adamw-topk-long": [*TOPK, *ADAMW],
     "local-adam-topk-long": [*TOPK, *LOCAL],
