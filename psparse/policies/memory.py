@@ -216,10 +216,16 @@ class Memory:
         indices = self.backend.upload("feedback-indices",
                                       np.ascontiguousarray(indices, dtype=np.int64))
         error = self.backend.upload("feedback-error", np.ascontiguousarray(error, np.float32))
-        if self.filtered is not None:  # the indices of one push are distinct: no add.at
-            self.filtered[indices] += np.float32(self.beta) * error
-        else:
-            self.accumulator[indices] += error
+        target, weight = self.feedback_target()
+        target[indices] += weight * error  # one push's indices are distinct: no add.at
+
+    def feedback_target(self):
+        """Where ``feed_back`` adds the rounding error, and its weight: the accumulator (1:
+        the product is exact) or, for ``scalecom``, the filtered memory (beta). The device's
+        fused rounding (worker/device_values.py) asks here too."""
+        if self.filtered is not None:
+            return self.filtered, np.float32(self.beta)
+        return self.accumulator, np.float32(1.0)
 
     @property
     def optimizer_momentum_applies(self) -> bool:

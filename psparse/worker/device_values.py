@@ -4,7 +4,7 @@ With a value format other than float32, ``SelectionCopy`` hands the selection to
 ``DeviceValues.stage`` before the round's one copy back: the kernels of ``psparse/gpu/values.cu``
 round the selected values where the engine left them, write the frames' scales and codes, and
 add what rounding took from each value into the worker's memory (the accumulator, or ScaleCom's
-filtered memory times beta: ``Memory.feed_back``'s rule), all on the device. The copy back then
+filtered memory times beta: ``Memory.feedback_target``), all on the device. The copy back then
 brings the codes instead of float32 values (a quarter of the bytes for int8), and nothing goes
 up for the error. The frames are cut per key-range shard on the device (a shard's int8/int4
 blocks start at its first entry, as a shard's own ``push_frames`` would), so the host only
@@ -140,10 +140,8 @@ class DeviceValues:
             dev.or_dummy(report, np.int64), np.int32(RP_W), np.int32(report is not None),
             counts_dev, starts_dev, nseg, idx32, idx64, wide, edges_dev, np.int32(frames),
             np.int64(fmt.block or 1), np.int32(fid), seg_first, layout))
-        if memory.filtered is not None:  # ScaleCom: m gains beta times the error
-            target, beta, scaled = memory.filtered, np.float32(memory.beta), np.int32(1)
-        else:
-            target, beta, scaled = memory.accumulator, np.float32(1.0), np.int32(0)
+        target, beta = memory.feedback_target()  # ScaleCom: m gains beta times the error
+        scaled = np.int32(beta != 1)  # (times 1 is exact: the same bits either way)
         numel = np.int64(target.size)
         where = (idx32, idx64, wide, seg_first, starts_dev, nseg)
         layout_host = dev.pinned(f"{tag}-layout", layout.size, np.int64)
