@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .option_rules import bucket_refusal, loop_refusal, parse_limit
+from .option_rules import (bucket_refusal, loop_refusal, memory_refusal, parse_limit,
+                           warmup_refusal)
 from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
@@ -277,26 +278,13 @@ class RunConfig:
              "takes --dataset text (characters), the others take images")
         need(isinstance(self.workers, int) and self.workers >= 1, "workers must be >= 1")
         need(0 < self.density <= 1, f"density must be in (0, 1], got {self.density}")
-        need(self.memory in MEMORIES,
-             f"memory must be one of {', '.join(MEMORIES)}, got {self.memory!r}")
         if self.memory == "scalecom" and self.memory_beta is None:
             self.memory_beta = SCALECOM_BETA  # recorded in config.json: the beta the run used
-        need(self.memory_beta is None or self.memory == "scalecom",
-             f"memory-beta {self.memory_beta} is the scalecom memory's low-pass filter factor; "
-             f"memory {self.memory!r} has none (drop memory-beta, or use memory scalecom)")
-        need(self.memory_beta is None or (isinstance(self.memory_beta, (int, float))
-                                          and 0 < self.memory_beta <= 1),
-             f"memory-beta must be in (0, 1] (1: plain error feedback; ScaleCom's filter "
-             f"smooths the memory over about 1/beta rounds), got {self.memory_beta!r}")
+        why = memory_refusal(self.memory, self.memory_beta, MEMORIES) or \
+            warmup_refusal(self.density_warmup, self.dense_warmup)
+        need(why is None, why or "")
         self._check_values()
         need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")
-        need(self.density_warmup >= 0, "density-warmup must be >= 0 (epochs)")
-        need(isinstance(self.dense_warmup, int) and self.dense_warmup >= 0,
-             "dense-warmup must be a whole number of iterations >= 0, got "
-             f"{self.dense_warmup!r}")
-        need(not (self.dense_warmup and self.density_warmup),
-             "dense-warmup (density 1 for N iterations) and density-warmup (DGC's four-fold "
-             "schedule) are two warm-ups: choose one")
         need(self.policy_args is None or all(isinstance(a, str) and "=" in a
                                              for a in self.policy_args),
              f"policy-arg entries must be key=value, got {self.policy_args!r}")

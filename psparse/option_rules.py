@@ -42,6 +42,31 @@ def bucket_refusal(**facts: bool) -> str | None:
     return None
 
 
+def memory_refusal(memory: str, beta, memories) -> str | None:
+    """Why --memory and --memory-beta cannot go together, or None."""
+    if memory not in memories:
+        return f"memory must be one of {', '.join(memories)}, got {memory!r}"
+    if beta is not None and memory != "scalecom":
+        return (f"memory-beta {beta} is the scalecom memory's low-pass filter factor; memory "
+                f"{memory!r} has none (drop memory-beta, or use memory scalecom)")
+    if beta is not None and not (isinstance(beta, (int, float)) and 0 < beta <= 1):
+        return (f"memory-beta must be in (0, 1] (1: plain error feedback; ScaleCom's filter "
+                f"smooths the memory over about 1/beta rounds), got {beta!r}")
+    return None
+
+
+def warmup_refusal(density_warmup: float, dense_warmup: int) -> str | None:
+    """Why the warm-ups (--density-warmup, --dense-warmup) cannot run as given, or None."""
+    if not density_warmup >= 0:
+        return "density-warmup must be >= 0 (epochs)"
+    if not (isinstance(dense_warmup, int) and dense_warmup >= 0):
+        return f"dense-warmup must be a whole number of iterations >= 0, got {dense_warmup!r}"
+    if dense_warmup and density_warmup:
+        return ("dense-warmup (density 1 for N iterations) and density-warmup (DGC's four-fold "
+                "schedule) are two warm-ups: choose one")
+    return None
+
+
 # The built-in loop's optimizers (--optimizer; training/loop.py's make_optimizer)
 OPTIMIZERS = ("sgd", "adamw")
 
