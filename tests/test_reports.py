@@ -69,6 +69,80 @@ def test_model_formulas():
     assert half["dense ring allreduce"] == pytest.approx(0.5 + 2 * 3 / 4 * 2000 / 1e6)
 
 
+def test_model_shards_colocation_value_formats_and_duplex():
+    """Issue 54: the busiest link of a sharded round, shards beside the workers, a value
+    format's bytes and a full-duplex link."""
+    from psparse.analysis.costmodel import ps_link_bytes, value_bytes_of
+
+    N, k, U, e, h = 8, 100, 150, 8, 110
+    one = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0)
+    assert ps_link_bytes(one) == (N * (k * e + h), N * (U * e + h))  # today's formula
+    two = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0, servers=2,
+                  shard_imbalance=1.2)
+    assert ps_link_bytes(two) == pytest.approx((N * (k * e / 2 * 1.2 + h),
+                                                N * (U * e / 2 * 1.2 + h)))
+    beside = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0, servers=N,
+                     colocated=True)
+    each_way = (N - 1) / N * (k + U) * e + 2 * (N - 1) * h
+    assert ps_link_bytes(beside) == pytest.approx((each_way, each_way))
+    # beside the workers a host's bytes hardly grow with N; one server's grow N-fold
+    wide = Setting(numel=10_000, k=k, workers=64, union=U, compute_s=0.0, servers=64,
+                   colocated=True)
+    assert ps_link_bytes(wide)[0] < 1.1 * each_way + 2 * 56 * h
+    # S shards on hosts of their own past the point where a worker's link is the busier one
+    many = Setting(numel=10_000, k=k, workers=2, union=U, compute_s=0.0, servers=64)
+    assert ps_link_bytes(many) == (U * e + 64 * h, k * e + 64 * h)
+    # value formats: bytes per value with the int8/int4 block scales
+    assert value_bytes_of("bf16") == 2 and value_bytes_of("int4") == 0.5 + 4 / 128
+    assert value_bytes_of("int8", 64) == 1 + 4 / 64
+    with pytest.raises(ValueError, match="--values must be one of"):
+        value_bytes_of("int2")
+    int4 = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0,
+                   value_bytes=value_bytes_of("int4"))
+    assert ps_link_bytes(int4)[0] == pytest.approx(N * (k * (4 + 0.5 + 4 / 128) + h))
+    # full duplex: the larger direction is the link's time; half: both add
+    full = predict(Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.5,
+                           full_duplex=True), 8e6)
+    half = predict(one, 8e6)
+    assert full["sparse PS"] == pytest.approx(0.5 + N * (U * e + h) / 1e6)
+    assert half["sparse PS"] == pytest.approx(sum(ps_link_bytes(one)) / 1e6)
+
+
+def test_model_cli_places_shards_beside_the_workers():
+    args = ["--numel", "25600000", "--k", "256000", "--workers", "64", "--union", "384000",
+            "--compute", "0.1", "--bandwidth", "10Gbit", "--latency", "0.05", "--json"]
+    runs = {}
+    for name, extra in {"one": [], "beside": ["--servers", "64", "--colocated"],
+                        "int4": ["--servers", "64", "--colocated", "--values", "int4",
+                                 "--full-duplex"]}.items():
+        r = subprocess.run(python_module("psparse.analysis.costmodel", *args, *extra),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads(r.stdout)["predicted_s"]["10000 Mbit/s"]
+    ring = runs["one"]["dense ring allreduce"]
+    assert runs["one"]["sparse PS"] > ring  # one server loses to the ring at 64 workers
+    assert runs["beside"]["sparse PS"] < 0.5 * ring  # a shard beside each worker does not
+    assert runs["int4"]["sparse PS"] < runs["beside"]["sparse PS"]
+    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args, "--servers", "8",
+                                       "--colocated"), capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "give --servers 64" in bad.stderr
+
+
+def test_the_projection_says_where_one_server_loses_and_shards_beside_workers_win():
+    from experiments.cost_projection import point
+
+    at64 = point(25_600_000, 64, 10e9)  # issue 54's setting: one server 1.35x the ring
+    ring = at64["ring allreduce, fp32"]
+    assert at64["psparse, one server, fp32"] > 0.9 * ring
+    assert at64["psparse, S = N beside the workers, int4"] < 0.5 * ring
+    # one server's link grows with N, a shard beside each worker's does not
+    at1024 = point(25_600_000, 1024, 10e9)
+    assert at1024["psparse, one server, fp32"] > 8 * at64["psparse, one server, fp32"]
+    assert at1024["psparse, S = N beside the workers, fp32"] == pytest.approx(
+        at64["psparse, S = N beside the workers, fp32"], rel=0.01)
+
+
 def test_model_cpu_terms_on_cpu_shares():
     """Issue 15: on hosts with a share s of a core, W CPU seconds of the exchange take W / s.
     The PS server's CPU overlaps its link message by message (the longer of the two plus the

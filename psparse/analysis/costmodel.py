@@ -16,6 +16,14 @@ SGD), each (index, value) pair taking e = index size + 4 bytes plus a header h p
                       small to gain 2x) allreduced with the P factors (p = sum of rows x r),
                       then the Q factors (q = sum of columns x r): powersgd_sizes)
 
+Past one server (issue 54; ``ps_link_bytes``): with S shards on hosts of their own the busiest
+shard's link carries N (k e / S + h) in and N (U e / S + h) out (times the shard imbalance, the
+busiest shard's bytes over the mean's); with a shard beside every worker (``--colocated``, S =
+N) every host's link carries (N - 1)/N (k + U) e + 2 (N - 1) h each way, about (k + U) e
+whatever N is. e counts the value format's bytes (``--values``: int4 is half a byte plus a
+float32 scale per block). On a full-duplex link (``--full-duplex``) the larger direction is the
+link's time, not the sum of both.
+
 CPU of the exchange (issue 15): on hosts that get a share s of a core (the emulated cluster's
 CFS quota; a small node), the exchange's own CPU work W takes W / s of wall time, and the
 formulas above, which count the link only, miss by 27-51% there. With cpu_share, server_cpu_s
@@ -77,6 +85,53 @@ class Setting:
     cpu_share: float | None = None
     server_cpu_s: float = 0.0  # the PS server's decode, aggregation, encode, sends per round
     worker_comm_cpu_s: float = 0.0  # a worker's part of a collective (reductions, copies)
+    # Past one server (issue 54): S shards, each a 1/S of the keys; on hosts of their own, or
+    # ``colocated``, one beside each worker (S = N), as BytePS places them. ``shard_imbalance``:
+    # the busiest shard's bytes over the mean shard's (1: balanced; LeNet-5's equal key ranges
+    # at S = 4 measured 1.4). ``value_bytes``: a value's bytes on the wire (fp32 4, bf16 and
+    # fp16 2, int8 1 and int4 0.5, plus a float32 scale per block: value_bytes_of).
+    # ``full_duplex``: a link sends and receives at once, so its time is the larger direction's
+    # (False: in and out add, the formulas' first form).
+    servers: int = 1
+    colocated: bool = False
+    shard_imbalance: float = 1.0
+    value_bytes: float = 4.0
+    full_duplex: bool = False
+
+
+def value_bytes_of(values: str, block: int = 128) -> float:
+    """Bytes per value on the wire of a ``--values`` format (int8/int4: the block's float32
+    scale shared by its ``block`` values)."""
+    per = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+    if values not in per:
+        raise ValueError(f"--values must be one of {', '.join(per)}, got {values!r}")
+    return per[values] + (4.0 / block if values in ("int8", "int4") else 0.0)
+
+
+def ps_link_bytes(s: Setting) -> tuple[float, float]:
+    """(in, out) bytes per iteration on the busiest link of a sparse parameter-server round.
+
+    One server or S shards on hosts of their own: a shard's link takes every worker's push
+    share (k e / S, and a header per message) in and sends every worker its share of the
+    broadcast (U e / S) out, times the imbalance; a worker's link carries k e + S h out and
+    U e + S h in, the busier of the two kinds of link counts. Shards beside the workers (S =
+    N): each host's link carries its worker's pushes to the N - 1 other shards and its shard's
+    broadcast to the N - 1 other workers out, and the mirror image in: about (k + U) e each
+    way whatever N is, plus 2 (N - 1) headers."""
+    e, h, N, S = s.index_bytes + s.value_bytes, HEADER_BYTES, s.workers, s.servers
+    k_bytes = s.up_bytes / N - h if s.up_bytes is not None else s.k * e
+    u_bytes = s.down_bytes / N - h if s.down_bytes is not None else s.union * e
+    if s.colocated:
+        share = (N - 1) / N * s.shard_imbalance
+        each_way = share * (k_bytes + u_bytes) + 2 * (N - 1) * h
+        return each_way, each_way
+    shard_in = N * (k_bytes / S * s.shard_imbalance + h)
+    shard_out = N * (u_bytes / S * s.shard_imbalance + h)
+    worker_in, worker_out = u_bytes + S * h, k_bytes + S * h
+    if (max(worker_in, worker_out) if s.full_duplex else worker_in + worker_out) > \
+            (max(shard_in, shard_out) if s.full_duplex else shard_in + shard_out):
+        return worker_in, worker_out
+    return shard_in, shard_out
 
 
 def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
@@ -84,9 +139,9 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     """Seconds per iteration for each scheme. ``wire_overhead``: link bytes per payload byte
     (WIRE_OVERHEAD on a real link; 1.0 for --bandwidth pacing, which counts payload)."""
     B = bandwidth_bps / 8.0 / wire_overhead
-    e, h, N = s.index_bytes + 4, HEADER_BYTES, s.workers
-    up = s.up_bytes if s.up_bytes is not None else N * (s.k * e + h)
-    down = s.down_bytes if s.down_bytes is not None else N * (s.union * e + h)
+    e, h, N = s.index_bytes + s.value_bytes, HEADER_BYTES, s.workers
+    link_in, link_out = ps_link_bytes(s)
+    ps_link = (max(link_in, link_out) if s.full_duplex else link_in + link_out) / B
     share = s.cpu_share or 1.0
     server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
 
@@ -103,7 +158,9 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
         extra["PowerSGD"] = s.compute_s + 2 * (N - 1) / N * 4 * s.powersgd_entries / B \
             + worker_cpu + 3 * ring * latency_s
     return {
-        "sparse PS": s.compute_s + overlap((up + down) / B, server_cpu, 2 * N) + 2 * latency_s,
+        # (S shards share the server's CPU; beside the workers it is on their hosts)
+        "sparse PS": s.compute_s + overlap(ps_link, server_cpu / s.servers, 2 * N)
+        + 2 * latency_s,
         "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
         + (N - 1) * latency_s,
         "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
@@ -183,6 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="built-in model whose layer shapes size PowerSGD's factors: lenet "
                         "(MNIST), lenet-cifar, resnet20 or mlp")
+    p.add_argument("--servers", type=int, default=1,
+                   help="server shards S, each a 1/S of the keys (default 1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="one shard beside each worker, on its host and link (needs --servers "
+                        "equal to --workers)")
+    p.add_argument("--shard-imbalance", type=float, default=1.0,
+                   help="the busiest shard's bytes over the mean shard's (default 1: balanced)")
+    p.add_argument("--values", default="fp32",
+                   help="the values' wire format: fp32, bf16, fp16, int8 or int4 (default fp32)")
+    p.add_argument("--value-block", type=int, default=128,
+                   help="with int8/int4: values per float32 scale (default 128)")
+    p.add_argument("--full-duplex", action="store_true",
+                   help="links send and receive at once: a link's time is its larger "
+                        "direction's (default: in and out add)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -204,6 +275,16 @@ def main(argv=None) -> int:
             raise ValueError(f"--cpu-share must be in (0, 1], got {args.cpu_share}")
         if args.server_cpu < 0 or args.worker_comm_cpu < 0:
             raise ValueError("--server-cpu and --worker-comm-cpu must be >= 0 (ms)")
+        if args.servers < 1 or (args.colocated and args.servers != s.workers):
+            raise ValueError("--servers must be >= 1, and --colocated places one shard beside "
+                             f"each worker: give --servers {s.workers}")
+        if not args.shard_imbalance >= 1:
+            raise ValueError("--shard-imbalance is the busiest shard's bytes over the mean "
+                             f"shard's: >= 1, got {args.shard_imbalance}")
+        s.servers, s.colocated, s.shard_imbalance = args.servers, args.colocated, \
+            args.shard_imbalance
+        s.value_bytes = value_bytes_of(args.values, args.value_block)
+        s.full_duplex = args.full_duplex
         s.cpu_share = args.cpu_share
         s.server_cpu_s, s.worker_comm_cpu_s = args.server_cpu / 1e3, args.worker_comm_cpu / 1e3
         if args.powersgd_rank is not None:
