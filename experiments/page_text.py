@@ -97,6 +97,9 @@ SWEEPS = [
     "runs here, timed on the emulated cluster; `--stage status` lists the grid, `--stage record` "
     "keeps finished runs in `experiments/results/tta-runs/` | LeNet ~1 min, ResNet-20 30–45 min "
     "each |",
+    "| `python -m experiments.cost_projection` | the cost model at 64–1024 workers, 25.6M–1B "
+    "parameters, 1–100 Gbit/s: one server, shards beside the workers, the rings "
+    "([a model](results/cost-projection.md), not yet validated with shards) | seconds |",
     "| `lenet-mnist`, `paced-100mbit`, `paced-20mbit`, `policies`, `cost-model`, `locality`, "
     "`cluster`, `open-ended-isa` | the earlier sweeps (their notes below) | |",
     "",

@@ -295,7 +295,7 @@ def transformer_tta_table() -> list[str]:
                   f"evaluated every 50), times the steady iteration of the same arguments on "
                   f"the emulated cluster (4 workers and the server, each a sixth of a core): "
                   f"{timing}. A dense warm-up's iterations are counted at psparse's dense "
-                  f"iteration (psparse-dense). {result['workload']}; from "
+                  f"iteration in its value format. {result['workload']}; from "
                   f"`{path.name}` (commit {result['commit'][:7]}, machine: "
                   f"{result['machine']}).", ""]
 

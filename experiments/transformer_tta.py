@@ -19,8 +19,9 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
 * ``timing``: the same arguments on the emulated cluster (experiments/cluster.py: one worker per
   host, the server on h0, each host 1/6 of a core, links at the rate), 30 iterations, no
   evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/). A run with a dense warm-up
-  (``--dense-warmup W``) is composed from two measured iterations: W at psparse's dense one
-  (``psparse-dense``), the rest at its twin without the warm-up.
+  (``--dense-warmup W``) is composed from two measured iterations: W at psparse's dense one in
+  the run's value format (``psparse-dense``, ``psparse-dense-int4``), the rest at its twin
+  without the warm-up.
 * ``report``: experiments/results/transformer-tta.json (the results page's table is made from
   it).
 
@@ -53,10 +54,13 @@ RUNS = {  # name -> arguments after BASE
     "local-adam-topk": [*TOPK, *LOCAL],
     "local-adam-topk-int4": [*TOPK, *LOCAL, *INT4],
     "dense60-local-adam-topk": [*TOPK, *LOCAL, *dense_first(60)],
+    "dense60-local-adam-topk-int4": [*TOPK, *LOCAL, *dense_first(60), *INT4],
 }
 # the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
-DENSE = "psparse-dense"
-TIMING_ARGS = {DENSE: ["--density", "1", *ADAMW], **RUNS}
+# (in the run's value format)
+DENSE, DENSE_INT4 = "psparse-dense", "psparse-dense-int4"
+TIMING_ARGS = {DENSE: ["--density", "1", *ADAMW], DENSE_INT4: ["--density", "1", *ADAMW, *INT4],
+               **RUNS}
 PEERS = ("ddp", "ddp-bf16")
 
 
@@ -75,6 +79,12 @@ def twin_of(name: str) -> str:
     return next(n for n, a in RUNS.items() if a == plain)
 
 
+def dense_of(name: str) -> str:
+    """The cluster run that times ``name``'s dense warm-up: psparse's dense iteration in the
+    run's value format."""
+    return DENSE_INT4 if "int4" in RUNS[name] else DENSE
+
+
 def accuracy_dir(name: str, seed: int) -> Path:
     return ROOT / "runs" / "transformer" / "tta" / f"{name}-s{seed}"
 
@@ -86,7 +96,7 @@ def iterations_to(evals: list[dict], target: float) -> int | None:
 
 def composed_s(name: str, iterations: int, steady: dict[str, float]) -> float:
     warm = min(iterations, warmup_of(name))
-    return (warm * steady[DENSE] + (iterations - warm) * steady[twin_of(name)]) / 1e3
+    return (warm * steady[dense_of(name)] + (iterations - warm) * steady[twin_of(name)]) / 1e3
 
 
 def report(rates) -> dict:
@@ -124,7 +134,7 @@ def report(rates) -> dict:
             for name, evals in curves.items():
                 n = iterations_to(evals, target)
                 if n is not None and twin_of(name) in steady and \
-                        (not warmup_of(name) or DENSE in steady):
+                        (not warmup_of(name) or dense_of(name) in steady):
                     times[name] = (n, composed_s(name, n, steady))
                 else:
                     times[name] = (n, None)
@@ -162,8 +172,8 @@ def main(argv=None) -> int:
     if "timing" in stages:
         from experiments.cluster import emulated_cluster, run_one
         code_id = provenance()["code_id"]
-        timed = list(dict.fromkeys(
-            [twin_of(n) for n in names] + ([DENSE] if any(map(warmup_of, names)) else [])))
+        timed = list(dict.fromkeys([twin_of(n) for n in names] +
+                                   [dense_of(n) for n in names if warmup_of(n)]))
         for rate in rates:
             with emulated_cluster(rate) as hosts:
                 for name in timed:

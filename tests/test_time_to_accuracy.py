@@ -189,3 +189,7 @@ def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains
     assert tt.composed_s("dense60-local-adam-topk", 100, steady) == pytest.approx(54 + 12)
     assert tt.composed_s("dense60-local-adam-topk", 40, steady) == pytest.approx(36)
     assert tt.composed_s("local-adam-topk", 100, steady) == pytest.approx(30)
+    # an int4 run's warm-up is timed as psparse's dense iteration in int4
+    assert tt.twin_of("dense60-local-adam-topk-int4") == "local-adam-topk-int4"
+    assert tt.dense_of("dense60-local-adam-topk-int4") == tt.DENSE_INT4
+    assert tt.dense_of("dense60-local-adam-topk") == tt.DENSE
