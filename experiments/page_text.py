@@ -56,8 +56,10 @@ WHICH_POLICY = [
     "union grows fastest as workers are added (the scaling table).",
     "- **Adam / AdamW (transformers):** `--memory adam` (each worker's own Adam step sent with "
     "error feedback, the aggregate applied by plain SGD) rather than AdamW on the aggregate, "
-    "with `--values int4`; at 1% it still falls short of dense AdamW over a short run (the "
-    "transformer table), so spend bytes there (a higher density) before cutting them further.",
+    "after a dense warm-up (`--dense-warmup`, a fifth of the run) and with `--values int4`, "
+    "which makes the warm-up cheap; at 1% it still falls short of dense AdamW over a short run "
+    "(the transformer table), so spend bytes there (a higher density) before cutting them "
+    "further.",
     "- **Time:** on a slow link psparse wins on time to accuracy by moving fewer bytes; where "
     "DDP's communication is a small share of its iteration it does not (the cluster table's "
     "\"DDP's communication share\"). Policies: [docs/policies.md](../docs/policies.md).",
