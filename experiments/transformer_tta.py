@@ -59,8 +59,9 @@ RUNS = {  # name -> arguments after BASE
 # the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
 # (in the run's value format)
 DENSE, DENSE_INT4 = "psparse-dense", "psparse-dense-int4"
-TIMING_ARGS = {DENSE: ["--density", "1", *ADAMW], DENSE_INT4: ["--density", "1", *ADAMW, *INT4],
-               **RUNS}
+# (the warm-up runs' own options: --memory adam)
+TIMING_ARGS = {DENSE: ["--density", "1", *LOCAL], DENSE_INT4: ["--density", "1", *LOCAL, *INT4],
+               **{n: a for n, a in RUNS.items() if "--dense-warmup" not in a}}
 PEERS = ("ddp", "ddp-bf16")
 
 

@@ -281,7 +281,7 @@ class RunConfig:
         if self.memory == "scalecom" and self.memory_beta is None:
             self.memory_beta = SCALECOM_BETA  # recorded in config.json: the beta the run used
         why = memory_refusal(self.memory, self.memory_beta, MEMORIES) or \
-            warmup_refusal(self.density_warmup, self.dense_warmup)
+            warmup_refusal(self.density_warmup, self.dense_warmup, self.iterations)
         need(why is None, why or "")
         self._check_values()
         need(self.clip_norm is None or self.clip_norm > 0, "clip-norm must be > 0")

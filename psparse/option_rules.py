@@ -55,7 +55,8 @@ def memory_refusal(memory: str, beta, memories) -> str | None:
     return None
 
 
-def warmup_refusal(density_warmup: float, dense_warmup: int) -> str | None:
+def warmup_refusal(density_warmup: float, dense_warmup: int,
+                   iterations: int | None = None) -> str | None:
     """Why the warm-ups (--density-warmup, --dense-warmup) cannot run as given, or None."""
     if not density_warmup >= 0:
         return "density-warmup must be >= 0 (epochs)"
@@ -64,7 +65,21 @@ def warmup_refusal(density_warmup: float, dense_warmup: int) -> str | None:
     if dense_warmup and density_warmup:
         return ("dense-warmup (density 1 for N iterations) and density-warmup (DGC's four-fold "
                 "schedule) are two warm-ups: choose one")
+    if iterations and dense_warmup >= iterations:
+        return (f"dense-warmup {dense_warmup} covers the whole run of {iterations} iterations: "
+                "give fewer (or --density 1 for a dense run)")
     return None
+
+
+def dense_warmup_refusal(policy: str, two_phase: bool, overrides_select: bool) -> str | None:
+    """Why a policy's --dense-warmup would not send every entry, or None: the warm-up asks it
+    for k = numel, which a one-phase rule that ranks entries answers with all of them."""
+    if not (two_phase or overrides_select):
+        return None
+    how = "proposes first" if two_phase else "chooses its own count (it overrides select())"
+    return (f"--dense-warmup asks the policy for k = numel entries, and policy {policy!r} {how}: "
+            "its warm-up would not be dense; use a one-phase rule that ranks entries (topk, "
+            "ema, core, penalty, frequency) or --density-warmup")
 
 
 # The built-in loop's optimizers (--optimizer; training/loop.py's make_optimizer)

@@ -120,3 +120,34 @@ def test_the_launcher_sends_everything_during_the_dense_warm_up_then_the_density
     # everything sent during the warm-up: the union is the whole model
     assert all(m["union"] == numel for m in rounds[:3])
     assert all(m["union"] < numel // 10 for m in rounds[3:])
+
+
+def test_a_torch_adamw_checkpoint_loads_and_goes_on_as_the_same_steps():
+    freeze, steps = 3, 6
+    ours, grads = model_and_gradients(steps)
+    theirs, _ = model_and_gradients(steps)
+    adamw = torch.optim.AdamW(groups(theirs), lr=0.01, foreach=False)
+    run(adamw, theirs, grads[:2])
+    frozen = FrozenVarianceAdamW(groups(ours), lr=0.01, freeze_after=freeze)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        p.data.copy_(q.data)
+    # (a copy: a loaded state_dict shares its tensors) AdamW's groups carry no freeze_after
+    frozen.load_state_dict(copy.deepcopy(adamw.state_dict()))
+    run(frozen, ours, grads[2:3])
+    run(adamw, theirs, grads[2:3])  # step 3: still before the freeze, the same bits
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert all(g["freeze_after"] == freeze for g in frozen.param_groups)
+
+
+def test_a_warm_up_that_would_not_be_dense_or_is_the_whole_run_is_refused():
+    import psparse
+
+    for policy, how in (("vote", "proposes first"), ("threshold", "chooses its own count")):
+        with pytest.raises(ConfigError, match=f"policy '{policy}' {how}.*its warm-up would "
+                                              "not be dense"):
+            model, _ = model_and_gradients(1)
+            psparse.connect(model, torch.optim.SGD(model.parameters(), lr=0.1), rank=0,
+                            world_size=1, iterations=10, dense_warmup=3, policy=policy,
+                            server="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="dense-warmup 10 covers the whole run of 10"):
+        RunConfig(dense_warmup=10, iterations=10).validate()

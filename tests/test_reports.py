@@ -85,6 +85,17 @@ def test_model_shards_colocation_value_formats_and_duplex():
                      colocated=True)
     each_way = (N - 1) / N * (k + U) * e + 2 * (N - 1) * h
     assert ps_link_bytes(beside) == pytest.approx((each_way, each_way))
+    # the host whose shard carries f times the mean: only its shard's share grows by f
+    f = 1.4
+    lopsided = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0, servers=N,
+                       colocated=True, shard_imbalance=f)
+    assert ps_link_bytes(lopsided) == pytest.approx((
+        f * (N - 1) / N * k * e + U * e * (1 - f / N) + 2 * (N - 1) * h,
+        k * e * (1 - f / N) + f * (N - 1) / N * U * e + 2 * (N - 1) * h))
+    # a run's measured bytes stand as they are with one server
+    measured = Setting(numel=10_000, k=k, workers=N, union=U, compute_s=0.0,
+                       up_bytes=12345.6, down_bytes=23456.7)
+    assert ps_link_bytes(measured) == (12345.6, 23456.7)
     # beside the workers a host's bytes hardly grow with N; one server's grow N-fold
     wide = Setting(numel=10_000, k=k, workers=64, union=U, compute_s=0.0, servers=64,
                    colocated=True)
@@ -127,6 +138,10 @@ def test_model_cli_places_shards_beside_the_workers():
                                        "--colocated"), capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "give --servers 64" in bad.stderr
+    bad = subprocess.run(python_module("psparse.analysis.costmodel", *args, "--values", "int4",
+                                       "--value-block", "0"), capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--value-block must be >= 1" in bad.stderr
 
 
 def test_the_projection_says_where_one_server_loses_and_shards_beside_workers_win():

@@ -173,6 +173,9 @@ def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains
 
     # the cluster runs are the accuracy runs but for length and evaluation
     for name, args in tt.RUNS.items():
+        if name not in tt.TIMING_ARGS:  # a warm-up run: timed as its two phases (below)
+            assert tt.warmup_of(name) and tt.twin_of(name) in tt.TIMING_ARGS
+            continue
         long = resolve_config(build_parser().parse_args(
             ["--out", "x", *tt.BASE, *args, "--iterations", str(tt.ITERATIONS)]))
         short = resolve_config(build_parser().parse_args(
@@ -180,6 +183,16 @@ def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains
         differ = {k for k in vars(long) if getattr(long, k) != getattr(short, k)}
         assert differ <= {"iterations"}, (name, differ)
         assert long.model == "gpt" and long.optimizer == "adamw" and long.workers == tt.WORKERS
+    # a warm-up's dense iteration is timed with the warm-up run's own options
+    for name in tt.RUNS:
+        if tt.warmup_of(name):
+            args = tt.RUNS[name]
+            i = args.index("--dense-warmup")
+            warm = resolve_config(build_parser().parse_args(
+                ["--out", "x", *tt.BASE, *args[:i], *args[i + 2:], "--density", "1"]))
+            dense = resolve_config(build_parser().parse_args(
+                ["--out", "x", *tt.BASE, *tt.TIMING_ARGS[tt.dense_of(name)]]))
+            assert vars(warm) == vars(dense), name
     evals = [{"iter": 49, "test_loss": 2.4}, {"iter": 99, "test_loss": 1.99},
              {"iter": 149, "test_loss": 2.01}]
     assert tt.iterations_to(evals, 2.0) == 100 and tt.iterations_to(evals, 1.8) is None

@@ -20,7 +20,8 @@ Past one server (issue 54; ``ps_link_bytes``): with S shards on hosts of their o
 shard's link carries N (k e / S + h) in and N (U e / S + h) out (times the shard imbalance, the
 busiest shard's bytes over the mean's); with a shard beside every worker (``--colocated``, S =
 N) every host's link carries (N - 1)/N (k + U) e + 2 (N - 1) h each way, about (k + U) e
-whatever N is. e counts the value format's bytes (``--values``: int4 is half a byte plus a
+whatever N is (the busiest host's shard, f times the mean: k e (1 - f/N) + f (N - 1)/N U e
+out, the mirror image in). e counts the value format's bytes (``--values``: int4 is half a byte plus a
 float32 scale per block). On a full-duplex link (``--full-duplex``) the larger direction is the
 link's time, not the sum of both.
 
@@ -119,12 +120,17 @@ def ps_link_bytes(s: Setting) -> tuple[float, float]:
     broadcast to the N - 1 other workers out, and the mirror image in: about (k + U) e each
     way whatever N is, plus 2 (N - 1) headers."""
     e, h, N, S = s.index_bytes + s.value_bytes, HEADER_BYTES, s.workers, s.servers
+    if S == 1 and not s.colocated and s.up_bytes is not None and s.down_bytes is not None:
+        return s.up_bytes, s.down_bytes  # a run's measured bytes, as they were
     k_bytes = s.up_bytes / N - h if s.up_bytes is not None else s.k * e
     u_bytes = s.down_bytes / N - h if s.down_bytes is not None else s.union * e
     if s.colocated:
-        share = (N - 1) / N * s.shard_imbalance
-        each_way = share * (k_bytes + u_bytes) + 2 * (N - 1) * h
-        return each_way, each_way
+        # the host whose shard carries f times the mean: its worker's pushes to the other
+        # shards and its shard's broadcast to the other workers out, the mirror image in
+        f = s.shard_imbalance
+        out = k_bytes * (1 - f / N) + f * (N - 1) / N * u_bytes + 2 * (N - 1) * h
+        into = f * (N - 1) / N * k_bytes + u_bytes * (1 - f / N) + 2 * (N - 1) * h
+        return into, out
     shard_in = N * (k_bytes / S * s.shard_imbalance + h)
     shard_out = N * (u_bytes / S * s.shard_imbalance + h)
     worker_in, worker_out = u_bytes + S * h, k_bytes + S * h
@@ -283,6 +289,12 @@ def main(argv=None) -> int:
                              f"shard's: >= 1, got {args.shard_imbalance}")
         s.servers, s.colocated, s.shard_imbalance = args.servers, args.colocated, \
             args.shard_imbalance
+        if args.value_block < 1:
+            raise ValueError(f"--value-block must be >= 1, got {args.value_block}")
+        if args.run and args.values != "fp32":
+            raise ValueError("--values with --run: the run's measured bytes are its own "
+                             "format's already (give the sizes instead of --run to model "
+                             "another format)")
         s.value_bytes = value_bytes_of(args.values, args.value_block)
         s.full_duplex = args.full_duplex
         s.cpu_share = args.cpu_share

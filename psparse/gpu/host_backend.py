@@ -22,8 +22,9 @@ A policy or a ``Memory`` holds one backend, the host's (this module) or a device
 
 The keys the host engines rank are those the built-in policies' one path states: |x|
 (``KEY_ABS``) and |x| >= lam, the share's largest if more (``KEY_THRESHOLD``); the scored
-policies (ema, penalty, core, frequency) rank on the host by their compiled scores
-(``ScoredPolicy.score_kind``), written beside the device key.
+policies (ema, penalty, core, frequency) rank on the host through their own host selection
+(``score`` / ``select_slice``: compiled scores or their numpy references), written beside the
+device key.
 """
 
 from __future__ import annotations

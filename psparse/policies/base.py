@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..cpu.jit import host_compiled
+from ..option_rules import dense_warmup_refusal
 from ..cpu.sparsify import Selector, split_k
 from ..gpu import radix
 from ..gpu.device_policy import Fusion
@@ -217,6 +218,11 @@ class SelectionPolicy:
     def score(self, acc: np.ndarray, offset: int) -> np.ndarray:
         """Per-entry priority for the slice starting at ``offset``; larger is sent first."""
         return acc
+
+    def dense_warmup_refusal(self) -> str | None:
+        """Why this policy's --dense-warmup would not send every entry, or None."""
+        return dense_warmup_refusal(self.name, self.two_phase,
+                                    type(self).select is not SelectionPolicy.select)
 
     def propose(self, accumulator: np.ndarray, iteration: int) -> np.ndarray | None:
         """Two-phase policies: indices this worker proposes to the group (None: nothing)."""

@@ -43,6 +43,13 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, freeze_after=freeze_after))
 
+    def load_state_dict(self, state_dict) -> None:
+        """A state_dict of this optimizer, or of torch's AdamW (its groups have no
+        ``freeze_after``: they take this optimizer's)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.setdefault("freeze_after", self.defaults["freeze_after"])
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

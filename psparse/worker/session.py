@@ -146,6 +146,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
         """The budget steps the server will enforce, and the round object: on the host or the
         device, whole or in buckets of layers."""
         cfg = self.cfg
+        if cfg.dense_warmup and self.policy.dense_warmup_refusal():
+            raise ConfigError(self.policy.dense_warmup_refusal())
         # an open-ended run's budget steps: through the end of the (dense or density) warm-up
         horizon = self.iterations or max(cfg.dense_warmup, math.ceil(
             cfg.density_warmup * (self.batches_per_epoch or 0))) + 1
