@@ -91,7 +91,7 @@ SWEEPS = [
     "with AdamW at 1%, `--memory adam`, the dense warm-up and the frozen variance | 51 (21); "
     "2.5 min each, 10 min at 1,200 iterations |",
     "| `python -m experiments.transformer_tta` (root) | the built-in transformer's time to a "
-    "validation loss: 1,200-iteration runs here, timed on the emulated cluster at 25 Mbit/s | "
+    "validation loss: 1,200-iteration runs here, timed on the emulated cluster at 25 and 5 Mbit/s | "
     "6 + 6; 10 min + 1 min each |",
     "| `resnet20-cifar10-long` | ResNet-20 / CIFAR-10, 30 epochs, step schedule, float32 | 3; "
     "67–90 min each |",

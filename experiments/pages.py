@@ -364,7 +364,7 @@ def experiments_page() -> str:
     lines += TRANSFORMER_INTRO
     lines += ["The built-in transformer (`--model gpt --dataset text --optimizer adamw`):", ""]
     lines += transformer_table("builtin")
-    lines += ["Time to a validation loss, the built-in transformer at 25 Mbit/s:", ""]
+    lines += ["Time to a validation loss, the built-in transformer at 25 and 5 Mbit/s:", ""]
     lines += transformer_tta_table()
     lines += ["A user's own script (`examples/char_gpt.py`: two parameter groups, windows at "
               "random offsets):", ""]

@@ -3,7 +3,7 @@ cluster, psparse against DDP and DDP's bf16 compression hook.
 
     python -m experiments.transformer_tta                       # all stages (~70 min)
     python -m experiments.transformer_tta --stage accuracy --runs ddp,local-adam-topk
-    python -m experiments.transformer_tta --stage timing --rates 25mbit
+    python -m experiments.transformer_tta --stage timing --rates 25mbit,5mbit
     python -m experiments.transformer_tta --stage report
 
 Composed as experiments/time_to_accuracy.py composes LeNet's and ResNet-20's (a run is
@@ -18,7 +18,7 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
   done at the first evaluation at or below it.
 * ``timing``: the same arguments on the emulated cluster (experiments/cluster.py: one worker per
   host, the server on h0, each host 1/6 of a core, links at the rate), 30 iterations, no
-  evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/). A run with a dense warm-up
+  evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/), at 25 and 5 Mbit/s. A run with a dense warm-up
   (``--dense-warmup W``) is composed from two measured iterations: W at psparse's dense one in
   the run's value format (``psparse-dense``, ``psparse-dense-int4``), the rest at its twin
   without the warm-up.
@@ -45,7 +45,7 @@ from psparse.wire.transport import parse_rate
 
 WORKERS, ITERATIONS, EVAL_EVERY, TIMED = 4, 1200, 50, 30
 TARGETS = (2.0, 1.8)
-RATES = ("25mbit",)
+RATES = ("25mbit", "5mbit")
 BASE = [*BUILTIN[:BUILTIN.index("--eval-every")], "--workers", str(WORKERS), "--threads", "1"]
 RUNS = {  # name -> arguments after BASE
     "ddp": ["--baseline", "ddp", "--density", "1", *ADAMW],
