@@ -18,10 +18,10 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
   done at the first evaluation at or below it.
 * ``timing``: the same arguments on the emulated cluster (experiments/cluster.py: one worker per
   host, the server on h0, each host 1/6 of a core, links at the rate), 30 iterations, no
-  evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/), at 25 and 5 Mbit/s. A run with a dense warm-up
-  (``--dense-warmup W``) is composed from two measured iterations: W at psparse's dense one in
-  the run's value format (``psparse-dense``, ``psparse-dense-int4``), the rest at its twin
-  without the warm-up.
+  evaluation: the mean iteration after 3 (runs/cluster/gpt-<rate>/), at 25 and 5 Mbit/s. A
+  run with a dense warm-up (``--dense-warmup W``) is composed from two measured iterations: W
+  at psparse's dense one in the run's value format (``psparse-dense``, ``psparse-dense-int4``),
+  the rest at its twin without the warm-up.
 * ``report``: experiments/results/transformer-tta.json (the results page's table is made from
   it).
 
