@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .option_rules import (bucket_refusal, loop_refusal, memory_refusal, parse_limit,
-                           warmup_refusal)
+from .option_rules import bucket_refusal, loop_refusal, memory_refusal, parse_limit, warmup_refusal
 from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and

@@ -57,7 +57,7 @@ def test_until_the_freeze_it_is_torch_adamw_bit_for_bit_then_the_variance_stays(
 
     run(frozen, ours, grads[freeze:freeze + 1])  # the first step after the freeze
     b1, b2 = 0.9, 0.999
-    for (name, p), g in zip(ours.named_parameters(), grads[freeze]):
+    for name, p in ours.named_parameters():
         assert torch.equal(frozen.state[p]["exp_avg_sq"], variance[p])  # frozen
         decay = 0.1 if name.endswith("weight") else 0.0
         m = frozen.state[p]["exp_avg"]

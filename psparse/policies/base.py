@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from ..cpu.jit import host_compiled
-from ..option_rules import dense_warmup_refusal
 from ..cpu.sparsify import Selector, split_k
 from ..gpu import radix
 from ..gpu.device_policy import Fusion
 from ..gpu.host_backend import HostBackend
+from ..option_rules import dense_warmup_refusal
 
 
 class PolicyError(ValueError):
