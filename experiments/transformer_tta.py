@@ -97,7 +97,8 @@ def iterations_to(evals: list[dict], target: float) -> int | None:
 
 def composed_s(name: str, iterations: int, steady: dict[str, float]) -> float:
     warm = min(iterations, warmup_of(name))
-    return (warm * steady[dense_of(name)] + (iterations - warm) * steady[twin_of(name)]) / 1e3
+    dense = warm * steady[dense_of(name)] if warm else 0.0
+    return (dense + (iterations - warm) * steady[twin_of(name)]) / 1e3
 
 
 def report(rates) -> dict:

@@ -202,6 +202,8 @@ def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains
     assert tt.composed_s("dense60-local-adam-topk", 100, steady) == pytest.approx(54 + 12)
     assert tt.composed_s("dense60-local-adam-topk", 40, steady) == pytest.approx(36)
     assert tt.composed_s("local-adam-topk", 100, steady) == pytest.approx(30)
+    # a run without a warm-up needs no dense timing (none at 5 Mbit/s for fp32)
+    assert tt.composed_s("ddp", 10, {"ddp": 1000.0}) == pytest.approx(10)
     # an int4 run's warm-up is timed as psparse's dense iteration in int4
     assert tt.twin_of("dense60-local-adam-topk-int4") == "local-adam-topk-int4"
     assert tt.dense_of("dense60-local-adam-topk-int4") == tt.DENSE_INT4
