@@ -6,7 +6,9 @@ checkpoint that every rank live at it saved wins (psparse/checkpoint.py, resume_
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ from psparse import checkpoint
 from psparse.config import RunConfig
 from psparse.launch.cluster import Host
 from psparse.launch.plan import Plan, StartFailure, Topology
+from psparse.launch.progress import Progress
+from psparse.launch.supervisor import Supervisor
+from psparse.rundir import METRICS_FILE
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "faulty_train.py")
@@ -72,6 +77,30 @@ def test_a_run_that_lost_a_worker_restarts_after_the_loss_with_the_live_ranks(tm
     assert summary_of(out)["lost_workers"] == [{"rank": 2, "iter": 25}]
     assert not (out / "logs" / "rank-2.log").exists()  # the lost rank was not started again
     assert_identical(out, clean, 2)
+
+
+def test_a_lost_worker_reaped_with_a_later_server_failure_is_not_its_cause(tmp_path):
+    """Rank 2 was lost at 25 and the server went on (its rounds name the live ranks); the
+    launcher reaps rank 2's exit only in the poll that finds the server killed at 60. The
+    failure is the server's, not rank 2's (which sorts first by name): CI once saw that."""
+    record = {"iter": 60, "workers": 2, "live": [0, 1], "upload_bytes": 8,
+              "broadcast_bytes": 8, "union": 1, "budget": 1}
+    (tmp_path / METRICS_FILE).write_text(json.dumps(record) + "\n")
+    said: list[str] = []
+    supervisor = Supervisor(tmp_path, quiet=True, grace_s=1.0, elastic_from=1, say=said.append)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    supervisor.procs = {"server": subprocess.Popen(sleeper),
+                        "rank-0": subprocess.Popen(sleeper), "rank-1": subprocess.Popen(sleeper),
+                        "rank-2": subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])}
+    supervisor.procs["rank-2"].wait()
+    supervisor.procs["server"].send_signal(signal.SIGKILL)
+    supervisor.procs["server"].wait()
+    code = supervisor.monitor(Progress(tmp_path, 1, None, quiet=True))
+    assert code == 1 and supervisor.failure == ("server", -signal.SIGKILL)
+    assert supervisor.lost == {"rank-2"}
+    assert any("rank-2 exited with code 1; --elastic: the run had gone on without it" in s
+               for s in said)
+    assert all(p.poll() is not None for p in supervisor.procs.values())  # the rest stopped
 
 
 def test_a_run_that_failed_soon_after_a_loss_resumes_before_it_with_every_rank(tmp_path):

@@ -94,6 +94,7 @@ class Supervisor:
             finished = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
             failed = {n: c for n, c in finished.items() if c != 0 and n not in self.lost}
             progress.read()
+            failed = self._drop_already_lost(failed, progress)
             if failed and all(is_server(n) for n in failed):
                 # The server ends the run at once when a worker's connection closes, so it can
                 # exit before the launcher has reaped that worker: the worker is the cause.
@@ -157,6 +158,21 @@ class Supervisor:
             self.say(f"\npsparse-launch: {name} exited with code {code}; --elastic: the run "
                      f"goes on without it\n{self.tail(name)}")
         return True
+
+    def _drop_already_lost(self, failed: dict[str, int], progress) -> dict[str, int]:
+        """``failed`` less the workers an elastic run had already gone on without: the servers'
+        newest round names the live ranks and theirs is not among them. A worker's exit can be
+        reaped late, in the same poll as a server that failed long after it; by name the worker
+        would come first and be taken for the cause."""
+        live = None if progress.latest is None else progress.latest.get("live")
+        if self.elastic_from is None or live is None:
+            return failed
+        gone = sorted(n for n in failed if n.startswith("rank-") and int(n[5:]) not in live)
+        for name in gone:
+            self.lost.add(name)
+            self.say(f"\npsparse-launch: {name} exited with code {failed[name]}; --elastic: the "
+                     f"run had gone on without it\n{self.tail(name)}")
+        return {n: c for n, c in failed.items() if n not in gone}
 
     def _worker_failures_within(self, seconds: float) -> dict[str, int]:
         """Workers that exit non-zero on their own within ``seconds`` (name -> code), but those
