@@ -23,6 +23,29 @@ def data_dir() -> Path:
     pytest.fail("MNIST not found: run `make data` (tests need the real data set)")
 
 
+_zygote = None
+
+
+def run_launch(*args: str, env: dict | None = None, cwd=None,
+               timeout: float | None = 300) -> subprocess.CompletedProcess:
+    """``python -m psparse.launch ARGS`` to its end, its output captured, as ``subprocess.run``
+    would; through this pytest process's warm zygote (tests/zygote.py: torch, numba imported
+    once) unless PSPARSE_TEST_ZYGOTE=0."""
+    global _zygote
+    if os.environ.get("PSPARSE_TEST_ZYGOTE", "1") == "0":
+        return subprocess.run(python_module("psparse.launch", *args), capture_output=True,
+                              text=True, env=env, cwd=cwd, timeout=timeout)
+    if _zygote is None:
+        from zygote import Zygote
+        _zygote = Zygote()
+    return _zygote.run(list(args), env=env, cwd=cwd, timeout=timeout)
+
+
+def pytest_sessionfinish(session):
+    if _zygote is not None:
+        _zygote.close()
+
+
 def float_kernels_line() -> str:
     """The float kernels this run's processes take (bf16 autocast's differ on CPUs with AMX /
     AVX512-BF16): a floor that fails is read against them."""

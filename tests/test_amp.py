@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mixed_precision.py"
 
 
 def launch(out: Path, *args: str, policy=(), env=None) -> dict:
-    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", *policy,
-                                     "--out", str(out), str(EXAMPLE), *args),
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **(env or {})})
+    r = run_launch("--workers", "2", "--quiet", *policy,
+                   "--out", str(out), str(EXAMPLE), *args,
+                   timeout=300, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "summary.json").read_text())
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 import psparse
 from psparse.config import ConfigError
@@ -26,8 +26,7 @@ SCRIPT = str(HERE / "user_train.py")
 
 
 def launch(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet", *args),
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    return run_launch("--out", str(out), "--quiet", *args, timeout=timeout, cwd=HERE)
 
 
 def without_timing(rows):
@@ -223,10 +222,9 @@ def test_a_run_that_logs_only_a_loss_records_and_shows_it(tmp_path):
     """A language model has a loss and no accuracy: ps.log(test_loss=...) alone is an
     evaluation (eval.jsonl, summary.json, the progress line and the summary table)."""
     out = tmp_path / "run"
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--workers", "2",
-                                     "--density", "0.05", SCRIPT, "--iterations", "20",
-                                     "--loss-only"),
-                       capture_output=True, text=True, timeout=300, cwd=HERE)
+    r = run_launch("--out", str(out), "--workers", "2",
+                   "--density", "0.05", SCRIPT, "--iterations", "20",
+                   "--loss-only", timeout=300, cwd=HERE)
     assert r.returncode == 0, r.stdout + r.stderr
     evals = read_jsonl(out / "eval.jsonl")
     assert [e["iter"] for e in evals] == [9, 19, 19]

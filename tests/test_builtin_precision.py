@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 from psparse.config import ConfigError, RunConfig
 from psparse.training.loop import EMULATED_BF16, native_bf16
@@ -23,8 +22,7 @@ LENET = ["--workers", "2", "--model", "lenet", "--dataset", "mnist", "--iteratio
 
 
 def launch(out, *args, timeout=300):
-    r = subprocess.run(python_module("psparse.launch", "--quiet", "--out", str(out), *args),
-                       capture_output=True, text=True, timeout=timeout, env={**os.environ})
+    r = run_launch("--quiet", "--out", str(out), *args, timeout=timeout, env={**os.environ})
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok", summary["error"]

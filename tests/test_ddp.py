@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "60",
        "--eval-every", "30", "--seed", "2", "--quiet"]
@@ -14,8 +14,8 @@ RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations"
 
 def test_ddp_baseline_matches_dense_psparse(tmp_path):
     for name, extra in (("ddp", ["--baseline", "ddp"]), ("dense", ["--density", "1"])):
-        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
-                                         *extra), capture_output=True, text=True, timeout=300)
+        r = run_launch("--out", str(tmp_path / name), *RUN,
+                       *extra, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     ddp, dense = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("ddp", "dense"))
     assert len(ddp) == len(dense) == 60
@@ -34,8 +34,8 @@ def test_ddp_baseline_matches_dense_psparse(tmp_path):
 
 def test_report_compares_a_ddp_run_with_a_psparse_run(tmp_path):
     for name, extra in (("ddp", ["--baseline", "ddp"]), ("sparse", [])):
-        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
-                                         *extra), capture_output=True, text=True, timeout=300)
+        r = run_launch("--out", str(tmp_path / name), *RUN,
+                       *extra, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run(python_module("psparse.analysis.report", str(tmp_path / "ddp"),
                                      str(tmp_path / "sparse"), "--out", str(tmp_path / "rep")),
@@ -57,13 +57,12 @@ def test_powersgd_trains_a_model_of_several_buckets(tmp_path):
     for name, extra in (("psgd", ["--baseline", "powersgd", "--powersgd-rank", "1",
                                   "--powersgd-warmup", "2"]),
                         ("ddp", ["--baseline", "ddp"])):
-        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name),
-                                         *extra, "--workers", "3", "--model",
-                                         "user_factories:wide_mlp", "--dataset", "digits",
-                                         "--iterations", "40" if name == "psgd" else "4",
-                                         "--eval-every", "0", "--seed", "1", "--quiet"),
-                           capture_output=True, text=True, timeout=300,
-                           cwd=Path(__file__).resolve().parent)
+        r = run_launch("--out", str(tmp_path / name),
+                       *extra, "--workers", "3", "--model",
+                       "user_factories:wide_mlp", "--dataset", "digits",
+                       "--iterations", "40" if name == "psgd" else "4",
+                       "--eval-every", "0", "--seed", "1", "--quiet",
+                       timeout=300, cwd=Path(__file__).resolve().parent)
         assert r.returncode == 0, r.stdout + r.stderr
         summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
     assert summaries["ddp"]["ddp_buckets"] == 2  # DDP's default split of this model
@@ -81,8 +80,8 @@ def test_ddp_compression_hooks_halve_the_ring_and_train(tmp_path, baseline):
     ring moves 2-byte floats (half of DDP's bytes) and the run trains as DDP's does (the same
     first loss; chance is 10%)."""
     for name, extra in (("ddp", ["--baseline", "ddp"]), (baseline, ["--baseline", baseline])):
-        r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / name), *RUN,
-                                         *extra), capture_output=True, text=True, timeout=300)
+        r = run_launch("--out", str(tmp_path / name), *RUN,
+                       *extra, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     ddp, half = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in ("ddp", baseline))
     assert [r["allreduce_bytes"] for r in half] == [r["allreduce_bytes"] // 2 for r in ddp]
@@ -94,10 +93,9 @@ def test_ddp_compression_hooks_halve_the_ring_and_train(tmp_path, baseline):
 def test_powersgd_allreduces_densely_through_its_warm_up(tmp_path):
     """--powersgd-warmup 20: the first 20 iterations move DDP's dense ring, the rest
     PowerSGD's factors."""
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), *RUN,
-                                     "--baseline", "powersgd", "--powersgd-rank", "1",
-                                     "--powersgd-warmup", "20"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(tmp_path / "run"), *RUN,
+                   "--baseline", "powersgd", "--powersgd-rank", "1",
+                   "--powersgd-warmup", "20", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     numel = 64 * 32 + 32 + 32 * 10 + 10

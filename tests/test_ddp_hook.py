@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess, data_dir, python_module, read_jsonl
+from conftest import ServerProcess, data_dir, read_jsonl, run_launch
 
 from psparse.launch.processes import free_port
 
@@ -20,10 +20,9 @@ EXAMPLE = REPO / "examples" / "ddp_hook.py"
 
 
 def launch(out: Path, script: Path, *args: str, options=()) -> dict:
-    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", *options,
-                                     "--out", str(out), str(script), *args),
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PSPARSE_DATA": str(data_dir())})
+    r = run_launch("--workers", "2", "--quiet", *options,
+                   "--out", str(out), str(script), *args,
+                   timeout=300, env={**os.environ, "PSPARSE_DATA": str(data_dir())})
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "summary.json").read_text())
 
@@ -145,10 +144,9 @@ def test_one_line_in_an_ordinary_ddp_script_ends_the_run_well(tmp_path):
 
 def test_one_line_ranks_that_train_different_lengths_are_named(tmp_path):
     """Rank 1 trains 3 steps more than rank 0: the run fails, naming both ranks and rounds."""
-    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", "--out",
-                                     str(tmp_path / "run"),
-                                     str(REPO / "tests" / "user_ddp_one_line.py"), "15", "3"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--workers", "2", "--quiet", "--out",
+                   str(tmp_path / "run"),
+                   str(REPO / "tests" / "user_ddp_one_line.py"), "15", "3", timeout=300)
     assert r.returncode != 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed"

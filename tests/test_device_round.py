@@ -24,7 +24,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, ServerProcess, python_module, read_jsonl
+from conftest import REPO, ServerProcess, python_module, read_jsonl, run_launch
 
 import psparse
 from psparse.worker.device_round import DeviceEngine
@@ -42,8 +42,7 @@ def launch(out, *args, emulate: str | None = "strict", graph: bool = False,
     if graph:
         env["PSPARSE_CUDA_GRAPH"] = "1"
     env["PYTHONPATH"] = str(REPO / "tests")  # the planted policy
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), *RUN, *args),
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_launch("--out", str(out), *RUN, *args, timeout=timeout, env=env)
 
 
 def ranks(out):
@@ -209,8 +208,7 @@ def test_a_device_run_resumes_exactly(tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    resumed = subprocess.run(python_module("psparse.launch", "--resume", str(cut), "--quiet"),
-                             capture_output=True, text=True, timeout=240, env=env)
+    resumed = run_launch("--resume", str(cut), "--quiet", timeout=240, env=env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed at iteration 40" in (cut / "logs" / "server.log").read_text()
     for a, b in zip(ranks(cut), ranks(tmp_path / "whole")):

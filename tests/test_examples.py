@@ -9,12 +9,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import data_dir, python_module
+from conftest import data_dir, run_launch
 
 from experiments.open_ended_isa import TEST_ARGS, TEST_FLOOR, TEST_POLICY, TEST_STEPS
 
@@ -28,10 +27,9 @@ def test_example_runs_through_the_launcher(tmp_path, example, policy):
     if not any((data / n).exists() for n in ("cifar10-jpeg.tar.gz", "cifar-10-batches-py")):
         pytest.skip(f"no CIFAR-10 in {data} (make data links it from ../shared/data)")
     out = tmp_path / "run"
-    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", "--out",
-                                     str(out), str(EXAMPLES / example), "--iterations", "6"),
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PSPARSE_DATA": str(data)})
+    r = run_launch("--workers", "2", "--quiet", "--out",
+                   str(out), str(EXAMPLES / example), "--iterations", "6",
+                   timeout=600, env={**os.environ, "PSPARSE_DATA": str(data)})
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["iterations"] == 6
@@ -42,10 +40,9 @@ def test_example_runs_through_the_launcher(tmp_path, example, policy):
 
 
 def launch_example(out, *args, timeout=600):
-    r = subprocess.run(python_module("psparse.launch", "--workers", "2", "--quiet", "--out",
-                                     str(out), *args),
-                       capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PSPARSE_DATA": str(data_dir())})
+    r = run_launch("--workers", "2", "--quiet", "--out",
+                   str(out), *args,
+                   timeout=timeout, env={**os.environ, "PSPARSE_DATA": str(data_dir())})
     return r, json.loads((out / "summary.json").read_text())
 
 

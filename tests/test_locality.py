@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.analysis.locality import jaccard, recurrence
 
@@ -42,12 +42,11 @@ def test_recorder_measures_what_the_push_captured_and_the_backlog(tmp_path):
 
 def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
-                                     "--workers", "3", "--model", "mlp", "--dataset", "digits",
-                                     "--epochs", "3", "--batch-size", "16", "--memory", "dgc",
-                                     "--clip-norm", "5", "--density-warmup", "2",
-                                     "--record-selections"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(out), "--quiet",
+                   "--workers", "3", "--model", "mlp", "--dataset", "digits",
+                   "--epochs", "3", "--batch-size", "16", "--memory", "dgc",
+                   "--clip-norm", "5", "--density-warmup", "2",
+                   "--record-selections", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     metrics = read_jsonl(out / "metrics.jsonl")
     per_epoch = 1500 // 3 // 16

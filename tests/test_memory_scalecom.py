@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 from psparse.config import ConfigError, RunConfig
 from psparse.cpu import selection
@@ -149,10 +148,9 @@ def test_beta_defaults_for_scalecom_and_is_refused_without_it():
 
 
 def test_the_launcher_refuses_a_bad_beta_before_starting_anything(tmp_path):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"),
-                                     "--model", "mlp", "--dataset", "digits", "--memory",
-                                     "scalecom", "--memory-beta", "2"),
-                       capture_output=True, text=True, timeout=120)
+    r = run_launch("--out", str(tmp_path / "run"),
+                   "--model", "mlp", "--dataset", "digits", "--memory",
+                   "scalecom", "--memory-beta", "2", timeout=120)
     assert r.returncode == 2 and "memory-beta must be in (0, 1]" in r.stderr, r.stderr
     assert not (tmp_path / "run" / "logs").exists()
 
@@ -188,8 +186,7 @@ def test_cltk_with_the_scalecom_memory_trains_and_resumes_exactly(tmp_path):
     checkpoint at iteration 100 ends bit-identical to the uninterrupted one, so checkpoints
     carry the filtered memory (without it the resumed workers would select differently)."""
     whole = tmp_path / "whole"
-    r = subprocess.run(python_module("psparse.launch", "--out", str(whole), *RUN),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(whole), *RUN, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["status"] == "ok"
@@ -212,8 +209,7 @@ def test_cltk_with_the_scalecom_memory_trains_and_resumes_exactly(tmp_path):
     with open(cut / "checkpoint" / "rank-1-100.pt", "rb") as fh:
         memory_state = pickle.load(fh)["memory"]
     assert set(memory_state) == {"filtered"} and np.abs(memory_state["filtered"]).max() > 0
-    r = subprocess.run(python_module("psparse.launch", "--resume", str(cut), "--quiet"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--resume", str(cut), "--quiet", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed at iteration 100" in (cut / "logs" / "server.log").read_text()
     for name in ("metrics.jsonl", "eval.jsonl"):

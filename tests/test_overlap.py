@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.config import ConfigError, RunConfig
 from psparse.wire import protocol
@@ -35,8 +35,7 @@ NOT_COMPARED = ("round_s", "time_s", "upload_bytes", "broadcast_bytes")
 
 
 def launch(out, *args, timeout=300):
-    done = subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
-                          capture_output=True, text=True, timeout=timeout)
+    done = run_launch("--out", str(out), *args, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -97,8 +96,7 @@ def test_an_overlapped_run_resumes_as_an_uninterrupted_one(runs, tmp_path):
         (cut / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     for r in range(3):
         (cut / f"rank-{r}.json").unlink()
-    done = subprocess.run(python_module("psparse.launch", "--resume", str(cut), "--quiet"),
-                          capture_output=True, text=True, timeout=300)
+    done = run_launch("--resume", str(cut), "--quiet", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed at iteration 20" in (cut / "logs" / "server.log").read_text()
     assert results(cut) == results(runs["overlap"])
@@ -231,10 +229,9 @@ def test_policies_that_select_the_whole_vector_are_refused(policy, words):
 
 
 def test_the_ddp_baseline_refuses_overlap(tmp_path):
-    done = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "x"),
-                                        "--baseline", "ddp", "--granularity", "layer",
-                                        "--overlap"),
-                          capture_output=True, text=True, timeout=60)
+    done = run_launch("--out", str(tmp_path / "x"),
+                      "--baseline", "ddp", "--granularity", "layer",
+                      "--overlap", timeout=60)
     assert done.returncode == 2 and "--overlap and --bucket-mb do not apply" in done.stderr
 
 

@@ -15,11 +15,10 @@ import json
 import math
 import os
 import signal
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 from test_liveness import cleanup, start
 
 from psparse.policies import Layout, PolicyError, build_policy
@@ -207,10 +206,9 @@ WARMUP, LOW, HIGH = 150, 0.3, 1.15
 
 
 def launch(out, *args):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
-                                     "--workers", "4", "--model", "mlp", "--dataset", "digits",
-                                     "--eval-every", "0", *args),
-                       capture_output=True, text=True, timeout=600)
+    r = run_launch("--out", str(out), "--quiet",
+                   "--workers", "4", "--model", "mlp", "--dataset", "digits",
+                   "--eval-every", "0", *args, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     ranks = [json.loads((out / f"rank-{i}.json").read_text()) for i in range(4)]
     return read_jsonl(out / "metrics.jsonl"), ranks

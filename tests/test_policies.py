@@ -247,17 +247,15 @@ def test_the_density_warmup_is_named_for_the_schedule_it_is():
 def _run(tmp_path, name, *args):
     import json
     import os
-    import subprocess
 
-    from conftest import python_module, read_jsonl
+    from conftest import read_jsonl, run_launch
 
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
-                                     "--workers", "3", "--model", "mlp", "--dataset", "digits",
-                                     "--iterations", "30", *args),
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = run_launch("--out", str(out), "--quiet",
+                   "--workers", "3", "--model", "mlp", "--dataset", "digits",
+                   "--iterations", "30", *args, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     ranks = [json.loads((out / f"rank-{i}.json").read_text()) for i in range(3)]
     return read_jsonl(out / "metrics.jsonl"), ranks
@@ -291,13 +289,10 @@ def test_user_policy_through_the_command_line(tmp_path):
 
 
 def test_unknown_policy_is_refused_before_anything_starts(tmp_path):
-    import subprocess
+    from conftest import run_launch
 
-    from conftest import python_module
-
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "x"),
-                                     "--policy", "ema", "--policy-arg", "gamma=3"),
-                       capture_output=True, text=True, timeout=60)
+    r = run_launch("--out", str(tmp_path / "x"),
+                   "--policy", "ema", "--policy-arg", "gamma=3", timeout=60)
     assert r.returncode == 2 and "no parameter 'gamma'; valid: beta, lam" in r.stderr
     assert not (tmp_path / "x").exists()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.policies import Layout, PolicyError, build_policy, check_output
 
@@ -31,9 +31,8 @@ FAULTS = {
 def launch(out, *args, workers=1):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(  # finds tests/faulty_policy.py
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), "--workers",
-                                        str(workers), *RUN, *args),
-                          capture_output=True, text=True, timeout=300, env=env)
+    return run_launch("--out", str(out), "--workers",
+                      str(workers), *RUN, *args, timeout=300, env=env)
 
 
 def faulty(fault, at=3, **more):

@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.worker.recall import measures, truncate
 
@@ -17,8 +17,7 @@ RUN = ["--model", "mlp", "--dataset", "digits", "--iterations", "60", "--eval-ev
 
 
 def launch(out, *args):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), *RUN, *args),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(out), *RUN, *args, timeout=300)
     return r
 
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import python_module
+from conftest import python_module, run_launch
 
 from psparse.analysis.costmodel import Setting, predict, setting_from_run
 from psparse.wire.transport import Pacer, parse_rate
@@ -20,11 +20,10 @@ def two_runs(tmp_path_factory):
     dirs = []
     for policy in ("topk", "core"):
         out = root / policy
-        r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
-                                         "--workers", "3", "--model", "mlp", "--dataset",
-                                         "digits", "--iterations", "40", "--eval-every", "10",
-                                         "--policy", policy),
-                           capture_output=True, text=True, timeout=300)
+        r = run_launch("--out", str(out), "--quiet",
+                       "--workers", "3", "--model", "mlp", "--dataset",
+                       "digits", "--iterations", "40", "--eval-every", "10",
+                       "--policy", policy, timeout=300)
         assert r.returncode == 0, r.stderr
         dirs.append(out)
     return dirs
@@ -242,10 +241,9 @@ def test_pacer_holds_each_block_for_bytes_over_rate():
 
 def test_bandwidth_run_is_paced_at_the_server(tmp_path):
     out = tmp_path / "slow"
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), "--quiet",
-                                     "--workers", "2", "--model", "mlp", "--dataset", "digits",
-                                     "--iterations", "20", "--bandwidth", "2Mbit"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(out), "--quiet",
+                   "--workers", "2", "--model", "mlp", "--dataset", "digits",
+                   "--iterations", "20", "--bandwidth", "2Mbit", timeout=300)
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     # every byte went through the emulated 2 Mbit/s link: the run lasted at least that long

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.launch.processes import writer_of
 
@@ -24,8 +24,7 @@ SCRIPT_RUN = ["--workers", "2", "--checkpoint-every", "20", "--quiet", "--restar
 
 
 def launch(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch("--out", str(out), *args, timeout=timeout)
 
 
 def without_timing(rows):

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
        "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet"]
@@ -24,9 +24,8 @@ def without_timing(rows):
                                    ["--values", "int4", "--server-limit", "1.5k"]],
                          ids=["topk", "core+limit", "exdyna+probe", "int4+limit"])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
-    whole = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "whole"),
-                                         *RUN, *extra), capture_output=True, text=True,
-                           timeout=300)
+    whole = run_launch("--out", str(tmp_path / "whole"),
+                       *RUN, *extra, timeout=300)
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
     cut = tmp_path / "cut"
@@ -50,8 +49,7 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     latest = max(set.intersection(*saved))
     assert 200 <= latest < 400
 
-    resumed = subprocess.run(python_module("psparse.launch", "--resume", str(cut), "--quiet"),
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_launch("--resume", str(cut), "--quiet", timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed at iteration {latest}" in (cut / "logs" / "server.log").read_text()
     names = ["metrics.jsonl", "eval.jsonl"] + (["recall.jsonl"] if "--probe-recall" in extra
@@ -73,6 +71,5 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
-    r = subprocess.run(python_module("psparse.launch", "--resume", str(tmp_path / "run")),
-                       capture_output=True, text=True, timeout=60)
+    r = run_launch("--resume", str(tmp_path / "run"), timeout=60)
     assert r.returncode == 2 and "no config.json" in r.stderr

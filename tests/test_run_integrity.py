@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 from test_restarts import kill_once_saved
 
 from psparse.rundir import RunDirError, open_truncated
@@ -28,8 +28,7 @@ RUN = ["--workers", "2", "--model", "mlp", "--dataset", "digits", "--eval-every"
 
 
 def launch(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch("--out", str(out), *args, timeout=timeout)
 
 
 def snapshot(folder: Path) -> dict[str, tuple[str, int]]:

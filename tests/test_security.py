@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import zmq.auth
-from conftest import python_module
+from conftest import python_module, run_launch
 from test_server import Client
 
 from psparse.wire import protocol
@@ -69,10 +69,9 @@ def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, s
 
 def test_training_run_with_curve_keys(tmp_path):
     keys = make_keys(tmp_path / "keys", 2)
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), "--quiet",
-                                     "--workers", "2", "--model", "mlp", "--dataset", "digits",
-                                     "--iterations", "20", "--curve-keys", str(keys)),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(tmp_path / "run"), "--quiet",
+                   "--workers", "2", "--model", "mlp", "--dataset", "digits",
+                   "--iterations", "20", "--curve-keys", str(keys), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
 
@@ -81,10 +80,9 @@ def test_user_script_run_with_curve_keys(tmp_path):
     """psparse.connect picks up the launcher's --curve-keys: encrypted, authorised workers."""
     keys = make_keys(tmp_path / "keys", 2)
     script = str(Path(__file__).resolve().parent / "user_train.py")
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "run"), "--quiet",
-                                     "--workers", "2", "--curve-keys", str(keys), script,
-                                     "--iterations", "10"),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(tmp_path / "run"), "--quiet",
+                   "--workers", "2", "--curve-keys", str(keys), script,
+                   "--iterations", "10", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
     # a CurveZMQ server admits no plain client: the workers registered, so they used the keys

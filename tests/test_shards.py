@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import python_module, read_jsonl
+from conftest import python_module, read_jsonl, run_launch
 
 from psparse.config import RunConfig
 from psparse.launch import cluster
@@ -32,8 +32,7 @@ FAKE_RSH = Path(__file__).resolve().parent / "fake_rsh.sh"
 
 
 def launch(out: Path, *args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_launch("--out", str(out), *args, timeout=timeout)
 
 
 def comparable(rows):

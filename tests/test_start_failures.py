@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import python_module
+from conftest import run_launch
 
 from psparse.config import RunConfig
 
@@ -36,8 +36,7 @@ def hostfile_run(tmp_path: Path, port: int) -> list[str]:
 
 def launch(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "run"
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), *RUN, *args),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(out), *RUN, *args, timeout=300)
     assert r.returncode != 0, r.stdout + r.stderr
     return r, json.loads((out / "summary.json").read_text())
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 HERE = Path(__file__).resolve().parent
 event_accumulator = pytest.importorskip(
@@ -24,8 +24,7 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def launch(out: Path, *args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(python_module("psparse.launch", "--quiet", "--out", str(out), *args),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--quiet", "--out", str(out), *args, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -69,10 +68,9 @@ def test_a_restarted_run_has_each_iteration_once_and_its_restart(tmp_path):
 
 
 def test_the_flag_without_the_package_is_refused_before_anything_starts(tmp_path):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "x"), "--workers",
-                                     "2", "--model", "mlp", "--dataset", "digits",
-                                     "--tensorboard", str(tmp_path / "tb")),
-                       capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE / "no_tensorboard")})
+    r = run_launch("--out", str(tmp_path / "x"), "--workers",
+                   "2", "--model", "mlp", "--dataset", "digits",
+                   "--tensorboard", str(tmp_path / "tb"),
+                   timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE / "no_tensorboard")})
     assert r.returncode == 2 and "--tensorboard needs the tensorboard package" in r.stderr
     assert not (tmp_path / "x").exists()

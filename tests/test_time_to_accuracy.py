@@ -5,10 +5,8 @@ machine hold for the shorter cluster run of the same arguments."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 from psparse.launch import build_parser
 from psparse.options import resolve_config
@@ -144,8 +142,7 @@ def test_training_does_not_depend_on_length_or_evaluation(tmp_path):
     for out, extra in ((short, ["--iterations", "12", "--eval-every", "4",
                                 "--eval-samples", "100"]),
                        (long, ["--iterations", "24", "--eval-every", "6"])):
-        r = subprocess.run(python_module("psparse.launch", "--out", str(out), *base, *extra),
-                           capture_output=True, text=True, timeout=300)
+        r = run_launch("--out", str(out), *base, *extra, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
     keep = ("iter", "loss", "upload_bytes", "broadcast_entries")
     a = [{k: m.get(k) for k in keep} for m in read_jsonl(short / "metrics.jsonl")]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import alive, descendants, python_module, read_jsonl
+from conftest import alive, descendants, python_module, read_jsonl, run_launch
 
 from psparse.training.models import LeNet5
 
@@ -21,8 +21,7 @@ def launch(out, *args, timeout=300, data_root=None):
     env = {**os.environ}
     if data_root is not None:
         env["PSPARSE_DATA"] = str(data_root)
-    return subprocess.run(python_module("psparse.launch", "--out", str(out), *args),
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_launch("--out", str(out), *args, timeout=timeout, env=env)
 
 
 def without_timing(records):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import msgpack
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, run_launch
 
 from psparse.cpu import quantize, value_kernels
 from psparse.policies.memory import Memory
@@ -257,8 +256,7 @@ RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations"
 
 
 def launch(out, *extra):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(out), *RUN, *extra),
-                       capture_output=True, text=True, timeout=300)
+    r = run_launch("--out", str(out), *RUN, *extra, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "summary.json").read_text()), read_jsonl(out / "metrics.jsonl")
 
@@ -300,7 +298,6 @@ def test_a_format_halves_the_value_bytes_and_the_run_is_reproducible(tmp_path):
 
 
 def test_no_broadcast_memory_needs_a_rounded_format(tmp_path):
-    r = subprocess.run(python_module("psparse.launch", "--out", str(tmp_path / "x"), *RUN,
-                                     "--no-broadcast-memory"), capture_output=True, text=True,
-                       timeout=120)
+    r = run_launch("--out", str(tmp_path / "x"), *RUN,
+                   "--no-broadcast-memory", timeout=120)
     assert r.returncode == 2 and "no-broadcast-memory is for rounded values" in r.stderr
