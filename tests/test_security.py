@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import zmq.auth
-from conftest import python_module, run_launch
+from conftest import python_module, read_jsonl, run_launch
 from test_server import Client
 
-from psparse.wire import protocol
+from psparse.wire import keyranges, protocol
 from psparse.wire.transport import Channel, TransportTimeout
 
 
@@ -33,24 +34,7 @@ def test_keys_layout(tmp_path):
 def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, server_factory):
     keys = make_keys(tmp_path / "keys", 1)
     server = server_factory(1, extra=("--curve-keys", str(keys)))
-    # a stranger with its own key pair, and a plaintext client: the handshake fails, nothing
-    # they send reaches the server, and nothing comes back
-    zmq.auth.create_certificates(str(tmp_path), "stranger")
-    shutil.copy(keys / "server.key", tmp_path)  # the server's public key is no secret
-    strangers = [Channel.client("127.0.0.1", server.port, curve_keys=tmp_path,
-                                key_name="stranger"),
-                 Channel.client("127.0.0.1", server.port)]
-    reg = dict(rank=0, world_size=1, checksum="c0", run=dict(
-        numel=1000, iterations=1, two_phase=False, steps=[[0, 10, 10, 0]], config={}))
-    for s in strangers:
-        # once ZeroMQ has seen the handshake fail it drops the pipe, so the send may not even
-        # be queued: a send that times out is the same refusal as one that vanishes
-        try:
-            s.send(protocol.encode("register", **reg))
-        except TransportTimeout:
-            pass
-    for s in strangers:
-        assert s.recv(1.5) is None
+    refused(server.port, tmp_path / "strangers", keys)
     # the authorised worker registers and trains
     worker = Client(server.port, 0, 1, 1)
     worker.ch.close()
@@ -63,8 +47,6 @@ def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, s
     assert server.wait()[0] == 0
     summary = json.loads((server.out / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["rejected_messages"] == 0
-    for s in strangers:
-        s.close(0)
 
 
 def test_training_run_with_curve_keys(tmp_path):
@@ -87,6 +69,62 @@ def test_user_script_run_with_curve_keys(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
     # a CurveZMQ server admits no plain client: the workers registered, so they used the keys
     assert json.loads((tmp_path / "run" / "config.json").read_text())["curve_keys"] == str(keys)
+
+
+def refused(port: int, strangers_dir: Path, keys: Path) -> None:
+    """A client with a key the run never authorised, and a plaintext one: whatever they send
+    reaches nothing and nothing comes back."""
+    strangers_dir.mkdir()
+    zmq.auth.create_certificates(str(strangers_dir), "stranger")
+    shutil.copy(keys / "server.key", strangers_dir)  # the server's public key is no secret
+    strangers = [Channel.client("127.0.0.1", port, curve_keys=strangers_dir,
+                                key_name="stranger"), Channel.client("127.0.0.1", port)]
+    reg = dict(rank=0, world_size=2, checksum="c0", run=dict(
+        numel=1000, iterations=1, two_phase=False, steps=[[0, 10, 10, 0]], config={}))
+    for s in strangers:
+        try:
+            s.send(protocol.encode("register", **reg))
+        except TransportTimeout:  # the handshake failed and ZeroMQ dropped the pipe
+            pass
+    for s in strangers:
+        assert s.recv(1.0) is None
+        s.close(0)
+
+
+def test_a_sharded_run_with_curve_keys_admits_only_its_workers(tmp_path):
+    """--servers 2 --curve-keys: every shard is a CURVE server with the run's authorised keys.
+    Strangers probing both shards mid-run reach neither; the run's results are those of the
+    same run in plaintext (timing and bytes aside: CurveZMQ's framing is below the count)."""
+    keys = make_keys(tmp_path / "keys", 2)
+    run = ["--quiet", "--workers", "2", "--servers", "2", "--model", "mlp", "--dataset",
+           "digits", "--iterations", "600", "--seed", "3", "--policy", "vote"]
+    plain = run_launch("--out", str(tmp_path / "plain"), *run, timeout=300)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    out = tmp_path / "curve"
+    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *run,
+                                          "--curve-keys", str(keys)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for i in range(2):
+            shard = keyranges.shard_dir(out, i)
+            deadline = time.monotonic() + 60
+            while not ((shard / "metrics.jsonl").is_file() and (shard / "server.port").is_file()):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                time.sleep(0.02)
+            refused(int((shard / "server.port").read_text()), tmp_path / f"strangers-{i}", keys)
+        # the probes met a live run (not one that had ended, which answers nothing either)
+        assert (out / "shard-1" / "metrics.jsonl").read_bytes().count(b"\n") < 600
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    for i in range(2):
+        summary = json.loads((keyranges.shard_dir(out, i) / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["rejected_messages"] == 0
+    skip = ("round_s", "time_s", "upload_bytes", "broadcast_bytes", "shards")
+    rows = [[{k: v for k, v in r.items() if k not in skip} for r in read_jsonl(d / "metrics.jsonl")]
+            for d in (out, tmp_path / "plain")]
+    assert len(rows[0]) == 600 and rows[0] == rows[1]
 
 
 def test_non_loopback_bind_without_keys_warns(tmp_path):

@@ -224,7 +224,6 @@ def test_bad_shard_values_are_refused_by_the_server(tmp_path, args, message):
 @pytest.mark.parametrize("args, message", [
     (["--servers", "0"], "servers must be >= 1"),
     (["--servers", "2", "--elastic"], "--elastic does not work with several server shards"),
-    (["--servers", "2", "--curve-keys", "keys"], "--curve-keys does not work with several"),
     (["--servers", "2", "--baseline", "ddp"], "--servers does not apply"),
 ])
 def test_bad_servers_values_are_refused_by_the_launcher(tmp_path, args, message):

@@ -47,9 +47,6 @@ def check_shardable(cfg) -> None:
         raise ValueError("--elastic does not work with several server shards yet: each shard "
                          "would decide on its own which workers are still live (use one "
                          "server)")
-    if cfg.curve_keys:
-        raise ValueError("--curve-keys does not work with several server shards yet (use one "
-                         "server, or the run token for admission)")
 
 
 def bounds(numel: int, count: int) -> np.ndarray:
