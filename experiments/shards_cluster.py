@@ -1,0 +1,155 @@
+"""Issue 54: server shards beside the workers on the emulated cluster, against one server, and
+the cost model's prediction of each run.
+
+    python -m experiments.shards_cluster                 # LeNet-5, 8 workers, 25 Mbit/s
+    python -m experiments.shards_cluster --stage report  # the tables from the recorded runs
+
+The cluster sweep's LeNet-5 runs (experiments/cluster_sweep.py: 8 workers, one per host of 1/6
+core, 300 iterations, seed 0) with top-k at 1%, in fp32 and with ``--values int4``, each
+served two ways: one server on h0 (a host of its own, as the sweep does), and 8 key-range
+shards, shard I on worker host I+1 (``--servers 8 --server-hosts h1,...,h8``: every host's link
+carries its worker's pushes to the other shards and its shard's broadcast to the other workers).
+
+Per run: the median time per iteration, the workers' compute, the busiest host's link bytes
+per iteration (``ip -s link``, TCP/IP framing included), the busiest shard's bytes over the mean
+shard's, and ``psparse-model``'s prediction from the run's own k, union, value format, compute
+and measured imbalance, with a full-duplex link (tc shapes each direction on its own): the
+issue asks for every prediction within 15% of the measured iteration.
+
+Results: experiments/results/shards-cluster.{json,md}. A finished run is reused when the same
+code made it with the same arguments (as experiments/cluster.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from experiments.cluster_report import run_dir
+from experiments.cluster_sweep import MODELS, PSPARSE_RUNS, WORKERS
+from experiments.harness import RESULTS, ROOT, RunDir, md_table
+from experiments.time_to_accuracy import this_machine
+from psparse.analysis.costmodel import WIRE_OVERHEAD, Setting, predict, value_bytes_of
+from psparse.provenance import provenance
+from psparse.wire.transport import parse_rate
+
+MODEL, RATE = "lenet", "25mbit"
+FORMATS = {"fp32": [], "int4": ["--values", "int4"]}
+PLACEMENTS = {"one-server": 1, "beside-workers": WORKERS}
+
+
+def runs() -> dict[str, tuple[str, str]]:
+    """run name -> (value format, placement)."""
+    return {f"topk-{fmt}-{place}": (fmt, place) for fmt in FORMATS for place in PLACEMENTS}
+
+
+def run_args(fmt: str, place: str, addrs: list[str]) -> list[str]:
+    args = [*PSPARSE_RUNS["topk"], *FORMATS[fmt]]
+    if PLACEMENTS[place] > 1:  # shard I on worker host I + 1, listening on its own address
+        args += ["--servers", str(PLACEMENTS[place]), "--server-hosts",
+                 ",".join(addrs[1:WORKERS + 1]), "--bind", "0.0.0.0"]
+    return args
+
+
+def measure(name: str) -> dict | None:
+    fmt, place = runs()[name]
+    d = run_dir(MODEL, RATE, name, 0)
+    run = RunDir(d)
+    summary = run.summary()
+    if not summary or summary.get("status") != "ok":
+        return None
+    metrics = run.metrics()
+    iters = len(metrics)
+    median_s = statistics.median(b["time_s"] - a["time_s"] for a, b in zip(metrics, metrics[1:]))
+    ranks = run.ranks(WORKERS)[1:]  # rank 0 also evaluates
+    compute_s = statistics.mean((r["compute_s"] + r["select_s"]) / iters for r in ranks)
+    links = json.loads((d / "links.json").read_text())
+    hosts = {h: v for h, v in links.items() if isinstance(v, dict)}
+    busiest = max(hosts, key=lambda h: hosts[h]["rx_bytes"] + hosts[h]["tx_bytes"])
+    shards = PLACEMENTS[place]
+    if shards > 1:
+        per_shard = [sum(m["shards"][i]["upload_bytes"] + m["shards"][i]["broadcast_bytes"]
+                         for m in metrics) for i in range(shards)]
+        imbalance = max(per_shard) / statistics.mean(per_shard)
+    else:
+        imbalance = 1.0
+    s = Setting(numel=summary["numel"], k=statistics.mean(m["budget"] for m in metrics),
+                workers=WORKERS, union=statistics.mean(m["broadcast_entries"] for m in metrics),
+                compute_s=compute_s, servers=shards, colocated=shards > 1,
+                shard_imbalance=imbalance, value_bytes=value_bytes_of(fmt), full_duplex=True)
+    if shards == 1:  # one server: the run's own bytes, headers included
+        s.up_bytes = statistics.mean(m["upload_bytes"] for m in metrics)
+        s.down_bytes = statistics.mean(m["broadcast_bytes"] for m in metrics)
+    predicted_s = predict(s, parse_rate(RATE), wire_overhead=WIRE_OVERHEAD)["sparse PS"]
+    return {"run": name, "values": fmt, "placement": place, "servers": shards,
+            "code": run.code_id(), "iterations": iters, "median_ms": 1e3 * median_s,
+            "compute_ms": 1e3 * compute_s, "union_over_k": s.union / s.k,
+            "busiest_host": busiest,
+            "busiest_link_kb_per_iteration": {k: hosts[busiest][k] / 1e3 / iters
+                                              for k in ("rx_bytes", "tx_bytes")},
+            "shard_imbalance": imbalance, "predicted_ms": 1e3 * predicted_s,
+            "model_error": predicted_s / median_s - 1,
+            "test_acc": summary["test_acc"]}
+
+
+def report() -> dict:
+    rows = [r for r in map(measure, runs()) if r is not None]
+    for r in rows:
+        one = next((o for o in rows if o["values"] == r["values"]
+                    and o["placement"] == "one-server"), None)
+        r["vs_one_server"] = r["median_ms"] / one["median_ms"] if one else None
+    return {"workload": f"psparse-launch {' '.join(MODELS[MODEL]['base'])} "
+                        f"{' '.join(PSPARSE_RUNS['topk'])} on the emulated cluster at {RATE} "
+                        "(9 hosts of 1/6 core, one shaped link each)",
+            "machine": this_machine(), "commit": provenance()["git_commit"], "rows": rows}
+
+
+def page(result: dict) -> str:
+    header = ["run", "shards", "ms / iteration (median)", "vs one server", "compute ms",
+              "busiest link kB / it (in, out)", "shard imbalance", "model ms", "model error",
+              "test acc"]
+    body = [[r["run"], r["servers"], f"{r['median_ms']:.1f}",
+             "" if r["vs_one_server"] is None else f"{r['vs_one_server']:.2f}x",
+             f"{r['compute_ms']:.1f}",
+             f"{r['busiest_link_kb_per_iteration']['rx_bytes']:.1f}, "
+             f"{r['busiest_link_kb_per_iteration']['tx_bytes']:.1f} ({r['busiest_host']})",
+             f"{r['shard_imbalance']:.2f}", f"{r['predicted_ms']:.1f}",
+             f"{100 * r['model_error']:+.0f}%", f"{r['test_acc']:.4f}"] for r in result["rows"]]
+    return (f"# Server shards beside the workers, measured (issue 54)\n\n"
+            f"Generated by `python -m experiments.shards_cluster` from shards-cluster.json; "
+            f"commit {result['commit']}, {result['machine']}.\n\nWorkload: "
+            f"{result['workload']}. Seed 0. The model column is psparse-model's sparse-PS "
+            f"time with the run's own k, union, value format, compute and shard imbalance, a "
+            f"full-duplex link and TCP/IP framing (a model, set against the measured "
+            f"median).\n\n" + md_table(header, body) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.shards_cluster",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", default="timing,report",
+                    help="comma-separated stages (default %(default)s)")
+    ap.add_argument("--reuse-any", action="store_true",
+                    help="reuse finished runs whatever code made them")
+    args = ap.parse_args(argv)
+    stages = args.stage.split(",")
+    if "timing" in stages:
+        from experiments.cluster import emulated_cluster, run_one
+        code_id = provenance()["code_id"]
+        with emulated_cluster(RATE) as hosts:
+            for name, (fmt, place) in runs().items():
+                run_one(MODEL, RATE, name, hosts, code_id, args.reuse_any, None,
+                        run_args=run_args(fmt, place, hosts.addrs))
+    if "report" in stages:
+        result = report()
+        (RESULTS / "shards-cluster.json").write_text(json.dumps(result, indent=1) + "\n")
+        (RESULTS / "shards-cluster.md").write_text(page(result))
+        print(page(result))
+        print(f"wrote {(RESULTS / 'shards-cluster.md').relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
