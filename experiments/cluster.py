@@ -83,8 +83,10 @@ def _proc_cpu(out: Path) -> dict[int, list]:
         module = args[2].decode() if len(args) > 2 else ""
         found[int(pid)] = [module, int(stat[1]), (int(stat[11]) + int(stat[12])) / hz]
     launchers = {pid for pid, (m, _, _) in found.items() if m == "psparse.launch"}
+    # a server forked by the launcher runs as psparse.launch; one started on another host
+    # (--server-hosts: a shard beside a worker) as psparse.server
     return {pid: ["launcher" if m == "psparse.launch" and ppid not in launchers else
-                  "server" if m == "psparse.launch" else "worker", cpu]
+                  "server" if m in ("psparse.launch", "psparse.server") else "worker", cpu]
             for pid, (m, ppid, cpu) in found.items()}
 
 
@@ -117,7 +119,10 @@ def sample_cpu(out: Path, done: threading.Event, period: float = 0.25) -> None:
     and the server's by thread, user and system apart (``server_threads``)."""
     with open(out / "cpu-samples.jsonl", "w") as f:
         while not done.is_set():
+            # a sharded run merges its metrics at the end: shard 0's count the iterations
             metrics = out / "metrics.jsonl"
+            if not metrics.is_file():
+                metrics = out / "shard-0" / "metrics.jsonl"
             iters = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
             procs = _proc_cpu(out)
             server = [int(pid) for pid, (role, _) in procs.items() if role == "server"]

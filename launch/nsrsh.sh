@@ -5,9 +5,20 @@
 # ssh would run it on a separate machine. For psparse-launch --hostfile: --rsh launch/nsrsh.sh
 #
 #   launch/nsrsh.sh HOST 'COMMAND LINE'
+#
+# HOST is a namespace's name, or an IPv4 address one of them holds: --server-hosts names each
+# shard's host by the address the workers connect to, as a real cluster's host name serves both.
 set -euo pipefail
 host=${1:?usage: nsrsh.sh HOST COMMAND...}
 shift
+if [[ $host =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+    for ns in $(ip netns list | awk '{print $1}'); do
+        if ip -n "$ns" -4 -o addr show | grep -q " inet $host/"; then
+            host=$ns
+            break
+        fi
+    done
+fi
 # join the host's cgroups in each hierarchy (cpu: its CPU share; cpuset: its CPU, when pinned)
 for ctl in cpu cpuset; do
     if [ -d /sys/fs/cgroup/$ctl ]; then

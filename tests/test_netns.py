@@ -173,6 +173,10 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
             if cpus.parent.is_dir():
                 assert cpus.read_text().strip() == str(2 % (os.cpu_count() or 1))
                 assert joined["cpuset"].endswith(f"/psparse-{name}-h2"), nested
+        # a host named by its address (--server-hosts names shard hosts so) is that host
+        by_addr = subprocess.run([*rsh, addrs[2], "ip -4 -o addr show eth0"],
+                                 capture_output=True, text=True, timeout=30)
+        assert f" {addrs[2]}/" in by_addr.stdout, by_addr
         hostfile = tmp_path / "hosts"
         hostfile.write_text(f"{name}-h1 slots=1\n{name}-h2 slots=1\n")
         out = tmp_path / "run"
