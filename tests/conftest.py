@@ -26,19 +26,38 @@ def data_dir() -> Path:
 _zygote = None
 
 
-def run_launch(*args: str, env: dict | None = None, cwd=None,
-               timeout: float | None = 300) -> subprocess.CompletedProcess:
-    """``python -m psparse.launch ARGS`` to its end, its output captured, as ``subprocess.run``
-    would; through this pytest process's warm zygote (tests/zygote.py: torch, numba imported
-    once) unless PSPARSE_TEST_ZYGOTE=0."""
+def zygote():
+    """This pytest process's warm zygote (tests/zygote.py: torch, numba imported once), or None
+    with PSPARSE_TEST_ZYGOTE=0 (every launch a fresh interpreter)."""
     global _zygote
     if os.environ.get("PSPARSE_TEST_ZYGOTE", "1") == "0":
-        return subprocess.run(python_module("psparse.launch", *args), capture_output=True,
-                              text=True, env=env, cwd=cwd, timeout=timeout)
+        return None
     if _zygote is None:
         from zygote import Zygote
         _zygote = Zygote()
-    return _zygote.run(list(args), env=env, cwd=cwd, timeout=timeout)
+    return _zygote
+
+
+def run_launch(*args: str, env: dict | None = None, cwd=None,
+               timeout: float | None = 300) -> subprocess.CompletedProcess:
+    """``python -m psparse.launch ARGS`` to its end, its output captured, as ``subprocess.run``
+    would, through the zygote."""
+    z = zygote()
+    if z is None:
+        return subprocess.run(python_module("psparse.launch", *args), capture_output=True,
+                              text=True, env=env, cwd=cwd, timeout=timeout)
+    return z.run(list(args), env=env, cwd=cwd, timeout=timeout)
+
+
+def start_launch(*args: str, env: dict | None = None, cwd=None):
+    """``python -m psparse.launch ARGS`` started, as ``subprocess.Popen`` with stdout piped,
+    stderr into it and text would, through the zygote: ``pid``, ``poll``, ``wait``,
+    ``communicate``, ``send_signal``, ``kill`` work as a Popen's."""
+    z = zygote()
+    if z is None:
+        return subprocess.Popen(python_module("psparse.launch", *args), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    return z.start(list(args), env=env, cwd=cwd)
 
 
 def pytest_sessionfinish(session):

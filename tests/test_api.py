@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import python_module, read_jsonl, run_launch
+from conftest import python_module, read_jsonl, run_launch, start_launch
 
 import psparse
 from psparse.config import ConfigError
@@ -89,10 +89,8 @@ def test_a_user_script_resumes_exactly(tmp_path):
     whole = launch(tmp_path / "whole", *run, SCRIPT, "--iterations", "130")
     assert whole.returncode == 0, whole.stdout + whole.stderr
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), "--quiet", *run,
-                                          SCRIPT, "--iterations", "130"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=HERE)
+    proc = start_launch("--out", str(cut), "--quiet", *run,
+                        SCRIPT, "--iterations", "130", cwd=HERE)
     deadline = time.monotonic() + 120
     while not ((cut / "checkpoint" / "server-100.pt").is_file()
                and len(read_jsonl(cut / "metrics.jsonl")) >= 110):

@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 import torch
-from conftest import REPO, ServerProcess, python_module, read_jsonl, run_launch
+from conftest import REPO, ServerProcess, read_jsonl, run_launch, start_launch
 
 import psparse
 from psparse.worker.device_round import DeviceEngine
@@ -199,8 +198,7 @@ def test_a_device_run_resumes_exactly(tmp_path):
     assert whole.returncode == 0, whole.stdout + whole.stderr
     cut = tmp_path / "cut"
     env = dict(os.environ, PSPARSE_EMULATE_GPU="strict")
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), *RUN, *run),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = start_launch("--out", str(cut), *RUN, *run, env=env)
     deadline = time.monotonic() + 120
     while not ((cut / "checkpoint" / "server-40.pt").is_file()
                and len(read_jsonl(cut / "metrics.jsonl")) >= 45):

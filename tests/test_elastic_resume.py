@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import python_module
+from conftest import start_launch
 from test_restarts import assert_identical, kill_once_saved, launch, restarted_once
 
 from psparse import checkpoint
@@ -61,9 +61,8 @@ def test_a_run_that_lost_a_worker_restarts_after_the_loss_with_the_live_ranks(tm
     assert "rank-2 exited with code 1; --elastic: the run goes on without it" in r.stdout
     assert summary_of(clean)["lost_workers"] == [{"rank": 2, "iter": 25}]
     out = tmp_path / "run"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), "--max-restarts",
-                                          "1", *AFTER),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(out), "--max-restarts",
+                        "1", *AFTER)
     saved = [out / "checkpoint" / name for name in ("server-60.pt", "rank-0-60.pt",
                                                     "rank-1-60.pt")]
     kill_once_saved(proc, out, saved, "server")

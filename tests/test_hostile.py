@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import threading
 import time
 
 import msgpack
 import numpy as np
 import zmq
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, start_launch
 
 from psparse.wire import protocol
 
@@ -126,8 +125,7 @@ class Rogue(threading.Thread):
 
 
 def launch(out):
-    return subprocess.Popen(python_module("psparse.launch", "--out", str(out), *RUN),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_launch("--out", str(out), *RUN)
 
 
 def without_timing(rows):

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import python_module, read_jsonl
+from conftest import read_jsonl, start_launch
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "16",
        "--eval-every", "8", "--seed", "3", "--quiet", "--server-limit", "2k", "--servers", "2"]
@@ -42,9 +41,8 @@ def runs(tmp_path_factory):
             if kernels == "numpy":
                 env["PSPARSE_CPU_KERNELS"] = "numpy"
             out = root / f"{policy}-{kernels}"
-            running[(policy, kernels)] = (out, subprocess.Popen(
-                python_module("psparse.launch", "--out", str(out), *RUN, "--policy", policy),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+            running[(policy, kernels)] = (out, start_launch("--out", str(out), *RUN,
+                                                            "--policy", policy, env=env))
         key = next(iter(running))
         out, proc = running.pop(key)
         log, _ = proc.communicate(timeout=300)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import msgpack
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import python_module, read_jsonl, run_launch
+from conftest import read_jsonl, run_launch, start_launch
 
 from psparse.config import ConfigError, RunConfig
 from psparse.wire import protocol
@@ -241,9 +240,8 @@ def test_a_user_script_through_connect_overlaps_without_changing_its_loop(tmp_pa
     script = str(Path(__file__).resolve().parent / "user_train.py")
     common = ["--workers", "2", "--granularity", "layer", "--density", "0.05", "--quiet"]
     plain, over = tmp_path / "plain", tmp_path / "over"
-    procs = [subprocess.Popen(python_module("psparse.launch", "--out", str(out), *common, *extra,
-                                            script, "--iterations", "10"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [start_launch("--out", str(out), *common, *extra,
+                          script, "--iterations", "10")
              for out, extra in ((plain, []), (over, ["--overlap", "--bucket-mb", "0.0005"]))]
     for proc in procs:  # both at once: two short runs, mostly start-up
         output = proc.communicate(timeout=300)[0]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import python_module, read_jsonl, run_launch
+from conftest import read_jsonl, run_launch, start_launch
 
 from psparse.launch.processes import writer_of
 
@@ -80,9 +80,8 @@ def clean_run(tmp_path_factory) -> Path:
 def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path, clean_run,
                                                                        victim, extra):
     out = tmp_path / "run"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *RUN, *extra,
-                                          "--max-restarts", "2", "--restart-backoff", "0.5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(out), *RUN, *extra,
+                        "--max-restarts", "2", "--restart-backoff", "0.5")
     servers = [out] if not extra else [out / "shard-0", out / "shard-1"]
     saved = [d / "checkpoint" / "server-200.pt" for d in servers] + \
         [out / "checkpoint" / f"rank-{r}-200.pt" for r in range(3)]  # all of iteration 200

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import pytest
-from conftest import python_module, read_jsonl, run_launch
+from conftest import read_jsonl, run_launch, start_launch
 
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
        "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet"]
@@ -29,8 +28,7 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), *RUN, *extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(cut), *RUN, *extra)
     deadline = time.monotonic() + 120
     while not ((cut / "checkpoint" / "server-200.pt").is_file()
                and len(read_jsonl(cut / "metrics.jsonl")) >= 230):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import python_module, read_jsonl, run_launch
+from conftest import read_jsonl, run_launch, start_launch
 from test_restarts import kill_once_saved
 
 from psparse.rundir import RunDirError, open_truncated
@@ -43,9 +43,8 @@ def stopped_run(tmp_path) -> Path:
     """A run of 120 iterations whose worker rank 1 was killed once the checkpoints of iteration
     80 were saved (no restarts): it failed, with checkpoints at 40 and 80 to resume from."""
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *RUN,
-                                          "--iterations", "120", "--checkpoint-every", "40"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(out), *RUN,
+                        "--iterations", "120", "--checkpoint-every", "40")
     kill_once_saved(proc, out, [out / "checkpoint" / f"{w}-80.pt"
                                 for w in ("server", "rank-0", "rank-1")], "rank-1")
     output = proc.communicate(timeout=120)[0]

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import zmq.auth
-from conftest import python_module, read_jsonl, run_launch
+from conftest import python_module, read_jsonl, run_launch, start_launch
 from test_server import Client
 
 from psparse.wire import keyranges, protocol
@@ -101,9 +101,8 @@ def test_a_sharded_run_with_curve_keys_admits_only_its_workers(tmp_path):
     plain = run_launch("--out", str(tmp_path / "plain"), *run, timeout=300)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     out = tmp_path / "curve"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), *run,
-                                          "--curve-keys", str(keys)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(out), *run,
+                        "--curve-keys", str(keys))
     try:
         for i in range(2):
             shard = keyranges.shard_dir(out, i)

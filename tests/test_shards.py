@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import python_module, read_jsonl, run_launch
+from conftest import python_module, read_jsonl, run_launch, start_launch
 
 from psparse.config import RunConfig
 from psparse.launch import cluster
@@ -101,8 +101,7 @@ def test_a_sharded_run_resumes_from_its_checkpoints(tmp_path):
     assert whole.returncode == 0, whole.stdout + whole.stderr
 
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(cut), *run),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(cut), *run)
     deadline = time.monotonic() + 120
     while not (all((keyranges.shard_dir(cut, i) / "checkpoint" / "server-200.pt").is_file()
                    for i in range(2))

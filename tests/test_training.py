@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import alive, descendants, python_module, read_jsonl, run_launch
+from conftest import alive, descendants, python_module, read_jsonl, run_launch, start_launch
 
 from psparse.training.models import LeNet5
 
@@ -136,10 +136,9 @@ def _wait_for_metrics(path, lines=3, timeout=120):
 
 def test_killed_worker_fails_the_run_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(python_module("psparse.launch", "--out", str(out), "--workers", "3",
-                                          "--model", "mlp", "--dataset", "digits",
-                                          "--iterations", "1000000", "--timeout", "10"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_launch("--out", str(out), "--workers", "3",
+                        "--model", "mlp", "--dataset", "digits",
+                        "--iterations", "1000000", "--timeout", "10")
     try:
         _wait_for_metrics(out / "metrics.jsonl")
         children = descendants(proc.pid)

@@ -12,7 +12,7 @@ counts) is not sent to the zygote: ``run`` starts a real interpreter for it.
 
 Everything else stays real: the launcher forks its servers and workers as it always does, they
 talk over real sockets, and the child is a process of its own (its own session, so a timeout
-stops it and everything it started).
+stops it and everything it started) that a test can signal by its pid as it would a Popen's.
 
 Set ``PSPARSE_TEST_ZYGOTE=0`` to launch every run in a fresh interpreter instead.
 """
@@ -22,11 +22,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -43,8 +46,8 @@ def _read_at_import(env: dict) -> dict:
 
 # ---------------------------------------------------------------------------------- the zygote
 def serve(listener: socket.socket) -> None:
-    """Answer launch requests one at a time, until the client closes the listening socket's
-    peer end (the pytest process exits)."""
+    """Answer launch requests: fork a child for each, tell the client its pid, and once it
+    exits its exit code (a thread per child, so that launches can run side by side)."""
     import numba  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
@@ -53,22 +56,26 @@ def serve(listener: socket.socket) -> None:
             conn, _ = listener.accept()
         except OSError:
             return
-        with conn:
-            request = json.loads(_read_line(conn))
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request)  # never returns
-            try:
-                conn.sendall(f"{pid}\n".encode())
-            except OSError:  # the client is gone (a timeout): the child is its to stop
-                pass
-            _, status = os.waitpid(pid, 0)
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:
-                pass
+        request = json.loads(_read_line(conn))
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            _child(request)  # never returns
+        threading.Thread(target=_report, args=(conn, pid), daemon=True).start()
+
+
+def _report(conn: socket.socket, pid: int) -> None:
+    with conn:
+        try:
+            conn.sendall(f"{pid}\n".encode())
+        except OSError:  # the client is gone (a timeout): the child is its to stop
+            pass
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+        except OSError:
+            pass
 
 
 def _child(request: dict) -> None:
@@ -117,45 +124,43 @@ def _read_line(conn: socket.socket) -> str:
 
 # ---------------------------------------------------------------------------------- the client
 class Zygote:
-    """The client end: ``run(args, ...)`` as ``subprocess.run(python -m psparse.launch ARGS)``."""
+    """The client end: ``start(args, ...)`` as ``subprocess.Popen(python -m psparse.launch
+    ARGS)``, ``run(args, ...)`` as ``subprocess.run`` of it."""
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="psparse-zygote-"))
         self.address = str(self.folder / "socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.address)
-        listener.listen(1)
+        listener.listen(8)
         self.env_at_import = _read_at_import(dict(os.environ))
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(listener.fileno())], pass_fds=[listener.fileno()],
             stdin=subprocess.DEVNULL)
         listener.close()
 
-    def run(self, args: list[str], *, env: dict | None = None, cwd=None,
-            timeout: float | None = None) -> subprocess.CompletedProcess:
+    def start(self, args: list[str], *, env: dict | None = None, cwd=None,
+              merge_stderr: bool = True):
+        """The launch as a ``LaunchProcess`` (or a ``subprocess.Popen`` where the zygote cannot
+        take it), its output captured: stderr into stdout when ``merge_stderr``."""
         env = dict(os.environ if env is None else env)
         argv = [sys.executable, "-m", "psparse.launch", *args]
         if _read_at_import(env) != self.env_at_import or self.proc.poll() is not None:
-            return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd,
-                                  timeout=timeout)
-        with tempfile.TemporaryDirectory(dir=self.folder) as tmp:
-            stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"args": list(args), "env": env, "cwd": str(Path(cwd or os.getcwd())),
-                       "stdout": str(stdout), "stderr": str(stderr)}
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.connect(self.address)
-                conn.sendall((json.dumps(request) + "\n").encode())
-                reader = conn.makefile("r")
-                pid = int(reader.readline())
-                conn.settimeout(timeout)
-                try:
-                    code = int(reader.readline())
-                except TimeoutError:
-                    _kill_session(pid)
-                    raise subprocess.TimeoutExpired(argv, timeout, stdout.read_text(),
-                                                    stderr.read_text()) from None
-            return subprocess.CompletedProcess(argv, code, stdout.read_text(errors="replace"),
-                                               stderr.read_text(errors="replace"))
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                                    stderr=subprocess.STDOUT if merge_stderr else
+                                    subprocess.PIPE)
+        return LaunchProcess(self, argv, env, cwd, merge_stderr)
+
+    def run(self, args: list[str], *, env: dict | None = None, cwd=None,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+        proc = self.start(args, env=env, cwd=cwd, merge_stderr=False)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc.pid)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -163,9 +168,89 @@ class Zygote:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        for leftover in self.folder.glob("*"):
-            leftover.unlink(missing_ok=True)
-        self.folder.rmdir()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class LaunchProcess:
+    """A launch the zygote forked, with the part of ``subprocess.Popen``'s interface the tests
+    use: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``, ``communicate`` (stdout, and
+    stderr unless merged; text), ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, zygote: Zygote, argv: list[str], env: dict, cwd, merge_stderr: bool):
+        self.args, self.returncode = argv, None
+        self.folder = Path(tempfile.mkdtemp(dir=zygote.folder))
+        self.stdout_path = self.folder / "stdout"
+        self.stderr_path = self.stdout_path if merge_stderr else self.folder / "stderr"
+        request = {"args": argv[3:], "env": env, "cwd": str(Path(cwd or os.getcwd())),
+                   "stdout": str(self.stdout_path), "stderr": str(self.stderr_path)}
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(zygote.address)
+        self.conn.sendall((json.dumps(request) + "\n").encode())
+        self.received = b""  # the zygote's lines: the pid, then the exit code
+        self.pid = int(self._line(None))
+        self.merged = merge_stderr
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The zygote's next line; None when none came within ``timeout`` (0: at once)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.received:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.conn], [], [], left)[0]:
+                return None
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise ConnectionError("the zygote closed the connection before the launch ended")
+            self.received += chunk
+        line, self.received = self.received.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line)
+            self.conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._line(0)
+            if line is not None:
+                self.returncode = int(line)
+                self.conn.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            exc.output = self._read(self.stdout_path)
+            raise
+        out = self._read(self.stdout_path)
+        err = None if self.merged else self._read(self.stderr_path)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return out, err
+
+    @staticmethod
+    def _read(path: Path) -> str:
+        try:
+            return path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _kill_session(pid: int) -> None:
