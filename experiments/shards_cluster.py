@@ -8,7 +8,9 @@ The cluster sweep's LeNet-5 runs (experiments/cluster_sweep.py: 8 workers, one p
 core, 300 iterations, seed 0) with top-k at 1%, in fp32 and with ``--values int4``, each
 served two ways: one server on h0 (a host of its own, as the sweep does), and 8 key-range
 shards, shard I on worker host I+1 (``--servers 8 --server-hosts h1,...,h8``: every host's link
-carries its worker's pushes to the other shards and its shard's broadcast to the other workers).
+carries its worker's pushes to the other shards and its shard's broadcast to the other workers),
+and the same 8 shards with ``--shard-edges`` from ``psparse-locality --shards 8`` on the fp32
+run's recorded pushes (ranges of equal load instead of equal size).
 
 Per run: the median time per iteration, the workers' compute, the busiest host's link bytes
 per iteration (``ip -s link``, TCP/IP framing included), the busiest shard's bytes over the mean
@@ -37,7 +39,18 @@ from psparse.wire.transport import parse_rate
 
 MODEL, RATE = "lenet", "25mbit"
 FORMATS = {"fp32": [], "int4": ["--values", "int4"]}
-PLACEMENTS = {"one-server": 1, "beside-workers": WORKERS}
+# beside-workers-balanced: the same, with --shard-edges from the profile run's recorded pushes
+PLACEMENTS = {"one-server": 1, "beside-workers": WORKERS, "beside-workers-balanced": WORKERS}
+# the fp32 run once more on this machine with --record-selections (not timed): whose pushes
+# psparse-locality --shards 8 balances (int4's selections differ a little; the same edges serve)
+PROFILE = ROOT / "runs" / "cluster" / f"{MODEL}-profile" / "topk-fp32-s0"
+
+
+def profile_edges() -> list[int] | None:
+    from psparse.analysis.locality import shard_split
+    if not any(PROFILE.glob("selections-rank-*.npz")):
+        return None
+    return shard_split(PROFILE, WORKERS)["shard_edges"]
 
 
 def runs() -> dict[str, tuple[str, str]]:
@@ -50,6 +63,8 @@ def run_args(fmt: str, place: str, addrs: list[str]) -> list[str]:
     if PLACEMENTS[place] > 1:  # shard I on worker host I + 1, listening on its own address
         args += ["--servers", str(PLACEMENTS[place]), "--server-hosts",
                  ",".join(addrs[1:WORKERS + 1]), "--bind", "0.0.0.0"]
+    if place.endswith("-balanced"):
+        args += ["--shard-edges", ",".join(map(str, profile_edges()))]
     return args
 
 
@@ -110,7 +125,8 @@ def report() -> dict:
         one = next((o for o in rows if o["values"] == r["values"]
                     and o["placement"] == "one-server"), None)
         r["vs_one_server"] = r["median_ms"] / one["median_ms"] if one else None
-    return {"workload": f"psparse-launch {' '.join(MODELS[MODEL]['base'])} "
+    return {"shard_edges": profile_edges(),
+            "workload": f"psparse-launch {' '.join(MODELS[MODEL]['base'])} "
                         f"{' '.join(PSPARSE_RUNS['topk'])} on the emulated cluster at {RATE} "
                         "(9 hosts of 1/6 core, one shaped link each)",
             "machine": this_machine(), "commit": provenance()["git_commit"], "rows": rows}
@@ -136,7 +152,10 @@ def page(result: dict) -> str:
             f"time with the run's own k, union, value format, compute, shard imbalance and servers' "
             f"CPU (all shards together, at the hosts' share of a core), a full-duplex link and "
             f"TCP/IP framing (a model, set against the measured "
-            f"median).\n\n" + md_table(header, body) + "\n")
+            f"median). The balanced runs' `--shard-edges` "
+            f"{','.join(map(str, result['shard_edges'] or []))} come from "
+            f"`psparse-locality --shards 8` on the fp32 run's recorded pushes.\n\n"
+            + md_table(header, body) + "\n")
 
 
 def main(argv=None) -> int:
@@ -150,6 +169,9 @@ def main(argv=None) -> int:
     stages = args.stage.split(",")
     if "timing" in stages:
         from experiments.cluster import emulated_cluster, run_one
+        from experiments.time_to_accuracy import launch_local
+        launch_local(PROFILE, [*MODELS[MODEL]["base"], *PSPARSE_RUNS["topk"],
+                               "--record-selections"], 0, None)
         code_id = provenance()["code_id"]
         with emulated_cluster(RATE) as hosts:
             for name, (fmt, place) in runs().items():

@@ -215,6 +215,9 @@ class RunConfig:
         "contiguous ranges of about equal size, each served by its own server process "
         "(psparse-launch starts them; by hand: psparse-server --shard I/S)",
         agreed=False, launcher=True)
+    shard_edges: str | None = option(None, "with --servers S: the S - 1 keys E1,E2,... where "
+        "the shards' ranges meet, for equal load (psparse-locality RUN --shards S proposes "
+        "them; default: equal sizes)", agreed=False, launcher=True)
     server_limit: str | None = option(None,
         "largest broadcast per round: an entry count, a multiple of k (2k) or Nk; the "
         "rest is held in a server residual and sent later; with --servers S each shard "
@@ -332,26 +335,20 @@ class RunConfig:
              f"server-device must be cpu or cuda, got {self.server_device!r}")
         need(self.timeout > 0, "timeout must be > 0")
         need(self.register_timeout > 0, "register-timeout must be > 0")
-        if self.bandwidth is not None:
-            try:
-                parse_rate(self.bandwidth)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        if self.server_limit is not None:
-            try:
-                parse_limit(self.server_limit)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
         need(self.max_message_mb > 0, "max-message-mb must be > 0")
         need(isinstance(self.servers, int) and self.servers >= 1,
              f"servers must be >= 1 (key-range server shards), got {self.servers!r}")
-        if self.servers > 1:
-            try:
-                from .wire.keyranges import check_shardable
-
+        from .wire.keyranges import check_shardable, parse_edges
+        try:  # the parsers' own words
+            if self.bandwidth is not None:
+                parse_rate(self.bandwidth)
+            if self.server_limit is not None:
+                parse_limit(self.server_limit)
+            if self.servers > 1 or self.shard_edges is not None:
                 check_shardable(self)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+                parse_edges(self.shard_edges, self.servers)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_values(self) -> None:
         from .wire.values import ValueFormat

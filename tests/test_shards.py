@@ -224,6 +224,9 @@ def test_bad_shard_values_are_refused_by_the_server(tmp_path, args, message):
     (["--servers", "0"], "servers must be >= 1"),
     (["--servers", "2", "--elastic"], "--elastic does not work with several server shards"),
     (["--servers", "2", "--baseline", "ddp"], "--servers does not apply"),
+    (["--servers", "3", "--shard-edges", "100"], "expected 2 strictly increasing keys"),
+    (["--servers", "3", "--shard-edges", "900,100"], "expected 2 strictly increasing keys"),
+    (["--shard-edges", "100"], "--shard-edges needs --servers S with S >= 2"),
 ])
 def test_bad_servers_values_are_refused_by_the_launcher(tmp_path, args, message):
     r = launch(tmp_path / "run", *RUN, *args, timeout=60)
@@ -314,6 +317,47 @@ def test_key_ranges_split_and_cover_the_vector():
     assert parts == [[0, 1], [4], [5], [9]]
     with pytest.raises(ValueError, match="every shard needs at least one"):
         keyranges.bounds(3, 4)
+
+
+def test_balanced_edges_split_the_load_into_equal_parts():
+    load = np.array([8, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1])  # 16: half of it on the first key
+    assert keyranges.balanced_edges(load, 2) == [1]  # [0, 1) holds 8, [1, 12) the other 8
+    # the heavy key alone, then the other 8 over three shards (3, 2, 3: the closest to 8/3)
+    assert keyranges.balanced_edges(load, 4) == [1, 7, 9]
+    assert keyranges.balanced_edges(np.ones(12), 4) == [3, 6, 9]
+    assert keyranges.balanced_edges(np.zeros(6), 3) == [2, 4]  # no load: equal sizes
+    assert keyranges.balanced_edges(np.array([0, 0, 0, 9]), 3) == [2, 3]  # never empty
+    assert keyranges.bounds(12, 4, [1, 8, 10]).tolist() == [0, 1, 8, 10, 12]
+    with pytest.raises(ValueError, match="do not split a model of 12 entries into 3"):
+        keyranges.bounds(12, 3, [5, 12])
+
+
+def test_shard_edges_from_recorded_selections_balance_the_shards_and_change_no_result(tmp_path):
+    """psparse-locality --shards 3 proposes --shard-edges from a one-server run's recorded
+    pushes; on 3 shards with them the run equals the one-server run (the shards hold the ranges
+    named) and its busiest shard carries less of the bytes than with equal ranges."""
+    run = [*RUN, "--policy", "topk"]
+    one = tmp_path / "one"
+    r = launch(one, *run, "--record-selections")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(python_module("psparse.analysis.locality", str(one), "--shards", "3"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--shard-edges" in r.stdout, r.stdout + r.stderr
+    split = json.loads((one / "locality.json").read_text())["shard_split"]
+    edges = split["shard_edges"]
+    assert split["busiest_share_balanced"] < split["busiest_share_equal"]
+    busiest = {}
+    for name, extra in (("equal", []), ("balanced", ["--shard-edges", ",".join(map(str, edges))])):
+        r = launch(tmp_path / name, *run, "--servers", "3", *extra)
+        assert r.returncode == 0, r.stdout + r.stderr
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        loads = [s["upload_mb"] + s["broadcast_mb"] for s in summary["shards"]]
+        busiest[name] = max(loads) / sum(loads)
+        assert comparable(read_jsonl(tmp_path / name / "metrics.jsonl")) == \
+            comparable(read_jsonl(one / "metrics.jsonl")), name
+    assert [s["key_range"] for s in summary["shards"]] == \
+        [[0, edges[0]], [edges[0], edges[1]], [edges[1], summary["numel"]]]
+    assert busiest["balanced"] < busiest["equal"], busiest
 
 
 def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):

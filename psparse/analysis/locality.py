@@ -16,6 +16,12 @@ Analysis: ``psparse-locality RUN_DIR`` reads them and reports
   * agreement: the Jaccard overlap |A∩B|/|A∪B| of two workers' top-k sets at the same
     iteration, averaged over worker pairs, per layer and over iterations; also for the sets sent;
 and writes locality.json and locality.png (both panels) into RUN_DIR.
+
+``--shards S``: the key-range boundaries that give S server shards about the same load
+(``--shard-edges``), from the recorded pushes: a key's load is the entries it made, pushed by
+a worker or broadcast to the N workers at the union (``shard_load``), and the boundaries split
+its running sum in S equal parts (``keyranges.balanced_edges``); printed beside the busiest
+shard's share of the load under equal ranges and under the proposed ones.
 """
 
 from __future__ import annotations
@@ -199,20 +205,67 @@ def summary_text(result: dict) -> str:
     return "\n".join(lines)
 
 
+def shard_load(ranks: list[dict], numel: int) -> np.ndarray:
+    """Per key, the entries it made over the recorded iterations: once per worker that pushed
+    it, and N times (one broadcast per worker) per round whose union held it."""
+    load = np.zeros(numel, dtype=np.int64)
+    for t in range(min(len(r["sent"]) for r in ranks)):
+        sent = [r["sent"][t] for r in ranks]
+        for s in sent:
+            np.add.at(load, s, 1)
+        load[np.unique(np.concatenate(sent))] += len(ranks)
+    return load
+
+
+def shard_split(run_dir: Path, count: int) -> dict:
+    """``--shards S``: balanced boundaries for S shards, and the busiest shard's share of the
+    recorded load with equal ranges and with them (1/S is perfect balance)."""
+    from ..wire import keyranges
+
+    files = sorted(run_dir.glob("selections-rank-*.npz"))
+    if not files:
+        raise FileNotFoundError(f"no selections-rank-*.npz in {run_dir}: run psparse-launch "
+                                "with --record-selections")
+    ranks = [load(f) for f in files]
+    load_per_key = shard_load(ranks, sum(ranks[0]["layer_sizes"]))
+    total = max(1, int(load_per_key.sum()))
+    edges = keyranges.balanced_edges(load_per_key, count)
+
+    def busiest(bounds) -> float:
+        return max(int(load_per_key[a:b].sum()) for a, b in zip(bounds, bounds[1:])) / total
+    equal = keyranges.bounds(load_per_key.size, count).tolist()
+    return {"shards": count, "shard_edges": edges,
+            "busiest_share_equal": busiest(equal),
+            "busiest_share_balanced": busiest([0, *edges, load_per_key.size])}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="psparse-locality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="a run made with --record-selections")
     p.add_argument("--horizon", type=int, default=20, help="largest window h (default 20)")
+    p.add_argument("--shards", type=int, default=None, metavar="S",
+                   help="also propose --shard-edges for S server shards that balances the "
+                        "recorded load (written to locality.json as shard_split)")
     args = p.parse_args(argv)
+    if args.shards is not None and args.shards < 2:
+        p.error("--shards must be at least 2")
     try:
         result = analyse(args.run_dir, args.horizon)
-    except FileNotFoundError as exc:
+        if args.shards is not None:
+            result["shard_split"] = shard_split(args.run_dir, args.shards)
+    except (FileNotFoundError, ValueError) as exc:
         print(f"psparse-locality: error: {exc}", file=sys.stderr)
         return 1
     (args.run_dir / "locality.json").write_text(json.dumps(result, indent=1))
     plot(result, args.run_dir / "locality.png")
     print(summary_text(result))
+    if args.shards is not None:
+        split = result["shard_split"]
+        print(f"{args.shards} shards: the busiest carries {100 * split['busiest_share_equal']:.0f}% "
+              f"of the recorded load with equal ranges, "
+              f"{100 * split['busiest_share_balanced']:.0f}% with\n  --shard-edges "
+              + ",".join(map(str, split["shard_edges"])))
     print(f"wrote {args.run_dir / 'locality.json'} and {args.run_dir / 'locality.png'}")
     return 0
 

@@ -177,7 +177,9 @@ class Server:
                 endpoint.reject(peer, exc)
         self.run_description = run = members.agree(self.start)
         try:
-            edges = keyranges.bounds(run["numel"], self.shard[1])
+            given = run.get("shard_edges")  # the workers' --shard-edges: [0, E1, ..., numel]
+            edges = keyranges.bounds(run["numel"], self.shard[1],
+                                     None if given is None else given[1:-1])
         except ValueError as exc:
             raise RunAborted(str(exc)) from None
         self.key_range = (int(edges[self.shard[0]]), int(edges[self.shard[0] + 1]))

@@ -6,7 +6,9 @@ servers. Shard I of S holds the global indices
 
     [I * numel // S, (I + 1) * numel // S)
 
-(sizes differ by at most one entry) and speaks the ordinary protocol as if the model had only
+(sizes differ by at most one entry), or [E_I, E_I+1) when the run gives the boundaries
+(``--shard-edges``, the run description's ``shard_edges``: equal ranges are not equal load,
+``balanced_edges`` proposes boundaries from a run's recorded selections), and speaks the ordinary protocol as if the model had only
 that many entries: an index i in a message to or from shard I is the global index
 ``lo + i`` (shard-relative indices, so every check, encoding and dense switch of a one-server
 run applies to a shard unchanged). Workers select over the whole vector, split each push by
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["parse_shard", "check_shardable", "bounds", "split_sorted", "shard_dir"]
+__all__ = ["parse_shard", "check_shardable", "parse_edges", "bounds", "balanced_edges",
+           "split_sorted", "shard_dir"]
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -49,12 +52,66 @@ def check_shardable(cfg) -> None:
                          "server)")
 
 
-def bounds(numel: int, count: int) -> np.ndarray:
-    """The S + 1 range boundaries: shard I holds [b[I], b[I + 1])."""
+def parse_edges(text: str | None, count: int) -> list[int] | None:
+    """``--shard-edges "E1,E2,..."`` -> [E1, ..., E(S-1)] (None: equal ranges); ValueError
+    naming the problem. The model's size is checked by ``bounds``."""
+    if text is None:
+        return None
+    if count < 2:
+        raise ValueError("--shard-edges needs --servers S with S >= 2 (it places the S - 1 "
+                         "boundaries between the shards' key ranges)")
+    try:
+        edges = [int(e) for e in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"--shard-edges {text!r}: expected S - 1 comma-separated keys, e.g. "
+                         "1000,2500,4000 for 4 shards") from None
+    if len(edges) != count - 1 or edges[0] < 1 or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--shard-edges {text!r}: expected {count - 1} strictly increasing "
+                         f"keys >= 1 for {count} shards (the boundaries between their ranges)")
+    return edges
+
+
+def bounds(numel: int, count: int, edges: list[int] | None = None) -> np.ndarray:
+    """The S + 1 range boundaries: shard I holds [b[I], b[I + 1]); equal ranges unless the
+    run gives the S - 1 ``edges`` between them (``--shard-edges``, the run's ``shard_edges``)."""
     if count > numel:
         raise ValueError(f"{count} server shards for a model of {numel} entries: every shard "
                          "needs at least one")
-    return np.array([i * numel // count for i in range(count + 1)], dtype=np.int64)
+    if edges is None:
+        return np.array([i * numel // count for i in range(count + 1)], dtype=np.int64)
+    if len(edges) != count - 1 or edges[-1] >= numel or edges[0] < 1 \
+            or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"shard edges {edges} do not split a model of {numel} entries into "
+                         f"{count} non-empty key ranges (S - 1 increasing keys in 1..{numel - 1})")
+    return np.array([0, *edges, numel], dtype=np.int64)
+
+
+def balanced_edges(load: np.ndarray, count: int) -> list[int]:
+    """The S - 1 boundaries that give S contiguous ranges about the same total ``load`` (one
+    weight per key: the entries it made in the pushes and broadcasts), each range at least one
+    key. Each boundary goes where the range so far comes closest to the load still to place
+    over the shards still to fill, so a heavy key early on does not unbalance the rest."""
+    load = np.asarray(load, dtype=np.float64)
+    numel = load.size
+    if count > numel:
+        raise ValueError(f"{count} shards for {numel} keys")
+    cumulative = np.concatenate([[0.0], np.cumsum(load)])  # cumulative[i]: load of keys < i
+    edges, lo = [], 0
+    for i in range(1, count):
+        left = count - i + 1  # shards still to fill, this one included
+        if cumulative[-1] - cumulative[lo] <= 0:  # no load left: equal sizes
+            edge = lo + (numel - lo) // left
+        else:
+            target = cumulative[lo] + (cumulative[-1] - cumulative[lo]) / left
+            after = int(np.searchsorted(cumulative, target, side="left"))  # first at or past
+            before = after - 1
+            edge = after if after <= numel and (
+                before <= lo or cumulative[after] - target < target - cumulative[before]) \
+                else before
+        edge = min(max(edge, lo + 1), numel - (count - i))  # every range non-empty
+        edges.append(edge)
+        lo = edge
+    return edges
 
 
 def split_sorted(indices: np.ndarray, edges: np.ndarray) -> list[slice]:

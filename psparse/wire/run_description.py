@@ -21,7 +21,9 @@ RUN_FIELDS = {"numel": _INT, "iterations": _INT, "two_phase": (bool,), "steps": 
 # --bucket-mb / --overlap); absent: one part, the whole vector.
 # values: the value format of every push and aggregate (--values; absent: float32), as
 # {"dtype": "int8", "block": 128, "server_memory": true} (docs/protocol.md, "Value formats").
-RUN_OPTIONAL = {"parts": _LIST, "values": _MAP}
+# shard_edges: the S + 1 boundaries of the key-range shards' ranges (--shard-edges); absent:
+# equal ranges.
+RUN_OPTIONAL = {"parts": _LIST, "values": _MAP, "shard_edges": _LIST}
 CONFIG_VALUE_TYPES = (type(None), bool, int, float, str)
 REGISTER_PROOF_PREFIX = "psparse-register-v2"
 ERROR_PROOF_PREFIX = "psparse-error-v2"
@@ -41,15 +43,16 @@ def check_run(run: dict) -> dict:
     if numel < 1 or iterations < 0:  # iterations 0: open-ended, until a rank asks to stop
         raise ProtocolError("run field 'numel' must be >= 1 and 'iterations' >= 0 (0: "
                             "open-ended)")
-    if "parts" in run:
-        parts = run["parts"]
-        check_type("run", "parts", parts, RUN_OPTIONAL["parts"])
-        if not (len(parts) >= 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                        for x in parts)
-                and parts[0] == 0 and parts[-1] == numel
-                and all(a < b for a, b in zip(parts, parts[1:]))):
-            raise ProtocolError("run field 'parts' must be strictly increasing ints from 0 to "
-                                f"numel ({numel}): the boundaries of the key ranges")
+    for field in ("parts", "shard_edges"):  # boundaries of key ranges
+        if field in run:
+            edges = run[field]
+            check_type("run", field, edges, RUN_OPTIONAL[field])
+            if not (len(edges) >= 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                            for x in edges)
+                    and edges[0] == 0 and edges[-1] == numel
+                    and all(a < b for a, b in zip(edges, edges[1:]))):
+                raise ProtocolError(f"run field {field!r} must be strictly increasing ints from "
+                                    f"0 to numel ({numel}): the boundaries of the key ranges")
     if "values" in run:
         run_value_format(run)
     steps = run["steps"]

@@ -231,9 +231,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
             self.board.add(self.start - 1, self.ctx.clock.times)  # the totals it starts from
 
     def describe_run(self) -> dict:
-        """The run description every rank must agree on (docs/protocol.md, "The run"): model
-        size, length, round kind, the budget steps (the server enforces them) and the shared
-        options, with the model's parameter shapes."""
+        """The run every rank must agree on (docs/protocol.md, "The run"): size, length, round
+        kind, budget steps, shared options and layer shapes, parts, values, shard edges."""
         config = {**self.cfg.agreed(), "layers": [
             f"{name}:{'x'.join(map(str, shape))}"
             for name, shape in zip(self.net.layer_names, self.net.layer_shapes)]}
@@ -243,6 +242,8 @@ class Session(lifecycle.LoopControl, Checkpointed):
             run["parts"] = self.parts.edges
         if self.cfg.value_spec() is not None:  # --values: the format every rank must share
             run["values"] = self.cfg.value_spec()
+        if self.cfg.shard_edges is not None:  # the shards' ranges: [0, E1, ..., numel]
+            run["shard_edges"] = self.client.edges.tolist()
         return run
 
     # --------------------------------------------------------------------------------- round

@@ -32,10 +32,10 @@ class ShardedClient:
     """
 
     def __init__(self, addresses: list[tuple[str, int]], rank: int, world_size: int, *,
-                 numel: int, **options):
+                 numel: int, edges: list[int] | None = None, **options):
         self.rank, self.world_size, self.numel = rank, world_size, numel
         self.count = len(addresses)
-        self.edges = keyranges.bounds(numel, self.count)
+        self.edges = keyranges.bounds(numel, self.count, edges)  # (--shard-edges: edges)
         self.shards: list[PSClient] = []
         try:
             for index, (host, port) in enumerate(addresses):
@@ -170,6 +170,8 @@ def open_client(cfg: RunConfig, server, rank: int, numel: int, run_token: str | 
         return PSClient(host, port, rank, cfg.workers, numel=numel, **options), 1
     try:
         keyranges.check_shardable(cfg)
-        return ShardedClient(servers, rank, cfg.workers, numel=numel, **options), len(servers)
+        edges = keyranges.parse_edges(cfg.shard_edges, len(servers))
+        return ShardedClient(servers, rank, cfg.workers, numel=numel, edges=edges,
+                             **options), len(servers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
