@@ -104,7 +104,8 @@ SWEEPS = [
     "([a model](results/cost-projection.md), not yet validated with shards) | seconds |",
     "| `python -m experiments.shards_cluster` (root) | one server against 8 shards beside the "
     "workers on the emulated cluster, LeNet-5 at 25 Mbit/s, fp32 and int4, with the cost "
-    "model's prediction of each ([measured](results/shards-cluster.md)) | 4; ~1 min each |",
+    "model's prediction of each, and with --shard-edges ([measured](results/shards-cluster.md)) "
+    "| 6 + a profile run here; ~1 min each |",
     "| `lenet-mnist`, `paced-100mbit`, `paced-20mbit`, `policies`, `cost-model`, `locality`, "
     "`cluster`, `open-ended-isa` | the earlier sweeps (their notes below) | |",
     "",
