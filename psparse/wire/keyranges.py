@@ -7,9 +7,9 @@ servers. Shard I of S holds the global indices
     [I * numel // S, (I + 1) * numel // S)
 
 (sizes differ by at most one entry), or [E_I, E_I+1) when the run gives the boundaries
-(``--shard-edges``, the run description's ``shard_edges``: equal ranges are not equal load,
-``balanced_edges`` proposes boundaries from a run's recorded selections), and speaks the ordinary protocol as if the model had only
-that many entries: an index i in a message to or from shard I is the global index
+(``--shard-edges``, the run description's ``shard_edges``: equal ranges are not equal load;
+``balanced_edges`` proposes boundaries from a run's recorded selections), and speaks the
+ordinary protocol as if the model had only that many entries: an index i in a message to or from shard I is the global index
 ``lo + i`` (shard-relative indices, so every check, encoding and dense switch of a one-server
 run applies to a shard unchanged). Workers select over the whole vector, split each push by
 range, and concatenate the shards' aggregates (disjoint, ordered ranges: the result is sorted).
