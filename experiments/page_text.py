@@ -101,7 +101,9 @@ SWEEPS = [
     "each |",
     "| `python -m experiments.cost_projection` | the cost model at 64–1024 workers, 25.6M–1B "
     "parameters, 1–100 Gbit/s: one server, shards beside the workers, the rings "
-    "([a model](results/cost-projection.md), not yet validated with shards) | seconds |",
+    "([a model](results/cost-projection.md); against 8 shards beside the workers on the "
+    "emulated cluster it predicts 21–24% short, [measured](results/shards-cluster.md)) | "
+    "seconds |",
     "| `python -m experiments.shards_cluster` (root) | one server against 8 shards beside the "
     "workers on the emulated cluster, LeNet-5 at 25 Mbit/s, fp32 and int4, with the cost "
     "model's prediction of each, and with --shard-edges ([measured](results/shards-cluster.md)) "
