@@ -345,8 +345,8 @@ class RunConfig:
             if self.server_limit is not None:
                 parse_limit(self.server_limit)
             if self.servers > 1 or self.shard_edges is not None:
-                check_shardable(self)
                 parse_edges(self.shard_edges, self.servers)
+                check_shardable(self)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -330,6 +330,9 @@ def test_balanced_edges_split_the_load_into_equal_parts():
     assert keyranges.bounds(12, 4, [1, 8, 10]).tolist() == [0, 1, 8, 10, 12]
     with pytest.raises(ValueError, match="do not split a model of 12 entries into 3"):
         keyranges.bounds(12, 3, [5, 12])
+    assert keyranges.bounds(12, 1, []).tolist() == [0, 12]  # a run's shard_edges [0, numel]
+    with pytest.raises(ValueError, match="into 2 non-empty key ranges"):
+        keyranges.bounds(12, 2, [])  # a run's [0, numel] at a shard of 2: a clear refusal
 
 
 def test_shard_edges_from_recorded_selections_balance_the_shards_and_change_no_result(tmp_path):

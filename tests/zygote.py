@@ -146,9 +146,10 @@ class Zygote:
         env = dict(os.environ if env is None else env)
         argv = [sys.executable, "-m", "psparse.launch", *args]
         if _read_at_import(env) != self.env_at_import or self.proc.poll() is not None:
+            # its own session too, so that a timeout stops it and what it started
             return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd,
                                     stderr=subprocess.STDOUT if merge_stderr else
-                                    subprocess.PIPE)
+                                    subprocess.PIPE, start_new_session=True)
         return LaunchProcess(self, argv, env, cwd, merge_stderr)
 
     def run(self, args: list[str], *, env: dict | None = None, cwd=None,
@@ -158,7 +159,7 @@ class Zygote:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_session(proc.pid)
-            proc.wait()
+            proc.communicate()  # (a Popen's pipes drained)
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -240,7 +241,7 @@ class LaunchProcess:
             return ""
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # not to a pid the zygote has reaped (and may be reused)
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:

@@ -153,10 +153,7 @@ class Supervisor:
         if not (all(code == 0 for code in servers)
                 or all(code in (None, 0) for code in servers) and workers_left):
             return False
-        self.lost.update(failed)
-        for name, code in sorted(failed.items()):
-            self.say(f"\npsparse-launch: {name} exited with code {code}; --elastic: the run "
-                     f"goes on without it\n{self.tail(name)}")
+        self._lose(failed)
         return True
 
     def _drop_already_lost(self, failed: dict[str, int], progress) -> dict[str, int]:
@@ -167,12 +164,16 @@ class Supervisor:
         live = None if progress.latest is None else progress.latest.get("live")
         if self.elastic_from is None or live is None:
             return failed
-        gone = sorted(n for n in failed if n.startswith("rank-") and int(n[5:]) not in live)
-        for name in gone:
-            self.lost.add(name)
-            self.say(f"\npsparse-launch: {name} exited with code {failed[name]}; --elastic: the "
-                     f"run had gone on without it\n{self.tail(name)}")
+        gone = {n: c for n, c in failed.items()
+                if n.startswith("rank-") and int(n[5:]) not in live}
+        self._lose(gone)
         return {n: c for n, c in failed.items() if n not in gone}
+
+    def _lose(self, failed: dict[str, int]) -> None:
+        self.lost.update(failed)
+        for name, code in sorted(failed.items()):
+            self.say(f"\npsparse-launch: {name} exited with code {code}; --elastic: the run "
+                     f"goes on without it\n{self.tail(name)}")
 
     def _worker_failures_within(self, seconds: float) -> dict[str, int]:
         """Workers that exit non-zero on their own within ``seconds`` (name -> code), but those

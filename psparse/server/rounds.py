@@ -98,7 +98,11 @@ class Rounds:
             ranks = sorted(self.members.active)
         ks = [sum(int(part[r]["count"]) for part in got if r in part) for r in ranks]
         losses = [m["loss"] for m in pushes if "loss" in m.header]
+        # after a loss in an elastic run the record names the ranks still in it (the launcher
+        # tells a worker it had already lost from a fresh failure by it)
+        live = sorted(self.members.active)
         self.records.account({
+            **({"live": live} if len(live) < self.members.world_size else {}),
             "iter": it, "workers": len(ranks), "k": ks, "budget": step[0],
             "union": totals["union"], "broadcast_entries": totals["sent"],
             "residual_entries": totals["residual"], "dense": totals["dense"],

@@ -79,8 +79,7 @@ def bounds(numel: int, count: int, edges: list[int] | None = None) -> np.ndarray
                          "needs at least one")
     if edges is None:
         return np.array([i * numel // count for i in range(count + 1)], dtype=np.int64)
-    if len(edges) != count - 1 or edges[-1] >= numel or edges[0] < 1 \
-            or any(a >= b for a, b in zip(edges, edges[1:])):
+    if len(edges) != count - 1 or any(a >= b for a, b in zip([0, *edges], [*edges, numel])):
         raise ValueError(f"shard edges {edges} do not split a model of {numel} entries into "
                          f"{count} non-empty key ranges (S - 1 increasing keys in 1..{numel - 1})")
     return np.array([0, *edges, numel], dtype=np.int64)
