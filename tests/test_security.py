@@ -34,7 +34,7 @@ def test_keys_layout(tmp_path):
 def test_unauthorised_clients_are_refused_while_authorised_ones_work(tmp_path, server_factory):
     keys = make_keys(tmp_path / "keys", 1)
     server = server_factory(1, extra=("--curve-keys", str(keys)))
-    refused(server.port, tmp_path / "strangers", keys)
+    refused([server.port], tmp_path / "strangers", keys)
     # the authorised worker registers and trains
     worker = Client(server.port, 0, 1, 1)
     worker.ch.close()
@@ -71,14 +71,15 @@ def test_user_script_run_with_curve_keys(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["curve_keys"] == str(keys)
 
 
-def refused(port: int, strangers_dir: Path, keys: Path) -> None:
-    """A client with a key the run never authorised, and a plaintext one: whatever they send
-    reaches nothing and nothing comes back."""
+def refused(ports: list[int], strangers_dir: Path, keys: Path) -> None:
+    """At every port, a client with a key the run never authorised and a plaintext one:
+    whatever they send reaches nothing and nothing comes back (all sent first, then one wait)."""
     strangers_dir.mkdir()
     zmq.auth.create_certificates(str(strangers_dir), "stranger")
     shutil.copy(keys / "server.key", strangers_dir)  # the server's public key is no secret
-    strangers = [Channel.client("127.0.0.1", port, curve_keys=strangers_dir,
-                                key_name="stranger"), Channel.client("127.0.0.1", port)]
+    strangers = [c for port in ports for c in (
+        Channel.client("127.0.0.1", port, curve_keys=strangers_dir, key_name="stranger"),
+        Channel.client("127.0.0.1", port))]
     reg = dict(rank=0, world_size=2, checksum="c0", run=dict(
         numel=1000, iterations=1, two_phase=False, steps=[[0, 10, 10, 0]], config={}))
     for s in strangers:
@@ -86,8 +87,8 @@ def refused(port: int, strangers_dir: Path, keys: Path) -> None:
             s.send(protocol.encode("register", **reg))
         except TransportTimeout:  # the handshake failed and ZeroMQ dropped the pipe
             pass
-    for s in strangers:
-        assert s.recv(1.0) is None
+    for n, s in enumerate(strangers):
+        assert s.recv(1.0 if n == 0 else 0.1) is None
         s.close(0)
 
 
@@ -97,7 +98,7 @@ def test_a_sharded_run_with_curve_keys_admits_only_its_workers(tmp_path):
     same run in plaintext (timing and bytes aside: CurveZMQ's framing is below the count)."""
     keys = make_keys(tmp_path / "keys", 2)
     run = ["--quiet", "--workers", "2", "--servers", "2", "--model", "mlp", "--dataset",
-           "digits", "--iterations", "600", "--seed", "3", "--policy", "vote"]
+           "digits", "--iterations", "3000", "--seed", "3", "--policy", "vote"]
     plain = run_launch("--out", str(tmp_path / "plain"), *run, timeout=300)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     out = tmp_path / "curve"
@@ -110,9 +111,10 @@ def test_a_sharded_run_with_curve_keys_admits_only_its_workers(tmp_path):
             while not ((shard / "metrics.jsonl").is_file() and (shard / "server.port").is_file()):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.02)
-            refused(int((shard / "server.port").read_text()), tmp_path / f"strangers-{i}", keys)
+        refused([int((keyranges.shard_dir(out, i) / "server.port").read_text())
+                 for i in range(2)], tmp_path / "strangers", keys)
         # the probes met a live run (not one that had ended, which answers nothing either)
-        assert (out / "shard-1" / "metrics.jsonl").read_bytes().count(b"\n") < 600
+        assert (out / "shard-1" / "metrics.jsonl").read_bytes().count(b"\n") < 3000
         output = proc.communicate(timeout=300)[0]
     finally:
         proc.kill()
@@ -123,7 +125,7 @@ def test_a_sharded_run_with_curve_keys_admits_only_its_workers(tmp_path):
     skip = ("round_s", "time_s", "upload_bytes", "broadcast_bytes", "shards")
     rows = [[{k: v for k, v in r.items() if k not in skip} for r in read_jsonl(d / "metrics.jsonl")]
             for d in (out, tmp_path / "plain")]
-    assert len(rows[0]) == 600 and rows[0] == rows[1]
+    assert len(rows[0]) == 3000 and rows[0] == rows[1]
 
 
 def test_non_loopback_bind_without_keys_warns(tmp_path):
