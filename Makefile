@@ -98,7 +98,7 @@ exp-%: install data
 # to PTX (no GPU or driver needed); then the gate's own tests, planted faults included.
 check-kernels: install
 	$(PY) -m pip install -q -e '.[kernels]'
-	$(PY) -m psparse.gpu.kernel_check
+	$(PY) -m psparse.backends.kernel_check
 	$(PY) -m pytest -q -ra tests/test_kernel_check.py
 
 # Everything a bare GPU machine without network lacks for benchmarks/gpu_check.sh, in one

@@ -7,9 +7,9 @@ drift in machine load hits all; the figure is the median wall time over blocks.
 
 * memcpy: ``numpy.copyto`` of the N·k int32 indices and float32 values (the baseline: the
   ratio is the aggregation's throughput as a fraction of memcpy's);
-* ours: ``Aggregator.mean``, the compiled blocked kernel (psparse/cpu/agg_kernels.py), checked
+* ours: ``Aggregator.mean``, the compiled blocked kernel (psparse/ops/aggregate/agg_kernels.py), checked
   bit-identical to the numpy reference first;
-* numpy: the reference (psparse/cpu/reference.py, the code before the kernels);
+* numpy: the reference (psparse/ops/aggregate/reference.py, the code before the kernels);
 * k-way merge: the alternative the issue names, compiled here: the N sorted lists merged
   head by head, each output's sum formed in rank order;
 * scatter floor: every entry added into a cache-sized dense scratch in rank order, block by
@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import half_shared_pushes as pushes  # noqa: E402
 from common import record, table  # noqa: E402
 
-from psparse.cpu import agg_kernels, reference  # noqa: E402
-from psparse.cpu.jit import address_table  # noqa: E402
-from psparse.cpu.numba_jit import as_pointer  # noqa: E402
+from psparse.ops.aggregate import agg_kernels  # noqa: E402
+from psparse.ops.codec import reference  # noqa: E402
+from psparse.ops.jit import address_table  # noqa: E402
+from psparse.ops.numba_jit import as_pointer  # noqa: E402
 from psparse.server.aggregation import Aggregator  # noqa: E402
 
 WORKERS = 8

@@ -1,6 +1,6 @@
 """The compiled CPU kernels' one-time cost: first-call compilation against a load from numba's
-cache, each in a fresh process (``python -m psparse.cpu.jit``: every kernel for every argument type
-the package passes, psparse/cpu/jit.py's ``warm_up``).
+cache, each in a fresh process (``python -m psparse.ops.jit``: every kernel for every argument type
+the package passes, psparse/ops/jit.py's ``warm_up``).
 
 1. compile: an empty NUMBA_CACHE_DIR, so every kernel is compiled (and written to it);
 2. cache load: a second process with the same directory, so every kernel is loaded;
@@ -33,8 +33,8 @@ def timed(code: list[str], env: dict) -> tuple[float, str]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="psparse-numba-") as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
-        wall_compile, out_compile = timed(["-m", "psparse.cpu.jit"], env)
-        wall_load, out_load = timed(["-m", "psparse.cpu.jit"], env)
+        wall_compile, out_compile = timed(["-m", "psparse.ops.jit"], env)
+        wall_load, out_load = timed(["-m", "psparse.ops.jit"], env)
         wall_import, _ = timed(["-c", "import psparse.server"], env)
     inside = [float(re.search(r"all kernels: ([\d.]+) s", o).group(1))
               for o in (out_compile, out_load)]

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import record, table  # noqa: E402
 
-from psparse.wire import codec, protocol  # noqa: E402
+from psparse.ops.codec import codec  # noqa: E402
+from psparse.wire import protocol  # noqa: E402
 from psparse.wire.transport import Channel  # noqa: E402
 
 NUMEL = 2**31 - 1

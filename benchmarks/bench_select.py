@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import median_time, record, table  # noqa: E402
 
-from psparse.cpu import jit  # noqa: E402
-from psparse.cpu.selection import sorted_union  # noqa: E402
-from psparse.cpu.sparsify import Selector, density_to_k, topk_exact  # noqa: E402
+from psparse.ops import jit  # noqa: E402
+from psparse.ops.select.selection import sorted_union  # noqa: E402
+from psparse.ops.select.sparsify import Selector, density_to_k, topk_exact  # noqa: E402
 from psparse.policies import REGISTRY, Layout, build_policy  # noqa: E402
 
 SIZES = [61_706, 11_200_000, 25_000_000]

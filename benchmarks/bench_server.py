@@ -263,8 +263,8 @@ def scatter_floor_seconds(sets, numel: int) -> float | None:
     try:
         from bench_aggregation import scatter_floor
 
-        from psparse.cpu.agg_kernels import block_bits_for
-        from psparse.cpu.jit import address_table
+        from psparse.ops.aggregate.agg_kernels import block_bits_for
+        from psparse.ops.jit import address_table
     except ImportError:
         return None
     times = []

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import interleaved_medians, record, table  # noqa: E402
 
-from psparse.wire.values import ValueFormat, unpack  # noqa: E402
+from psparse.ops.values.formats import ValueFormat, unpack  # noqa: E402
 
 SIZES = (1_000_000, 10_000_000)
 FORMATS = ("bf16", "fp16", "int8", "int4")

@@ -4,7 +4,7 @@ Run through ``bash benchmarks/gpu_check.sh`` (which sets up the bundled wheels a
 docs/notes/bench-gpu.md). Steps, each with its own time limit, all within ``--budget`` seconds:
 
 1. device and versions (nvidia-smi, torch, CuPy, pyzmq, numba, llvmlite);
-2. the kernel gate (``python -m psparse.gpu.kernel_check``: NVRTC compiles every kernel);
+2. the kernel gate (``python -m psparse.backends.kernel_check``: NVRTC compiles every kernel);
 3. the kernel tests (tests/test_kernels.py, test_kernel_check.py, test_radix.py,
    test_device_policies.py, test_device_values.py: on a GPU the radix engine, every policy's
    device path and the value formats' rounding run on the device, against the host's); no
@@ -205,7 +205,7 @@ def kernel_gate_and_tests(check: Check) -> None:
     except Exception:
         have_nvrtc = False
     if have_nvrtc:
-        check.run("kernel gate", [sys.executable, "-m", "psparse.gpu.kernel_check"], 60)
+        check.run("kernel gate", [sys.executable, "-m", "psparse.backends.kernel_check"], 60)
     else:
         check.say("\n=== kernel gate: skipped (CuPy/NVRTC not installed here; make check-kernels)")
     code, out = check.run("kernel tests", [sys.executable, "-m", "pytest", "-q", "-rs",

@@ -2,7 +2,7 @@
 
 For n in {1M, 11.2M, 25M, 100M} floats and densities {0.1%, 1%} on one CUDA device:
 
-* ours: the radix engine (``psparse.gpu.radix.RadixSelect``: a histogram pass, the threshold digit
+* ours: the radix engine (``psparse.ops.select.radix.RadixSelect``: a histogram pass, the threshold digit
   found on the device, the candidates compacted in order, refinement, the ordered write), its
   launches replayed as a CUDA graph (``graph``) and launched one by one from Python (``eager``);
 * ``torch.topk(x.abs(), k)`` on the same memory (through DLPack, no copy);
@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from common import median_time, table  # noqa: E402
 
-from psparse.cpu import selection
-from psparse.gpu import radix  # noqa: E402
+from psparse.ops.select import (
+    radix,  # noqa: E402
+    selection,
+)
 from psparse.xp import cupy_or_none, to_torch  # noqa: E402
 
 SIZES = [1_000_000, 11_200_000, 25_000_000, 100_000_000]
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
         if xp is None:
             print("gpu_select: no CUDA device (or CuPy not installed); nothing measured")
             return 0
-        from psparse.gpu.backend import CudaBackend
+        from psparse.backends.cuda import CudaBackend
         dev = CudaBackend(xp)
         device = (f"{xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
                   f"CuPy {xp.__version__}")
@@ -270,7 +272,7 @@ def main(argv=None) -> int:
     if dev is not None:
         launches = per_kernel(dev, 25_000_000, 0.001, args.repeats)
     else:  # the launch sequence on the CPU emulator: no GPU time, the plumbing tested
-        from psparse.gpu.emulated import EmulatedBackend
+        from psparse.backends.emulated import EmulatedBackend
         launches = per_kernel(EmulatedBackend(strict=False), 200_000, 0.001, 3)
     print(f"\nthe engine's launches at {launches['n'] / 1e6:g}M / {launches['density']:.1%} "
           f"({launches['backend']}{'' if dev is not None else ': not a GPU time'}):")

@@ -351,7 +351,7 @@ class RunConfig:
             raise ConfigError(str(exc)) from None
 
     def _check_values(self) -> None:
-        from .wire.values import ValueFormat
+        from .ops.values.formats import ValueFormat
         try:
             ValueFormat.named(self.values, self.value_block)
         except ValueError as exc:
@@ -362,7 +362,7 @@ class RunConfig:
 
     def value_spec(self) -> dict | None:
         """The run description's ``values`` field (None for fp32: the field is left out)."""
-        from .wire.values import FORMATS
+        from .ops.values.formats import FORMATS
         return None if self.values == "fp32" else {
             "dtype": FORMATS[self.values], "block": self.value_block,
             "server_memory": not self.no_broadcast_memory}

@@ -15,12 +15,12 @@ LAYERS = (
               "psparse.provenance", "psparse.layers"),
      "the array module (numpy or CuPy), `module:name` plug-ins, the run directory's names, "
      "checkpoint files, which code made a run, this table"),
-    ("cpu", ("psparse.cpu",),
-     "numba kernels (selection, the server's sums, index coding), their cache and loader, "
-     "and their numpy references"),
-    ("gpu", ("psparse.gpu",),
-     "CUDA C and the radix-select engine, the backends (CuPy, emulated, the host's), the kernel "
-     "emulator and NVRTC gate, a policy's and the server's device parts"),
+    ("ops", ("psparse.ops",),
+     "the hot steps, one folder each (select, aggregate, codec, values, feedback): its numpy "
+     "reference, numba kernel and CUDA C side by side; the kernels' loaders and cache"),
+    ("backends", ("psparse.backends",),
+     "where a policy's and the memory's steps run: the host (numpy, numba), CUDA through CuPy, "
+     "the strict emulator; the kernel emulator and the NVRTC gate"),
     ("wire", ("psparse.wire",),
      "ZeroMQ transport, index codecs, the messages, the run description, key ranges, "
      "CurveZMQ keys"),

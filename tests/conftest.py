@@ -174,7 +174,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
     """Compile (or load) every CPU kernel once, before any test starts a process: the servers
-    and workers the tests start then load them from numba's cache (psparse/cpu/jit.py) instead of
+    and workers the tests start then load them from numba's cache (psparse/ops/jit.py) instead of
     each compiling them (tens of seconds on a machine whose cache is empty)."""
-    from psparse.cpu import jit
+    from psparse.ops import jit
     jit.warm_up()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from psparse.cpu.selection import topk_reference
+from psparse.ops.select.selection import topk_reference
 from psparse.policies import REGISTRY as BUILT_IN
 from psparse.policies import SelectionPolicy
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from conftest import python_module, read_jsonl
 
+from psparse.ops.codec.codec import KeyCache
 from psparse.wire import protocol, run_description
-from psparse.wire.codec import KeyCache
 from psparse.wire.transport import Channel
 
 TOKEN = "test-run-secret"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.emulated import EmulatedBackend
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.emulated import EmulatedBackend
 from psparse.server.aggregation import Aggregator, BudgetError, ServerLimit, array_module_for
 from psparse.xp import cupy_or_none
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.wire import codec, protocol
-from psparse.wire.codec import CodecError, KeyCache
+from psparse.ops.codec import codec
+from psparse.ops.codec.codec import CodecError, KeyCache
+from psparse.wire import protocol
 from psparse.wire.protocol import ProtocolError
 
 NUMEL = 100_000

@@ -1,5 +1,5 @@
-"""Every compiled CPU kernel (psparse/cpu/agg_kernels.py, psparse/cpu/codec_kernels.py) equals its
-numpy reference (psparse/cpu/reference.py) bit for bit, on random and adversarial inputs, and the
+"""Every compiled CPU kernel (psparse/ops/aggregate/agg_kernels.py, psparse/ops/codec/codec_kernels.py) equals its
+numpy reference (codec_reference.py in its psparse/ops/ folder) bit for bit, on random and adversarial inputs, and the
 kernels load from numba's cache in the processes the runs start instead of compiling again."""
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psparse.cpu import jit, reference
-from psparse.cpu.selection import NonFiniteError
-from psparse.cpu.sparsify import topk_exact
+from psparse.ops import jit
+from psparse.ops.aggregate import reference as aggregate_reference
+from psparse.ops.codec import codec
+from psparse.ops.codec import reference as codec_reference
+from psparse.ops.codec.codec import CodecError
+from psparse.ops.select.selection import NonFiniteError
+from psparse.ops.select.sparsify import topk_exact
 from psparse.server.aggregation import Aggregator, ServerLimit, top_k
-from psparse.wire import codec, protocol
-from psparse.wire.codec import CodecError
+from psparse.wire import protocol
 from psparse.worker.frames import global_indices, merge_aggregates
 
 HYPOTHESIS = settings(max_examples=150, deadline=None,
@@ -33,7 +36,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 def oracle_mean(numel, indices, values):
     with np.errstate(over="ignore"):  # sums of values near float32's largest reach inf
-        return reference.sparse_mean(np.zeros(numel, np.float32),
+        return aggregate_reference.sparse_mean(np.zeros(numel, np.float32),
                                      [np.arange(numel) if i is None else i for i in indices],
                                      values)
 
@@ -110,7 +113,7 @@ def test_mean_at_the_largest_indices(numel, dtype):
 
 
 def test_every_block_size_agrees(monkeypatch):
-    from psparse.cpu import agg_kernels
+    from psparse.ops.aggregate import agg_kernels
     rng = np.random.default_rng(3)
     pushes = random_pushes(rng, 1_000_000, 5, 30_000, np.int32)
     for bits in (agg_kernels.MIN_BLOCK_BITS, 15, 18, agg_kernels.MAX_BLOCK_BITS):
@@ -153,7 +156,7 @@ def test_vote_candidates_property(case, keep):
     numel, indices, values = case
     try:
         with np.errstate(over="ignore"):
-            want = reference.candidates(np.zeros(numel, np.float32), indices, values, keep)
+            want = aggregate_reference.candidates(np.zeros(numel, np.float32), indices, values, keep)
     except NonFiniteError:
         want = None
     try:
@@ -200,7 +203,7 @@ def test_server_limit_equals_the_reference_over_rounds():
             union = np.sort(rng.choice(numel, k, replace=False)).astype(np.int32)
             mean = rng.integers(-4, 5, k).astype(np.float32) / np.float32(3)  # ties, zeros
             got = ours.apply(union, mean, limit)
-            want = reference.limit_apply(ref, union, mean, limit)
+            want = aggregate_reference.limit_apply(ref, union, mean, limit)
             assert np.array_equal(got[0], want[0]) and same_bits(got[1], want[1])
             assert np.array_equal(ours.support, ref.support)
             assert same_bits(ours.residual, ref.residual)
@@ -213,12 +216,12 @@ def test_shard_merge_and_split_equal_the_reference():
               rng.standard_normal(50).astype(np.float32)) for a, b in zip(edges, edges[1:])]
     msgs = [protocol.Message("aggregate", {"workers": 2, "count": 50}, i, v) for i, v in parts]
     merged = merge_aggregates(msgs, edges)
-    ref_idx, ref_val = reference.merge_parts(parts, edges)
+    ref_idx, ref_val = aggregate_reference.merge_parts(parts, edges)
     assert same_bits(merged.indices, ref_idx) and same_bits(merged.values, ref_val)
     dense = list(parts)
     dense[1] = (None, rng.standard_normal(1500).astype(np.float32))
     msgs[1] = protocol.Message("aggregate", {"workers": 2, "dense": True}, None, dense[1][1])
-    assert same_bits(merge_aggregates(msgs, edges).values, reference.merge_parts(dense, edges)[1])
+    assert same_bits(merge_aggregates(msgs, edges).values, aggregate_reference.merge_parts(dense, edges)[1])
     assert global_indices([], edges).size == 0
 
 
@@ -245,17 +248,17 @@ def test_delta_and_bitmap_coding_equal_the_reference(dtype):
             continue
         idx = idx.astype(dtype)
         frame = codec.encode_delta(idx)
-        assert same_bits(frame, reference.encode_delta(idx))
-        assert codec.delta_size(idx) == reference.delta_size(idx) == frame.size
+        assert same_bits(frame, codec_reference.encode_delta(idx))
+        assert codec.delta_size(idx) == codec_reference.delta_size(idx) == frame.size
         read_only = np.frombuffer(frame.tobytes(), np.uint8)
         assert same_bits(codec.decode_delta(read_only, idx.size),
-                         reference.decode_delta(read_only, idx.size))
+                         codec_reference.decode_delta(read_only, idx.size))
         numel = int(idx[-1]) + 1 if idx.size else 1
         if numel <= 20_000_000:
             bitmap = codec.encode_bitmap(idx, numel)
-            assert same_bits(bitmap, reference.encode_bitmap(idx, numel))
+            assert same_bits(bitmap, codec_reference.encode_bitmap(idx, numel))
             assert same_bits(codec.decode_bitmap(bitmap, idx.size, numel),
-                             reference.decode_bitmap(bitmap, idx.size, numel))
+                             codec_reference.decode_bitmap(bitmap, idx.size, numel))
         for model in (numel, 10 * numel + 8):
             fmt, size = codec.choose(idx, model, idx.itemsize)
             got_fmt, got_frame = codec.encode_smallest(idx, model, idx.itemsize)
@@ -287,7 +290,7 @@ def gap_sum_near_2_63(frame: bytes) -> bool:
 def test_hostile_delta_frames_are_refused_as_the_reference_refuses_them(frame, count, dtype):
     data = np.frombuffer(frame, np.uint8)
     got = decoded(codec.decode_delta, data, count, dtype)
-    want = decoded(reference.decode_delta, data, count)
+    want = decoded(codec_reference.decode_delta, data, count)
     assert got == want or (gap_sum_near_2_63(frame) and want == "delta-encoded indices overflow")
 
 
@@ -307,7 +310,7 @@ def test_long_hostile_delta_frames_are_refused_as_the_reference_refuses_them():
         data = np.frombuffer(bytes(frame), np.uint8)
         for dtype in (np.int32, np.int64):
             assert decoded(codec.decode_delta, data, count, dtype) == \
-                decoded(reference.decode_delta, data, count)
+                decoded(codec_reference.decode_delta, data, count)
 
 
 def test_int32_delta_decoding_falls_back_to_int64_beyond_int32():
@@ -323,7 +326,7 @@ def test_int32_delta_decoding_falls_back_to_int64_beyond_int32():
 def test_hostile_bitmap_frames_are_refused_as_the_reference_refuses_them(frame, numel, count):
     data = np.frombuffer(frame, np.uint8)
     assert decoded(codec.decode_bitmap, data, count, numel) == \
-        decoded(reference.decode_bitmap, data, count, numel)
+        decoded(codec_reference.decode_bitmap, data, count, numel)
 
 
 def test_delta_frames_at_the_2_63_bound():
@@ -352,20 +355,20 @@ def test_frame_checks_equal_the_reference(dtype):
             for order in (True, False):
                 for vals in (frame_val, None):
                     assert protocol.sparse_frame_problem(frame_idx, vals, numel, order) == \
-                        reference.sparse_frame_problem(frame_idx, vals, numel, order)
+                        codec_reference.sparse_frame_problem(frame_idx, vals, numel, order)
 
 
 def test_all_finite_on_edge_values():
     for values in ([], [1.0], [3e38, 3e38], [1e-45], [np.nan], [np.inf], [-np.inf],
                    [0.0] * 17 + [np.nan]):
         v = np.array(values, np.float32)
-        assert protocol.all_finite(v) == reference.all_finite(v) == bool(np.isfinite(v).all())
+        assert protocol.all_finite(v) == codec_reference.all_finite(v) == bool(np.isfinite(v).all())
 
 
 # ------------------------------------------------------------------------- the cache
 def test_a_fresh_process_loads_every_kernel_from_the_cache():
     jit.warm_up()  # compiled and cached here if no earlier process did
-    probe = ("import json, numba; from psparse.cpu import jit, agg_kernels, codec_kernels; "
+    probe = ("import json, numba; from psparse.ops import jit; from psparse.ops.aggregate import agg_kernels; from psparse.ops.codec import codec_kernels; "
              "jit.warm_up(); kernels = [f for m in (agg_kernels, codec_kernels) "
              "for f in vars(m).values() if isinstance(f, numba.core.dispatcher.Dispatcher)]; "
              "print(json.dumps([sum(f.stats.cache_misses.values()) for f in kernels]))")
@@ -382,12 +385,12 @@ def test_a_module_another_process_is_warming_up_is_taken_last_and_loaded_after_i
     for the lock and loads select_kernels from the cache once it is free."""
     import fcntl
 
-    from psparse.cpu import select_kernels
+    from psparse.ops.select import select_kernels
 
     jit.warm_up()  # a complete cache: what the probe does while it waits is loading only
     with open(jit._lock_path(select_kernels), "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        probe = subprocess.Popen([sys.executable, "-m", "psparse.cpu.jit"], stdout=subprocess.PIPE,
+        probe = subprocess.Popen([sys.executable, "-m", "psparse.ops.jit"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
         done = [probe.stdout.readline() for _ in range(3)]  # the cache line, then two modules
         # (in either order: another test's warm-up may hold one of them for a moment)

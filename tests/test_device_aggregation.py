@@ -1,4 +1,4 @@
-"""--server-device cuda's arithmetic (psparse/gpu/device_aggregation.py) equals the host's, bit for
+"""--server-device cuda's arithmetic (psparse/ops/aggregate/device_aggregation.py) equals the host's, bit for
 bit: sums in rank order, the union in index order from touched bytes (no sort), the mean; the
 scratch left zeroed. On the emulated backend (the CUDA C on the CPU); on CUDA when present."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.cpu.reference import sparse_mean
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.device_aggregation import DeviceAggregator
-from psparse.gpu.emulated import EmulatedBackend
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.emulated import EmulatedBackend
+from psparse.ops.aggregate.device_aggregation import DeviceAggregator
+from psparse.ops.aggregate.reference import sparse_mean
 from psparse.xp import cupy_or_none
 
 

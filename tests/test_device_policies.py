@@ -1,7 +1,7 @@
 """Every built-in policy selects on the device exactly what it selects on the host.
 
 The device side runs the policy's GPU path (the radix engine, the device-resident decayed
-state, the masks) on the strict emulated backend (psparse/gpu/backend.py): the CUDA C kernels on
+state, the masks) on the strict emulated backend (psparse/backends/cuda.py): the CUDA C kernels on
 the CPU, arrays that refuse every implicit read to the host. Both sides see the same
 accumulators (ties, zeros, runs of equal values, nearly empty rounds: the inputs of
 tests/test_policy_equivalence.py) and the same aggregates, round after round, with a budget
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_policy_equivalence import CASES, LAYERS, MODEL, aggregate, build, gradient, group_for
 
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.device_policy import DeviceSelection
-from psparse.gpu.emulated import EmulatedBackend
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.device_engines import DeviceSelection
+from psparse.backends.emulated import EmulatedBackend
 from psparse.policies import Layout, PolicyError, build_policy, policy_class
 from psparse.xp import cupy_or_none
 
@@ -90,8 +90,8 @@ def test_the_device_path_selects_what_the_host_selects(dev, name, args, granular
 def test_a_nan_in_the_accumulator_is_counted_by_the_selection(dev, name):
     """The round refuses to send when the engine counted a NaN or inf (``report``, and the
     candidate pool's for frequency, whose final selection never sees the NaN it ranked last)."""
-    from psparse.gpu.device_policy import Fusion
-    from psparse.gpu.radix import RP_W
+    from psparse.backends.device_engines import Fusion
+    from psparse.ops.select.radix import RP_W
     from psparse.policies.memory import Memory
     layout = Layout([5000, 3000], "layer")
     policy = build_policy(name, [], layout, 50, dev=dev)

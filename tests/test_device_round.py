@@ -240,8 +240,8 @@ def test_a_capture_refuses_array_work_that_allocates():
     pool allocation that later work may alias."""
     import numpy as np
 
-    from psparse.gpu.backend import CaptureFailed
-    from psparse.gpu.emulated import EmulatedBackend
+    from psparse.backends.cuda import CaptureFailed
+    from psparse.backends.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     a = dev.upload("a", np.arange(8, dtype=np.float32))
     where = dev.upload("where", np.array([1, 2], np.int64))
@@ -256,8 +256,8 @@ def test_a_capture_refuses_array_work_that_allocates():
 def test_the_strict_device_arrays_refuse_every_implicit_way_to_the_host():
     import numpy as np
 
-    from psparse.gpu.backend import HostSync
-    from psparse.gpu.emulated import EmulatedBackend
+    from psparse.backends.cuda import HostSync
+    from psparse.backends.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     xp = dev.xp
     a = dev.upload("a", np.arange(10, dtype=np.float32))
@@ -327,7 +327,7 @@ def test_a_variable_selection_copies_back_near_its_count_not_its_capacity(tmp_pa
 def test_the_backend_counts_kernel_launches_and_a_graphs_replays():
     import numpy as np
 
-    from psparse.gpu.emulated import EmulatedBackend
+    from psparse.backends.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     grad = dev.upload("grad", np.zeros(8, np.float32))
     indices = dev.upload("i", np.array([1, 5], np.int64))
@@ -349,8 +349,8 @@ def test_the_steady_state_counts_start_after_the_warm_up_rounds():
     strict emulator: arrays with memory of their own, as a pool allocation on a GPU)."""
     import numpy as np
 
-    from psparse.gpu.backend import STEADY_AFTER
-    from psparse.gpu.emulated import EmulatedBackend
+    from psparse.backends.cuda import STEADY_AFTER
+    from psparse.backends.emulated import EmulatedBackend
     dev = EmulatedBackend(strict=True)
     host = np.zeros(4, np.float32)
     indices = dev.upload("i", np.array([0, 3], np.int64))

@@ -1,7 +1,7 @@
-"""The device's rounding of a push (--values on the GPU path: psparse/gpu/values.cu through
+"""The device's rounding of a push (--values on the GPU path: psparse/ops/values/values.cu through
 psparse/worker/device_values.py), against the host's.
 
-The kernels run through a backend: the CUDA emulator (psparse/gpu/kernel_emu.py) in both fiber
+The kernels run through a backend: the CUDA emulator (psparse/backends/kernel_emu.py) in both fiber
 orders, and the GPU when there is one (benchmarks/gpu_check.py runs this file there), on an
 engine-like selection: segments stored with gaps, counts from a report, the push cut into
 frames at key-range edges. Each frame must be the bytes the host's ``ValueFormat.pack`` makes
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import read_jsonl
 
-from psparse.cpu.quantize import QBITS, QMAX
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.emulated import EmulatedBackend
-from psparse.gpu.radix import RP_W
-from psparse.wire.values import ValueFormat, unpack
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.emulated import EmulatedBackend
+from psparse.ops.select.radix import RP_W
+from psparse.ops.values.formats import ValueFormat, unpack
+from psparse.ops.values.quantize import QBITS, QMAX
 from psparse.worker.device_values import FORMAT_IDS, LAYOUT_W
 from psparse.xp import cupy_or_none
 

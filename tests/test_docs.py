@@ -105,7 +105,8 @@ def test_the_spec_example_proof_and_keys_are_what_the_code_computes():
 
     import numpy as np
 
-    from psparse.wire import codec, run_description
+    from psparse.ops.codec import codec
+    from psparse.wire import run_description
 
     expected = hmac.new(b"secret", b"psparse-register-v2\n1\n2\n00ff", hashlib.sha256).hexdigest()
     assert run_description.register_proof("secret", 1, 2, "00ff") == expected
@@ -142,7 +143,8 @@ def test_the_spec_index_size_dense_switch_and_cache_key_examples():
     index_dtype), -0.0 is not a nonzero value, a cached frame is the 8 raw digest bytes."""
     import numpy as np
 
-    from psparse.wire import codec, protocol
+    from psparse.ops.codec import codec
+    from psparse.wire import protocol
 
     doc = " ".join((Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
                    .split())  # the wording below, whatever the line breaks

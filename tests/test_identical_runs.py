@@ -1,5 +1,5 @@
 """Whole runs with the compiled CPU kernels are identical to runs with the numpy references
-they replaced (PSPARSE_CPU_KERNELS=numpy, psparse/cpu/jit.py): real launches, every policy whose
+they replaced (PSPARSE_CPU_KERNELS=numpy, psparse/ops/jit.py): real launches, every policy whose
 server path differs (top-k, core, ema, frequency, and the two-phase vote and cltk), with the
 size limit (--server-limit 2k) and two key-range shards (--servers 2). Compared: every
 metrics.jsonl and eval.jsonl record without its timing fields, each rank's final checksum and

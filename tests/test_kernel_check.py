@@ -1,4 +1,4 @@
-"""The GPU-less kernel gate (psparse/gpu/kernel_check.py) passes on the package and catches faults.
+"""The GPU-less kernel gate (psparse/backends/kernel_check.py) passes on the package and catches faults.
 
 Needs CuPy and NVRTC (no GPU): `make check-kernels` installs them and runs this file; without
 them (plain `make test`) the tests that compile are skipped with that reason.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from psparse.gpu import kernel_check, sources
-from psparse.gpu.kernel_check import CudaSource, ElementwiseSpec
+from psparse.backends import kernel_check
+from psparse.backends.kernel_check import CudaSource, ElementwiseSpec
+from psparse.ops import sources
 
 
 def _nvrtc_or_none():

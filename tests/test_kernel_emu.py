@@ -1,4 +1,4 @@
-"""The kernel emulator (psparse/gpu/kernel_emu.py) is faithful where the kernels' logic needs it:
+"""The kernel emulator (psparse/backends/kernel_emu.py) is faithful where the kernels' logic needs it:
 barriers really wait, warp collectives exchange values, a missing barrier or a divergent one
 shows, and a write past an array's end is caught. Then every element kernel of
 ``sources.CUDA_SOURCE`` against its numpy formula, in both fiber orders.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.cpu import updates
-from psparse.gpu import sources
-from psparse.gpu.kernel_emu import EmulatedKernels, EmulatorError
+from psparse.backends.kernel_emu import EmulatedKernels, EmulatorError
+from psparse.ops import sources
+from psparse.ops.feedback import updates
 
 PROBES = r"""
 extern "C" __global__ void probe_block_sum(const float* x, long long n, float* out, int sync) {

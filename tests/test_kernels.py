@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from psparse.cpu import selection, updates
-from psparse.cpu.selection import NonFiniteError
-from psparse.cpu.sparsify import Selector, topk_exact
-from psparse.gpu import sources
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.emulated import EmulatedBackend
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.emulated import EmulatedBackend
+from psparse.ops import sources
+from psparse.ops.feedback import updates
+from psparse.ops.select import selection
+from psparse.ops.select.selection import NonFiniteError
+from psparse.ops.select.sparsify import Selector, topk_exact
 from psparse.policies.memory import Memory
 from psparse.wire import protocol
 from psparse.xp import array_module, cupy_or_none, from_torch, to_device, to_host, to_torch
@@ -155,7 +156,7 @@ def test_kernel_launches_are_checked_against_the_c_signatures():
             sources.check_launch("psparse_take", args, sig)
 
 # ------------------------------------------------------------------------- the device
-# The GPU path's kernels through a backend: emulated on the CPU always (psparse/gpu/kernel_emu.py),
+# The GPU path's kernels through a backend: emulated on the CPU always (psparse/backends/kernel_emu.py),
 # on the GPU too when there is one.
 def _backends():
     out = [pytest.param(lambda: EmulatedBackend(strict=True), id="emulated")]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_server import NUMEL, random_push, start_clients
 
-from psparse.cpu.reference import sparse_mean
+from psparse.ops.aggregate.reference import sparse_mean
 from psparse.server.aggregation import ServerLimit
 from psparse.wire import protocol
 

@@ -12,7 +12,7 @@ import torch
 
 import psparse
 from psparse.config import ADAM_BETAS, ConfigError
-from psparse.cpu import selection
+from psparse.ops.select import selection
 from psparse.policies.memory import Memory
 
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import read_jsonl, run_launch
 
+from psparse.backends.cuda import CudaBackend
+from psparse.backends.emulated import EmulatedBackend
 from psparse.config import ConfigError, RunConfig
-from psparse.cpu import selection
-from psparse.gpu.backend import CudaBackend
-from psparse.gpu.emulated import EmulatedBackend
+from psparse.ops.select import selection
 from psparse.policies.memory import SCALECOM_BETA, Memory
 from psparse.xp import cupy_or_none
 

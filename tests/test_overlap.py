@@ -19,8 +19,8 @@ import zmq
 from conftest import read_jsonl, run_launch, start_launch
 
 from psparse.config import ConfigError, RunConfig
+from psparse.ops.codec.codec import KeyCache
 from psparse.wire import protocol
-from psparse.wire.codec import KeyCache
 from psparse.worker import buckets
 from psparse.worker.session import Session
 

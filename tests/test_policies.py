@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psparse.cpu.sparsify import split_k
+from psparse.ops.select.sparsify import split_k
 from psparse.policies import (
     REGISTRY,
     Layout,

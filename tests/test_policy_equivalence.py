@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 from policy_reference import REFERENCES
 
-from psparse.cpu import jit, selection, sparsify, updates
-from psparse.cpu.selection import sorted_union
-from psparse.cpu.sparsify import Selector
-from psparse.gpu import host_backend
+from psparse.backends import host as host_backend
+from psparse.ops import jit
+from psparse.ops.feedback import updates
+from psparse.ops.select import selection, sparsify
+from psparse.ops.select.selection import sorted_union
+from psparse.ops.select.sparsify import Selector
 from psparse.policies import REGISTRY, Layout, base, build_policy, ema, frequency
 
 MODEL = [7037]
@@ -169,7 +171,7 @@ def run_side_by_side(name, args, sizes, granularity, rounds=48, k=70, seed=0):
 
 @pytest.fixture(params=["exact", "sampled", "compiled"])
 def selection_path(request, monkeypatch):
-    """'compiled': the host's compiled kernels (psparse/cpu/select_kernels.py); the others their
+    """'compiled': the host's compiled kernels (psparse/ops/select/select_kernels.py); the others their
     numpy references (PSPARSE_CPU_KERNELS=numpy). 'sampled': slices from 1024 entries up take
     the sampled-threshold path (as above 1M), and the block-by-block passes (selection,
     threshold) run on 1000-entry blocks, so the tests' 7037 entries span several blocks as
@@ -177,9 +179,9 @@ def selection_path(request, monkeypatch):
     monkeypatch.setattr(jit, "REFERENCE", request.param != "compiled")
     if request.param == "compiled":
         # numba loaded: jit.compiled's small-call rule then runs the kernels at 7037 entries
-        importlib.import_module("psparse.cpu.select_kernels")
+        importlib.import_module("psparse.ops.select.select_kernels")
     if request.param == "sampled":
-        # the host's selectors are made by its engines (psparse.gpu.host_backend)
+        # the host's selectors are made by its engines (psparse.backends.host)
         monkeypatch.setattr(host_backend, "Selector", functools.partial(Selector,
                                                                         exact_below=1024))
         monkeypatch.setattr(sparsify, "BLOCK", 1000)

@@ -1,7 +1,7 @@
-"""The device selection engine (psparse/gpu/radix.py) against its references, on the CPU.
+"""The device selection engine (psparse/ops/select/radix.py) against its references, on the CPU.
 
 ``plan_reference`` (the plan in array operations) selects exactly ``topk_reference``'s set on
-adversarial inputs; the CUDA C kernels, run by the emulator (psparse/gpu/kernel_emu.py), follow the
+adversarial inputs; the CUDA C kernels, run by the emulator (psparse/backends/kernel_emu.py), follow the
 plan step by step (mode, candidates, threshold, ties still needed) and write its selection, for
 every key mode, in single and many segments, with the fused accumulation and take. The same
 tests run on a CUDA device when there is one.
@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.cpu import selection
-from psparse.gpu import radix
-from psparse.gpu.emulated import EmulatedBackend
-from psparse.gpu.radix import RadixSelect, keys_reference, plan_reference
+from psparse.backends.emulated import EmulatedBackend
+from psparse.ops.select import radix, selection
+from psparse.ops.select.radix import RadixSelect, keys_reference, plan_reference
 from psparse.xp import cupy_or_none
 
 # sizes that are not multiples of the block (256) or the tile (4096)
@@ -78,7 +77,7 @@ def _backends():
     out = [pytest.param(lambda: EmulatedBackend(strict=False), id="emulated"),
            pytest.param(lambda: EmulatedBackend(strict=False, reverse=True), id="reversed")]
     if cupy_or_none() is not None:
-        from psparse.gpu.backend import CudaBackend
+        from psparse.backends.cuda import CudaBackend
         out.append(pytest.param(lambda: CudaBackend(cupy_or_none()), id="cuda"))
     return out
 

@@ -1,4 +1,4 @@
-"""The host's compiled selection and policy-state kernels (psparse/cpu/select_kernels.py) against
+"""The host's compiled selection and policy-state kernels (psparse/ops/select/select_kernels.py) against
 their numpy oracles: ``topk_exact`` of the same score, ``kernels.at_least``,
 ``kernels.scatter_add`` and ``Decaying.renormalise``'s numpy lines. Random, adversarial
 (empty, one entry, ties, all equal, zeros, k = 0 and k = n, a misleading sample) and
@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psparse.cpu import select_kernels, selection, updates
-from psparse.cpu.selection import NonFiniteError
-from psparse.cpu.sparsify import Selector, topk_exact
+from psparse.ops.feedback import updates
+from psparse.ops.select import select_kernels, selection
+from psparse.ops.select.selection import NonFiniteError
+from psparse.ops.select.sparsify import Selector, topk_exact
 
 CORE_SCORE = np.finfo(np.float32).max
 GRID = st.sampled_from([0.0, 0.125, -0.125, 0.5, -1.0, 2.0, 3.0, 1e-30, -1e-39])  # ties

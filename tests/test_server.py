@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
+from psparse.ops.codec.codec import KeyCache
 from psparse.wire import protocol
-from psparse.wire.codec import KeyCache
 from psparse.wire.transport import Channel
 
 NUMEL = 1000

@@ -1,4 +1,4 @@
-"""A process without numba runs small calls through the numpy references (psparse/cpu/jit.py,
+"""A process without numba runs small calls through the numpy references (psparse/ops/jit.py,
 ``SMALL``) and gets what the kernels give, bytes and dtypes; the launcher's ``prepare`` starts
 numba without loading every kernel when the cache is complete.
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from psparse.cpu import jit
+from psparse.ops import jit
+from psparse.ops.codec import codec
+from psparse.ops.codec.codec import CodecError
 from psparse.server.aggregation import Aggregator
-from psparse.wire import codec, protocol
-from psparse.wire.codec import CodecError
+from psparse.wire import protocol
 
 HERE = Path(__file__).resolve().parent
 
@@ -101,7 +102,7 @@ def test_long_varints_are_decoded_by_the_kernel():
         except CodecError as error:
             want.append(str(error))
     done = in_fresh_process(
-        "import json, sys, numpy as np; from psparse.wire import codec; got = []\n"
+        "import json, sys, numpy as np; from psparse.ops.codec import codec; got = []\n"
         f"for data, count in {frames!r}:\n"
         "    try: got.append(codec.decode_delta(np.array(data, np.uint8), count).tolist())\n"
         "    except codec.CodecError as error: got.append(str(error))\n"
@@ -114,8 +115,8 @@ def test_long_varints_are_decoded_by_the_kernel():
 
 def test_prepare_starts_numba_and_loads_only_what_a_child_runs():
     jit.warm_up()  # a complete cache, stamped
-    probe = ("import json, numba, numpy as np; from psparse.cpu import jit, agg_kernels; "
-             "from psparse.cpu import codec_kernels; from psparse.wire import codec; "
+    probe = ("import json, numba, numpy as np; from psparse.ops import jit; from psparse.ops.aggregate import agg_kernels; "
+             "from psparse.ops.codec import codec_kernels; from psparse.ops.codec import codec; "
              "jit.prepare(); kernels = {f.__name__: f for m in "
              "(agg_kernels, codec_kernels) for f in vars(m).values() "
              "if isinstance(f, numba.core.dispatcher.Dispatcher)}; "

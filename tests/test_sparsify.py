@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psparse.cpu.sparsify import Selector, density_to_k, split_k, topk_exact
+from psparse.ops.select.sparsify import Selector, density_to_k, split_k, topk_exact
 from psparse.policies import Layout, TopK
 
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from conftest import read_jsonl, run_launch
 
-from psparse.cpu import quantize, value_kernels
+from psparse.ops.codec.codec import KeyCache
+from psparse.ops.values import quantize, value_kernels
+from psparse.ops.values.formats import FORMATS, ValueFormat, unpack
 from psparse.policies.memory import Memory
 from psparse.server.aggregation import BroadcastMemory
 from psparse.wire import protocol
-from psparse.wire.codec import KeyCache
-from psparse.wire.values import FORMATS, ValueFormat, unpack
 from psparse.worker.frames import push_frames
 
 ROUNDED = [name for name in FORMATS if name != "fp32"]

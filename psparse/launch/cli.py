@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import plugin
 from ..config import ConfigError, RunConfig
-from ..cpu import jit
+from ..ops import jit
 from ..options import add_config_arguments, resolve_config
 from ..policies import Layout, PolicyError, build_policy, policy_class
 from ..provenance import provenance
@@ -144,8 +144,8 @@ def check_policy(cfg: RunConfig) -> None:
     policy_class(cfg.policy)  # an unknown name is told before torch is imported (~2 s)
     import torch
 
-    from ..cpu.sparsify import density_to_k
     from ..data import IN_SHAPES, NUM_CLASSES
+    from ..ops.select.sparsify import density_to_k
     from ..training.models import build_model, check_factory
 
     if not cfg.script and ":" in cfg.model:
@@ -212,7 +212,7 @@ def check_start(plan: Plan) -> None:
 def warm_up() -> None:
     """Before forking local children: import the worker (and torch, and torch.optim's lazy
     torch._dynamo) once, and start numba, compiling the CPU kernels if the cache lacks them
-    (psparse/cpu/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
+    (psparse/ops/jit.py, ``prepare``), so that no child pays for them: ~6 CPU-seconds each, ~25 s
     of start-up for 8 workers on 2 cores."""
     importlib.import_module("psparse.training.loop")
     importlib.import_module("torch._dynamo")

@@ -67,7 +67,7 @@ def parse_policy_args(items: list[str] | dict | None) -> dict[str, str]:
 def build_policy(spec: str, args, layout: Layout, k: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, xp=np, dev=None) -> SelectionPolicy:
     """The policy named by ``spec`` with its ``--policy-arg`` values; arrays on ``xp``, or on
-    the device backend ``dev`` (a GPU worker: psparse.gpu.backend)."""
+    the device backend ``dev`` (a GPU worker: psparse.backends.cuda)."""
     cls = policy_class(spec)
     return cls(layout, k, rank=rank, world_size=world_size, seed=seed, xp=xp, dev=dev,
                **parse_policy_args(args))

@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from ..cpu.jit import host_compiled
-from ..cpu.sparsify import Selector, split_k
-from ..gpu import radix
-from ..gpu.device_policy import Fusion
-from ..gpu.host_backend import HostBackend
+from ..backends.device_engines import Fusion
+from ..backends.host import HostBackend
+from ..ops.jit import host_compiled
+from ..ops.select import radix
+from ..ops.select.sparsify import Selector, split_k
 from ..option_rules import dense_warmup_refusal
 
 
@@ -119,8 +119,8 @@ class SelectionPolicy:
     def __init__(self, layout: Layout, k: int, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, xp=np, dev=None, **params):
         self.layout, self.rank, self.world_size, self.seed = layout, rank, world_size, seed
-        # dev: the device backend of a GPU worker (psparse.gpu.backend), else None; the policy
-        # works through ``backend``, the device's or the host's (psparse.gpu.host_backend)
+        # dev: the device backend of a GPU worker (psparse.backends.cuda), else None; the policy
+        # works through ``backend``, the device's or the host's (psparse.backends.host)
         self.dev = dev
         self.backend = dev or HostBackend(xp)
         if not isinstance(self.backend, HostBackend) and not self.device_path:
@@ -158,7 +158,7 @@ class SelectionPolicy:
 
     # ------------------------------------------------------------------------ the device
     # On a GPU worker ``select`` runs ``select_device``: the radix engine ranks ``device_key``
-    # in every slice at once (psparse/gpu/device_policy.py), with no host round trip. A policy
+    # in every slice at once (psparse/backends/device_engines.py), with no host round trip. A policy
     # that changes ``score`` or ``select_slice`` without saying how on the device keeps the
     # host-style path there (its own array code on the device's arrays). The host's engines
     # rank the keys |x| and the threshold's, not yet every policy's (``ranks_every_key``), so

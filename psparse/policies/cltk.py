@@ -7,7 +7,7 @@ leader's indices before the push: a two-phase round (proposals, then pushes), wh
 extra index broadcast per round, counted in the metrics.
 """
 
-from ..gpu import radix
+from ..ops.select import radix
 from .base import SelectionPolicy
 
 

@@ -43,10 +43,9 @@ leaves out zero keys, marked in a byte mask, then one engine over the combined k
 
 import numpy as np
 
-from ..cpu import selection
-from ..cpu.jit import host_compiled
-from ..cpu.sparsify import positions, select_kernels, topk_exact
-from ..gpu import radix
+from ..ops.jit import host_compiled
+from ..ops.select import radix, selection
+from ..ops.select.sparsify import positions, select_kernels, topk_exact
 from .base import Param, SelectionPolicy
 
 CORE_SCORE = np.finfo(np.float32).max  # the core's score: above every other entry's |acc|

@@ -23,9 +23,9 @@ at 0.1%.
 
 import numpy as np
 
-from ..cpu.sparsify import select_kernels
-from ..gpu import radix
-from ..gpu.device_policy import layout_bounds
+from ..backends.device_engines import layout_bounds
+from ..ops.select import radix
+from ..ops.select.sparsify import select_kernels
 from .base import Param, ScoredPolicy
 
 STORED_LIMIT = 2.0 ** 40  # renormalise the stored priority before its maximum exceeds this

@@ -27,10 +27,9 @@ import sys
 
 import numpy as np
 
-from ..cpu import selection, sparsify
-from ..cpu.jit import host_compiled
-from ..cpu.sparsify import select_kernels
-from ..gpu import radix
+from ..ops.jit import host_compiled
+from ..ops.select import radix, selection, sparsify
+from ..ops.select.sparsify import select_kernels
 from .base import Param, SelectionPolicy
 
 # A large host slice's pool is streamed when it is over this fraction of the slice, else listed

@@ -74,15 +74,15 @@ import math
 
 import numpy as np
 
+from ..backends.host import HostBackend
 from ..config import ADAM_BETAS, MEMORIES, SCALECOM_BETA  # noqa: F401 (the names live in config)
-from ..gpu.host_backend import HostBackend
-from ..gpu.radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
+from ..ops.select.radix import ACC_DGC, ACC_FILTERED, ACC_RESIDUAL
 
 
 class Memory:
     """The accumulator (and DGC velocity, ScaleCom's filtered memory, or the adam memory's
     moments) of one worker, where its backend keeps arrays: the host's
-    (``psparse.gpu.host_backend``, numpy) or a device's (``dev``: then ``add`` takes the
+    (``psparse.backends.host``, numpy) or a device's (``dev``: then ``add`` takes the
     gradient as a CuPy view of the torch tensor). Each rule is written once; the backend does
     its steps (accumulate, take, clip) where the arrays are.
 
@@ -92,7 +92,7 @@ class Memory:
 
     def __init__(self, numel: int, kind: str = "residual", momentum: float = 0.9,
                  clip_norm: float | None = None, xp=np, beta: float = SCALECOM_BETA, dev=None):
-        # dev: a device backend (psparse.gpu.backend), else None (the host's)
+        # dev: a device backend (psparse.backends.cuda), else None (the host's)
         self.backend = dev or HostBackend(xp)
         xp = self.backend.xp
         if kind not in MEMORIES:
@@ -167,7 +167,7 @@ class Memory:
 
     def accumulate_spec(self, grad) -> tuple:
         """The device accumulation of ``grad`` as the radix engine folds it into its first pass
-        (psparse/gpu/radix.py: ``RadixSelect.run``); ``grad`` already ``prepared``."""
+        (psparse/ops/select/radix.py: ``RadixSelect.run``); ``grad`` already ``prepared``."""
         if self.filtered is not None:
             return (ACC_FILTERED, self.accumulator, grad, None, self.filtered, 0.0)
         if self.velocity is not None:
@@ -212,7 +212,7 @@ class Memory:
         copy per push (nothing is read back)."""
         if indices.size == 0:
             return
-        # on a device: asynchronous, through pinned buffers (psparse.gpu.backend)
+        # on a device: asynchronous, through pinned buffers (psparse.backends.cuda)
         indices = self.backend.upload("feedback-indices",
                                       np.ascontiguousarray(indices, dtype=np.int64))
         error = self.backend.upload("feedback-error", np.ascontiguousarray(error, np.float32))

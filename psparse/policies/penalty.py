@@ -16,8 +16,8 @@ while it is in cache. The same indices either way.
 
 import numpy as np
 
-from ..cpu.sparsify import positions, select_kernels
-from ..gpu import radix
+from ..ops.select import radix
+from ..ops.select.sparsify import positions, select_kernels
 from .base import Param, ScoredPolicy
 
 

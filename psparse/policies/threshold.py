@@ -16,7 +16,7 @@ On the host (``HostEngines``) |accumulator| >= lam is found by the compiled
 either way.
 """
 
-from ..gpu import radix
+from ..ops.select import radix
 from .base import Param, SelectionPolicy
 
 

@@ -11,7 +11,7 @@ vectors; here the selection happens at the server from the proposals, so the bro
 ``keep * k`` indices plus the aggregate, instead of the union of everyone's top-k.
 """
 
-from ..gpu import radix
+from ..ops.select import radix
 from .base import Param, SelectionPolicy
 
 

@@ -8,7 +8,7 @@
 * ``cli.py``: the command line;
 * ``membership.py``: who is in the run (admission, the agreed run, liveness; sends nothing);
 * ``aggregation.py``: the round arithmetic on plain arrays (the sparse mean in rank order,
-  vote, budgets, dense switch, size limit), compiled in ``psparse/cpu/agg_kernels.py``.
+  vote, budgets, dense switch, size limit), compiled in ``psparse/ops/aggregate/agg_kernels.py``.
 
 ``Server``, ``build_parser`` and ``main`` are imported on first use, so reading records
 (``psparse.server.records``, the report and the launcher's progress) needs no socket library.

@@ -8,7 +8,7 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
   union of their indices; a dense push covers every index. On the host a compiled kernel
   (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by
   block through a cache-sized bitmap into the output; with ``--server-device cuda`` the GPU sums them in rank order
-  and finds the union from touched bytes (``psparse.gpu.device_aggregation``), bit for bit the same.
+  and finds the union from touched bytes (``psparse.ops.aggregate.device_aggregation``), bit for bit the same.
 * ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
   (``candidates``: the same with their scores, what a key-range shard sends).
 * ``Aggregator.check_budget``: a push or proposal against the step the agreed run sets for its
@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cpu import reference
-from ..cpu.jit import REFERENCE, LazyModule, Reusable, address_table, compiled
-from ..cpu.selection import NonFiniteError
-from ..gpu.device_aggregation import DeviceAggregator
+from ..ops.aggregate import reference
+from ..ops.aggregate.device_aggregation import DeviceAggregator
+from ..ops.jit import REFERENCE, LazyModule, Reusable, address_table, compiled
+from ..ops.select.selection import NonFiniteError
+from ..ops.values.formats import FP32, ValueFormat
 from ..wire.protocol import all_finite, dense_is_smaller, index_dtype_for
-from ..wire.values import FP32, ValueFormat
 from ..xp import cupy_or_none
 
-agg_kernels = LazyModule("psparse.cpu.agg_kernels")
+agg_kernels = LazyModule("psparse.ops.aggregate.agg_kernels")
 __all__ = ["Aggregator", "BroadcastMemory", "BudgetError", "ServerLimit", "array_module_for"]
 
 
@@ -42,17 +42,17 @@ class BudgetError(ValueError):
 
 def array_module_for(device: str):
     """Where the server sums the pushes: None (the host), or a device backend for "cuda"
-    (``psparse.gpu.backend.CudaBackend``; ValueError without a CUDA device and CuPy)."""
+    (``psparse.backends.cuda.CudaBackend``; ValueError without a CUDA device and CuPy)."""
     if device != "cuda":
         return None
-    from ..gpu.devices import emulated_from_env
+    from ..backends.devices import emulated_from_env
     emulated = emulated_from_env()  # PSPARSE_EMULATE_GPU: the GPU path on the CPU (tests)
     if emulated is not None:
         return emulated
     xp = cupy_or_none()
     if xp is None:
         raise ValueError("--server-device cuda: no CUDA device, or CuPy is not installed")
-    from ..gpu.backend import CudaBackend
+    from ..backends.cuda import CudaBackend
     return CudaBackend(xp)
 
 
@@ -67,7 +67,7 @@ class Aggregator:
     def __init__(self, numel: int, dev=None, value_format: ValueFormat = FP32):
         self.numel = numel
         self.value_format = value_format  # the run's --values: where the dense switch lies
-        # on a device (--server-device cuda): psparse.gpu.device_aggregation, bit for bit the host
+        # on a device (--server-device cuda): psparse.ops.aggregate.device_aggregation, bit for bit the host
         self._device = DeviceAggregator(numel, dev) if dev is not None else None
         self._accumulator = None
         self.index_dtype = index_dtype_for(numel)  # the natural index size (dense switch)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
+from ..ops.codec.codec import KeyCache
 from ..wire import protocol
-from ..wire.codec import KeyCache
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel, Pacer, PeerGone, TransportTimeout, wire_bytes
 from .membership import RunAborted

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..cpu.selection import NonFiniteError
+from ..ops.select.selection import NonFiniteError
 from ..wire import protocol, run_description
 from ..wire.protocol import ProtocolError, all_finite
 from .aggregation import BudgetError

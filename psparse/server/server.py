@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import checkpoint
-from ..cpu import jit
+from ..ops import jit
 from ..option_rules import bucket_refusal, parse_limit
 from ..rundir import PORT_FILE, SUMMARY_FILE, RunDirError, write_atomic
 from ..wire import keyranges, protocol, run_description

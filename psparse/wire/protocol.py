@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from ..cpu import reference
-from ..cpu.jit import REFERENCE, compiled
-from . import codec
-from .codec import CodecError, KeyCache, codec_kernels
-from .values import FP32, MAX_BLOCK, ValueFormat, ValueFrameError, unpack
+from ..ops.codec import codec, reference
+from ..ops.codec.codec import CodecError, KeyCache, codec_kernels
+from ..ops.jit import REFERENCE, compiled
+from ..ops.values.formats import FP32, MAX_BLOCK, ValueFormat, ValueFrameError, unpack
 
 # 2: register proves the run token and carries the run description (``run``) instead of a
 # digest of Python options; ready publishes the agreed run; push/propose lost ``budget``/``select``
@@ -28,7 +27,7 @@ PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 
 INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
-# value frames (docs/protocol.md, "Value formats"; psparse/wire/values.py): float32 unless a
+# value frames (docs/protocol.md, "Value formats"; psparse/ops/values/formats.py): float32 unless a
 # run's --values says otherwise; int8 and int4 carry "value_block" in the header
 VALUE_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 
@@ -140,7 +139,7 @@ def encode(msg_type: str, indices: np.ndarray | None = None, values: np.ndarray 
     (``codec``); with a ``cache`` too, a set the receiver already holds goes as an 8-byte key.
     ``shared``: the same dict for every message of one broadcast (the same indices to several
     connections): the index frame is encoded once, and the key caches share one copy.
-    ``value_format``: the value frame's format (float32 by default; psparse/wire/values.py);
+    ``value_format``: the value frame's format (float32 by default; psparse/ops/values/formats.py);
     ``value_frame``: that frame, packed already (``ValueFormat.encode``; ``values`` may then
     be None), else packed here, once per broadcast with ``shared``.
     """
@@ -444,6 +443,6 @@ def _buffer(frame) -> memoryview:
 
 
 if REFERENCE:  # PSPARSE_CPU_KERNELS=numpy: the numpy references instead of the kernels
-    from ..cpu import reference as _reference
+    from ..ops.codec import reference as _reference
 
     sparse_frame_problem, all_finite = _reference.sparse_frame_problem, _reference.all_finite  # noqa: F811

@@ -10,8 +10,8 @@ import hashlib
 import hmac
 import math
 
+from ..ops.values.formats import FP32, MAX_BLOCK, WIRE_NAMES, ValueFormat
 from .protocol import _INT, _LIST, _MAP, ProtocolError, check_type
-from .values import FP32, MAX_BLOCK, WIRE_NAMES, ValueFormat
 
 # The run description a worker registers with (docs/protocol.md, "The run"): what every rank
 # must agree on, in a form any language can build and compare.

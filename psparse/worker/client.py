@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
+from ..ops.codec.codec import KeyCache
+from ..ops.values.formats import FP32, ValueFormat
 from ..wire import protocol, run_description
-from ..wire.codec import KeyCache
 from ..wire.protocol import ProtocolError
 from ..wire.transport import Channel, PeerGone, TransportTimeout
-from ..wire.values import FP32, ValueFormat
 from .frames import merge_aggregates, push_frames
 
 

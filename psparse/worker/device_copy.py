@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from ..gpu.device_policy import DeviceSelection
-from ..gpu.radix import RP_W
+from ..backends.device_engines import DeviceSelection
+from ..ops.select.radix import RP_W
 from ..policies import PolicyError, check_output
 from .device_values import DeviceValues
 from .divergence import accumulator_diverged

@@ -6,7 +6,7 @@ round:
 
 1. psparse's stream waits for torch's (the backward pass that wrote the flat gradient);
    the loss tensor is copied into a device slot (no ``.item()``);
-2. the policy selects on the device (``psparse.gpu.device_policy``): error feedback folded into the
+2. the policy selects on the device (``psparse.backends.device_engines``): error feedback folded into the
    engine's first pass, the selected values gathered and zeroed in its last one; a policy
    that returns plain device indices gets a check kernel (range, order) and a take kernel;
 3. **one copy back**: the selection's indices and values, its report (counts, non-finite
@@ -30,8 +30,8 @@ import os
 import numpy as np
 import torch
 
-from ..gpu.backend import CaptureFailed
-from ..gpu.device_policy import DeviceSelection, Fusion
+from ..backends.cuda import CaptureFailed
+from ..backends.device_engines import DeviceSelection, Fusion
 from .device_copy import SelectionCopy
 from .divergence import read_loss
 from .exchange import OnePhase, RoundContext, WholeModel

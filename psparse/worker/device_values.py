@@ -1,7 +1,7 @@
 """A GPU push's values in the run's format (``--values``), rounded on the device.
 
 With a value format other than float32, ``SelectionCopy`` hands the selection to
-``DeviceValues.stage`` before the round's one copy back: the kernels of ``psparse/gpu/values.cu``
+``DeviceValues.stage`` before the round's one copy back: the kernels of ``psparse/ops/values/values.cu``
 round the selected values where the engine left them, write the frames' scales and codes, and
 add what rounding took from each value into the worker's memory (the accumulator, or ScaleCom's
 filtered memory times beta: ``Memory.feedback_target``), all on the device. The copy back then
@@ -12,7 +12,7 @@ slices them (``RoundedValues``). A selection large enough that a frame could go 
 (SparCML's switch, which the host decides once the count is back) is rounded on the host
 instead, as before (``DeviceValues.active``).
 
-Bit for bit the host's rounding (psparse/cpu/quantize.py): tests/test_device_values.py holds
+Bit for bit the host's rounding (psparse/ops/values/quantize.py): tests/test_device_values.py holds
 the kernels to it on the emulator (and on a GPU when there is one), and whole runs on the strict
 emulated device to the host path's.
 """
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cpu.quantize import QBITS, QMAX
-from ..gpu.radix import RP_W
+from ..ops.select.radix import RP_W
+from ..ops.values.formats import ValueFormat
+from ..ops.values.quantize import QBITS, QMAX
 from ..wire import protocol
-from ..wire.values import ValueFormat
 from .frames import RoundedValues
 
 FORMAT_IDS = {"bfloat16": 1, "float16": 2, "int8": 3, "int4": 4}  # values.cu's PV_*

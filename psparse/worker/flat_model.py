@@ -5,7 +5,7 @@ Where a worker's arrays live: the model's flat buffers and the device.
 ``FlatModel`` makes a model's parameters and gradients views of two flat float32 buffers (what
 ``psparse.worker.session`` exchanges; on the GPU path ``psparse.worker.device_round`` works on them
 in place); ``pick_device`` chooses the device (the backend that runs on it:
-``psparse.gpu.backend``).
+``psparse.backends.cuda``).
 """
 
 from __future__ import annotations

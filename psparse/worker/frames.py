@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops.values.formats import FP32, ValueFormat, unpack
 from ..server.aggregation import agg_kernels
 from ..wire import protocol
-from ..wire.values import FP32, ValueFormat, unpack
 
 
 class RoundedValues:

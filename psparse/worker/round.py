@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cpu.sparsify import NonFiniteError, topk_exact
+from ..ops.select.sparsify import NonFiniteError, topk_exact
 from ..policies import PolicyError, check_output
 from ..xp import INDEX_DTYPE, to_device, to_host
 from .divergence import accumulator_diverged, read_loss, require_scaler

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from ..backends.devices import device_backend
 from ..config import ConfigError, RunConfig
-from ..cpu import jit
-from ..cpu.sparsify import density_to_k
-from ..gpu.devices import device_backend
+from ..ops import jit
+from ..ops.select.sparsify import density_to_k
 from ..policies import Layout, PolicyError, build_policy
 from ..policies.memory import SCALECOM_BETA, Memory, density_schedule
 from ..rundir import EVAL_VALUES, rank_file, write_atomic
@@ -100,7 +100,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.device = self.net.device
         self.optimizer = as_optimizer(optimizer)  # several: one object with their state
         # the GPU path: accumulator, selection and policy state on the device (a backend,
-        # psparse.gpu.backend); None: the host path
+        # psparse.backends.cuda); None: the host path
         self.dev = device_backend(self.device, self.say)
         check_options(cfg, batches_per_epoch, on_device=self.dev is not None)
         self.memory = Memory(self.net.numel, cfg.memory, cfg.momentum, cfg.clip_norm,
@@ -211,7 +211,7 @@ class Session(lifecycle.LoopControl, Checkpointed):
     # ------------------------------------------------------------------------- registration
     def register(self) -> None:
         """Join the run: every worker registered and agreed (the server checks) or an error."""
-        if self.dev is None:  # the host's kernels, before the first round (psparse/cpu/jit.py)
+        if self.dev is None:  # the host's kernels, before the first round (psparse/ops/jit.py)
             jit.preload(("select_kernels", "codec_kernels") +
                         (("agg_kernels",) if self.cfg.servers > 1 else ()) +
                         (("value_kernels",) if self.cfg.values != "fp32" else ()),
