@@ -127,7 +127,9 @@ def resume_point(run_dir: Path, world_size: int, shards: int = 1) -> ResumePoint
         common &= set(iterations(d, "server"))
     saved = {r: set(iterations(run_dir, f"rank-{r}")) for r in range(world_size)}
     for it in sorted(common, reverse=True):
-        live = header(server_dirs[0], "server", it).get("live", list(range(world_size)))
+        every = list(range(world_size))  # (a rank any shard had lost by then is lost)
+        live = sorted(set.intersection(*(set(header(d, "server", it).get("live", every))
+                                         for d in server_dirs)))
         if all(it in saved[r] for r in live):
             return ResumePoint(it, sorted(live))
     return None

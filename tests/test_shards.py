@@ -211,7 +211,6 @@ def test_a_shard_refuses_registers_meant_for_another_or_for_no_shard(tmp_path):
     (["--shard", "2/2"], "the shard index I must be in 0..1"),
     (["--shard", "0/0"], "the number of shards S must be at least 1"),
     (["--shard", "two"], "expected I/S"),
-    (["--shard", "0/2", "--elastic"], "--elastic does not work with several server shards"),
 ])
 def test_bad_shard_values_are_refused_by_the_server(tmp_path, args, message):
     r = subprocess.run(python_module("psparse.server", "--workers", "2", "--port", "0",
@@ -222,13 +221,18 @@ def test_bad_shard_values_are_refused_by_the_server(tmp_path, args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--servers", "0"], "servers must be >= 1"),
-    (["--servers", "2", "--elastic"], "--elastic does not work with several server shards"),
+    (["--servers", "3", "--server-hosts", "workers", "--hostfile", "HOSTS"],
+     "places one shard on each of the 2 worker hosts, but --servers is 3"),
+    (["--server-hosts", "workers", "--hostfile", "HOSTS", "--shard-edges", "10"],
+     "--shard-edges needs --servers S with S >= 2"),  # (its count of edges needs S given)
     (["--servers", "2", "--baseline", "ddp"], "--servers does not apply"),
     (["--servers", "3", "--shard-edges", "100"], "expected 2 strictly increasing keys"),
     (["--servers", "3", "--shard-edges", "900,100"], "expected 2 strictly increasing keys"),
     (["--shard-edges", "100"], "--shard-edges needs --servers S with S >= 2"),
 ])
 def test_bad_servers_values_are_refused_by_the_launcher(tmp_path, args, message):
+    (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=2\n")
+    args = [str(tmp_path / "hosts") if a == "HOSTS" else a for a in args]
     r = launch(tmp_path / "run", *RUN, *args, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()  # nothing started
@@ -243,22 +247,25 @@ def test_a_worker_needs_every_shards_address(tmp_path):
     assert "2 server shards (--servers) but this worker was given 1 server address" in r.stderr
 
 
-@pytest.mark.parametrize("placed", [False, True], ids=["shards-here", "server-hosts"])
+@pytest.mark.parametrize("placed", [None, "localhost,127.0.0.1", "workers"],
+                         ids=["shards-here", "server-hosts", "beside-workers"])
 def test_hostfile_launch_with_two_server_shards(tmp_path, placed):
     """--hostfile through the fake remote shell: the shards listen at PORT and PORT + 1, here
-    or (--server-hosts) started through the remote shell on the named hosts; the workers get
-    both addresses on their command line."""
+    or (--server-hosts) started through the remote shell on the named hosts, or on each
+    worker host (--server-hosts workers, which sets --servers to their number); the workers
+    get both addresses on their command line."""
     (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=1\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "FAKE_RSH_LOG": str(tmp_path / "rsh.log")}
-    where = ["--server-hosts", "localhost,127.0.0.1"] if placed else []
+    where = ["--server-hosts", placed] if placed else []
+    servers = [] if placed == "workers" else ["--servers", "2"]
     r = subprocess.run(python_module(
         "psparse.launch", "--out", str(tmp_path / "run"), "--hostfile", str(tmp_path / "hosts"),
         "--rsh", f"bash {FAKE_RSH}", "--server-host", "127.0.0.1", "--bind", "127.0.0.1",
         "--port", str(port), "--workers", "3", "--model", "mlp", "--dataset", "digits",
-        "--iterations", "20", "--timeout", "20", "--servers", "2", *where),
+        "--iterations", "20", "--timeout", "20", *servers, *where),
         capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [line.split("\t") for line in (tmp_path / "rsh.log").read_text().splitlines()]

@@ -120,10 +120,13 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "host's name)")
     g.add_argument("--port", type=int, default=5555,
                    help="server port in cluster modes (shard I of --servers S: this + I)")
-    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...",
+    g.add_argument("--server-hosts", default=None, metavar="HOST,HOST,...|workers",
                    help="with --servers S in cluster modes: start shard I on the I-th host "
                         "through --rsh (S names, in shard order; each writes RUN_DIR/shard-I/ "
-                        "on its host) instead of all shards here")
+                        "on its host) instead of all shards here. 'workers': one shard beside "
+                        "the workers on each worker host (S = their number; --servers may be "
+                        "left out), so that every host's link carries about k + union entries "
+                        "each way whatever the number of workers")
     g.add_argument("--bind", default="0.0.0.0",
                    help="server bind address in cluster modes (default 0.0.0.0)")
     g.add_argument("--rsh", default="ssh -o BatchMode=yes",
@@ -320,25 +323,42 @@ def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
         p.error("--hostfile and --slurm exclude each other")
     server_hosts = None
     try:
-        if args.server_hosts is not None:
-            server_hosts = [h.strip() for h in args.server_hosts.split(",")]
-            if len(server_hosts) != cfg.servers or not all(server_hosts):
-                raise ValueError(f"--server-hosts names {len(server_hosts)} host(s) for "
-                                 f"{cfg.servers} server shard(s) (--servers): give one host "
-                                 "per shard, comma-separated, in shard order")
         if args.slurm:
             hosts = [cluster.Host(h, 1) for h in cluster.slurm_nodes()]
             if args.workers is None:
                 cfg.workers = cluster.slurm_workers()
+            worker_hosts = [h.name for h in hosts]  # (srun spreads the tasks over them all)
         else:
             hosts = cluster.parse_hostfile(args.hostfile.read_text(), str(args.hostfile))
-            cluster.place(hosts, cfg.workers)  # enough slots?
-    except (OSError, ValueError) as exc:
+            placed = cluster.place(hosts, cfg.workers)  # enough slots?
+            worker_hosts = list(dict.fromkeys(host for _, host, _ in placed))
+        if args.server_hosts is not None and args.server_hosts.strip() == "workers":
+            server_hosts = _beside_workers(cfg, worker_hosts)
+        elif args.server_hosts is not None:
+            server_hosts = [h.strip() for h in args.server_hosts.split(",")]
+            if len(server_hosts) != cfg.servers or not all(server_hosts):
+                raise ValueError(f"--server-hosts names {len(server_hosts)} host(s) for "
+                                 f"{cfg.servers} server shard(s) (--servers): give one host "
+                                 "per shard, comma-separated, in shard order, or 'workers'")
+    except (OSError, ValueError, ConfigError) as exc:
         p.error(str(exc))
     return Topology(mode="slurm" if args.slurm else "hostfile", hosts=hosts,
                     server_host=args.server_host or socket.gethostname(), port=args.port,
                     bind=args.bind, rsh=shlex.split(args.rsh), gpus_per_node=args.gpus_per_node,
                     server_hosts=server_hosts, python=args.python or sys.executable)
+
+
+def _beside_workers(cfg: RunConfig, worker_hosts: list[str]) -> list[str]:
+    """``--server-hosts workers``: shard I on the I-th host that runs workers, and as many
+    shards as there are such hosts (``--servers`` set to that, or refused if it says another
+    number). The run's options are checked again with their shards (--elastic, --shard-edges)."""
+    if cfg.servers not in (1, len(worker_hosts)):
+        raise ValueError(f"--server-hosts workers places one shard on each of the "
+                         f"{len(worker_hosts)} worker hosts, but --servers is {cfg.servers}: "
+                         f"leave --servers out or give {len(worker_hosts)}")
+    cfg.servers = len(worker_hosts)
+    cfg.validate()
+    return worker_hosts
 
 
 def _check_restarts(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:

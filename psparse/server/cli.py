@@ -53,8 +53,6 @@ def main(argv=None) -> int:
     run_token = args.run_token or os.environ.get("PSPARSE_TOKEN") or None
     try:
         shard = keyranges.parse_shard(args.shard)
-        if shard[1] > 1:
-            keyranges.check_shardable(cfg)
     except ValueError as exc:
         build_parser().error(str(exc))
     if not is_loopback(args.bind) and not cfg.curve_keys:

@@ -200,6 +200,10 @@ def merge_records(records: list[dict]) -> dict:
     if first.get("proposals") is not None:  # each rank's proposals, over every shard
         out["proposals"] = [sum(c) for c in zip(*(r["proposals"] for r in records))]
     out["dense"] = any(r["dense"] for r in records)
+    out["workers"] = min(r["workers"] for r in records)
+    lives = [set(r["live"]) for r in records if "live" in r]
+    if lives:  # (an elastic loss: a rank any shard lost is lost, as the workers take it)
+        out["live"] = sorted(set.intersection(*lives))
     out["round_s"] = max(r["round_s"] for r in records)
     out["time_s"] = max(r["time_s"] for r in records)
     out["shards"] = [{"upload_bytes": r["upload_bytes"], "broadcast_bytes": r["broadcast_bytes"],
@@ -229,6 +233,20 @@ def merge_run_dir(run_dir: Path, count: int) -> bool:
     return True
 
 
+def merge_losses(per_shard: list[list[dict]]) -> list[dict]:
+    """An elastic run's lost workers over its shards: each rank once, at the first iteration
+    a shard lost it (a shard that got its push before it fell silent loses it a round
+    later), in the order they were lost (None, after the last iteration, last)."""
+    first: dict[int, int | None] = {}
+    for losses in per_shard:
+        for loss in losses:
+            r, it = loss["rank"], loss["iter"]
+            if r not in first or (it is not None and (first[r] is None or it < first[r])):
+                first[r] = it
+    order = sorted(first, key=lambda r: (first[r] is None, first[r] or 0, r))
+    return [{"rank": r, "iter": first[r]} for r in order]
+
+
 def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
     """The run's summary.json from the shards' (their byte totals summed, union/k from the
     merged per-iteration records) and the per-shard totals under ``shards``."""
@@ -256,6 +274,7 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
                 "dense_mb", "allreduce_mb"):
         out[key] = round(sum(s[key] for s in summaries), 4)
     out["rejected_messages"] = sum(s["rejected_messages"] for s in summaries)
+    out["lost_workers"] = merge_losses([s.get("lost_workers", []) for s in summaries])
     limits = [s["server_limit"] for s in summaries]
     out["server_limit"] = None if limits[0] is None else {
         "spec": limits[0]["spec"], "held_back": sum(s["held_back"] for s in limits)}

@@ -272,7 +272,10 @@ class Server:
         members = self.members
         members.evaluators = state.get("evaluators", members.evaluators)
         members.lost = state["lost"]
-        members.active = set(state["active"])
+        members.active = set(state["active"]) & members.expected
+        # another shard had lost these by this checkpoint (this one would have a round later)
+        members.lost += [{"rank": r, "iter": self.start}
+                         for r in sorted(set(state["active"]) - members.expected)]
         for r, c in state["caches"].items():
             self.endpoint.caches[r].restore(c)
         if state["limit"] is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["parse_shard", "check_shardable", "parse_edges", "bounds", "balanced_edges",
+__all__ = ["parse_shard", "parse_edges", "bounds", "balanced_edges",
            "split_sorted", "shard_dir"]
 
 
@@ -41,15 +41,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise ValueError(f"--shard {text!r}: the shard index I must be in 0..{count - 1}")
     return index, count
-
-
-def check_shardable(cfg) -> None:
-    """Options that do not work with several key-range shards yet: a ValueError naming the
-    option (a clear refusal, not a silent misbehaviour)."""
-    if cfg.elastic:
-        raise ValueError("--elastic does not work with several server shards yet: each shard "
-                         "would decide on its own which workers are still live (use one "
-                         "server)")
 
 
 def parse_edges(text: str | None, count: int) -> list[int] | None:

@@ -90,7 +90,10 @@ def merge_aggregates(parts: list[protocol.Message], edges: np.ndarray) -> protoc
     indices, concatenated in shard order. If any shard sent its part dense, the merged one is
     dense (every index, zeros where nothing was aggregated), as a single server sends it."""
     header = dict(parts[0].header)
-    header["workers"] = parts[0]["workers"]
+    header["workers"] = min(m["workers"] for m in parts)
+    lives = [set(m["live"]) for m in parts if "live" in m.header]
+    if lives:  # an elastic run: each shard loses a silent rank on its own, maybe a round apart;
+        header["live"] = sorted(set.intersection(*lives))  # a rank any shard lost is lost
     if any(m.get("stop") for m in parts):  # the round's last part (or every shard) says so
         header["stop"] = True
     if any(m.get("overflow") for m in parts):  # one part's overflow skips the whole step

@@ -169,7 +169,6 @@ def open_client(cfg: RunConfig, server, rank: int, numel: int, run_token: str | 
         host, port = servers[0]
         return PSClient(host, port, rank, cfg.workers, numel=numel, **options), 1
     try:
-        keyranges.check_shardable(cfg)
         edges = keyranges.parse_edges(cfg.shard_edges, len(servers))
         return ShardedClient(servers, rank, cfg.workers, numel=numel, edges=edges,
                              **options), len(servers)
