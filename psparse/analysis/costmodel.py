@@ -29,10 +29,14 @@ CPU of the exchange (issue 15): on hosts that get a share s of a core (the emula
 CFS quota; a small node), the exchange's own CPU work W takes W / s of wall time, and the
 formulas above, which count the link only, miss by 27-51% there. With cpu_share, server_cpu_s
 (the PS server's CPU per round: decoding N pushes, aggregating, encoding and sending N
-aggregates) and worker_comm_cpu_s (a worker's CPU per iteration in a collective):
+aggregates), worker_comm_cpu_s (a worker's CPU per iteration in a collective) and
+worker_ps_cpu_s (a worker's CPU per iteration in a PS round: S pushes encoded, S aggregates
+decoded and merged):
 
   sparse / dense PS   the link term X becomes max(X, S) + min(X, S) / 2N, S = server_cpu / s
-                      (the server's CPU and its link overlap message by message, 2N messages)
+                      (the server's CPU and its link overlap message by message, 2N messages),
+                      + worker_ps_cpu / s (a worker encodes before its pushes leave and decodes
+                      after its aggregates arrive: in series with the round)
   collectives         + worker_comm_cpu / s: every step's send waits for the previous step's
                       receive and reduction, so a worker's exchange CPU is in series with the
                       link (allgather, ring; PowerSGD, whose CPU includes the hook's products)
@@ -86,6 +90,9 @@ class Setting:
     cpu_share: float | None = None
     server_cpu_s: float = 0.0  # the PS server's decode, aggregation, encode, sends per round
     worker_comm_cpu_s: float = 0.0  # a worker's part of a collective (reductions, copies)
+    # a worker's part of a PS round: splitting its push by shard, encoding S pushes, decoding
+    # and merging S aggregates (it grows with S: 8 shards' messages, not one)
+    worker_ps_cpu_s: float = 0.0
     # Past one server (issue 54): S shards, each a 1/S of the keys; on hosts of their own, or
     # ``colocated``, one beside each worker (S = N), as BytePS places them. ``shard_imbalance``:
     # the busiest shard's bytes over the mean shard's (1: balanced; LeNet-5's equal key ranges
@@ -150,6 +157,7 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     ps_link = (max(link_in, link_out) if s.full_duplex else link_in + link_out) / B
     share = s.cpu_share or 1.0
     server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
+    worker_ps = s.worker_ps_cpu_s / share
 
     def overlap(link: float, cpu: float, messages: int) -> float:
         # the PS server's messages are independent: its CPU and its link work message by
@@ -166,11 +174,11 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     return {
         # (S shards share the server's CPU; beside the workers it is on their hosts)
         "sparse PS": s.compute_s + overlap(ps_link, server_cpu / s.servers, 2 * N)
-        + 2 * latency_s,
+        + worker_ps + 2 * latency_s,
         "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
         + (N - 1) * latency_s,
         "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
-        + 2 * latency_s,
+        + worker_ps + 2 * latency_s,
         "dense ring allreduce": s.compute_s
         + 2 * (N - 1) / N * s.ring_value_bytes * s.numel / B + worker_cpu
         + ring * latency_s,
@@ -241,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-comm-cpu", type=float, default=0.0,
                    help="a worker's CPU ms per iteration inside a collective (gloo's copies "
                         "and reductions; PowerSGD's products); in series with the link")
+    p.add_argument("--worker-ps-cpu", type=float, default=0.0,
+                   help="a worker's CPU ms per iteration in a PS round at full speed (its "
+                        "pushes encoded, the aggregates decoded and merged: S of each with "
+                        "--servers S); in series with the round")
     p.add_argument("--powersgd-rank", type=int, default=None,
                    help="add a PowerSGD column at this rank (needs --model for the layer shapes)")
     p.add_argument("--model", default=None,
@@ -279,8 +291,9 @@ def main(argv=None) -> int:
         rates = [parse_rate(b) for b in (args.bandwidth or ["1Gbit", "10Gbit"])]
         if args.cpu_share is not None and not 0 < args.cpu_share <= 1:
             raise ValueError(f"--cpu-share must be in (0, 1], got {args.cpu_share}")
-        if args.server_cpu < 0 or args.worker_comm_cpu < 0:
-            raise ValueError("--server-cpu and --worker-comm-cpu must be >= 0 (ms)")
+        if min(args.server_cpu, args.worker_comm_cpu, args.worker_ps_cpu) < 0:
+            raise ValueError("--server-cpu, --worker-comm-cpu and --worker-ps-cpu must be >= 0 "
+                             "(ms)")
         if args.servers < 1 or (args.colocated and args.servers != s.workers):
             raise ValueError("--servers must be >= 1, and --colocated places one shard beside "
                              f"each worker: give --servers {s.workers}")
@@ -299,6 +312,7 @@ def main(argv=None) -> int:
         s.full_duplex = args.full_duplex
         s.cpu_share = args.cpu_share
         s.server_cpu_s, s.worker_comm_cpu_s = args.server_cpu / 1e3, args.worker_comm_cpu / 1e3
+        s.worker_ps_cpu_s = args.worker_ps_cpu / 1e3
         if args.powersgd_rank is not None:
             if args.powersgd_rank < 1 or not args.model:
                 raise ValueError("--powersgd-rank needs a rank >= 1 and --model")
