@@ -10,7 +10,10 @@ served two ways: one server on h0 (a host of its own, as the sweep does), and 8 
 shards, shard I on worker host I+1 (``--servers 8 --server-hosts h1,...,h8``: every host's link
 carries its worker's pushes to the other shards and its shard's broadcast to the other workers),
 and the same 8 shards with ``--shard-edges`` from ``psparse-locality --shards 8`` on the fp32
-run's recorded pushes (ranges of equal load instead of equal size).
+run's recorded pushes (ranges of equal load instead of equal size). For the cost model's
+validation (the issue: N = 4 and 8, S = 1, 2 and N) the fp32 runs also with two shards on hosts
+of their own (h0 and the host after the last worker's: a 10th host for 8 workers, of the same
+CPU share), and at 4 workers (h1..h4) with one server, two shards and a shard beside each.
 
 Per run: the median time per iteration, the workers' compute, the busiest host's link bytes
 per iteration (``ip -s link``, TCP/IP framing included), the busiest shard's bytes over the mean
@@ -39,8 +42,10 @@ from psparse.wire.transport import parse_rate
 
 MODEL, RATE = "lenet", "25mbit"
 FORMATS = {"fp32": [], "int4": ["--values", "int4"]}
-# beside-workers-balanced: the same, with --shard-edges from the profile run's recorded pushes
-PLACEMENTS = {"one-server": 1, "beside-workers": WORKERS, "beside-workers-balanced": WORKERS}
+# placement -> shards (None: one beside each worker); beside-workers-balanced: the same, with
+# --shard-edges from the profile run's recorded pushes; two-servers: on hosts of their own
+PLACEMENTS = {"one-server": 1, "beside-workers": None, "beside-workers-balanced": None,
+              "two-servers": 2}
 # the fp32 run once more on this machine with --record-selections (not timed): whose pushes
 # psparse-locality --shards 8 balances (int4's selections differ a little; the same edges serve)
 PROFILE = ROOT / "runs" / "cluster" / f"{MODEL}-profile" / "topk-fp32-s0"
@@ -53,23 +58,43 @@ def profile_edges() -> list[int] | None:
     return shard_split(PROFILE, WORKERS)["shard_edges"]
 
 
-def runs() -> dict[str, tuple[str, str]]:
-    """run name -> (value format, placement)."""
-    return {f"topk-{fmt}-{place}": (fmt, place) for fmt in FORMATS for place in PLACEMENTS}
+def runs() -> dict[str, tuple[str, str, int]]:
+    """run name -> (value format, placement, workers)."""
+    out = {f"topk-{fmt}-{place}": (fmt, place, WORKERS) for fmt in FORMATS
+           for place in PLACEMENTS if place != "two-servers"}
+    out["topk-fp32-two-servers"] = ("fp32", "two-servers", WORKERS)
+    for place in ("one-server", "two-servers", "beside-workers"):
+        out[f"n4-topk-fp32-{place}"] = ("fp32", place, 4)
+    return out
 
 
-def run_args(fmt: str, place: str, addrs: list[str]) -> list[str]:
+def shards_of(place: str, workers: int) -> int:
+    return PLACEMENTS[place] or workers
+
+
+def hosts_needed(place: str, workers: int) -> int:
+    """The sweep's 9 hosts, or more where two shards on hosts of their own need h0 and the
+    host after the last worker's."""
+    return max(WORKERS + 1, workers + 1 + (place == "two-servers"))
+
+
+def run_args(fmt: str, place: str, workers: int, addrs: list[str]) -> list[str]:
     args = [*PSPARSE_RUNS["topk"], *FORMATS[fmt]]
-    if PLACEMENTS[place] > 1:  # shard I on worker host I + 1, listening on its own address
-        args += ["--servers", str(PLACEMENTS[place]), "--server-hosts",
-                 ",".join(addrs[1:WORKERS + 1]), "--bind", "0.0.0.0"]
+    if workers != WORKERS:
+        args += ["--workers", str(workers)]
+    if place == "two-servers":  # on h0 and the host after the last worker's
+        args += ["--servers", "2", "--server-hosts", f"{addrs[0]},{addrs[workers + 1]}",
+                 "--bind", "0.0.0.0"]
+    elif shards_of(place, workers) > 1:  # shard I on worker host I + 1, on its own address
+        args += ["--servers", str(workers), "--server-hosts",
+                 ",".join(addrs[1:workers + 1]), "--bind", "0.0.0.0"]
     if place.endswith("-balanced"):
         args += ["--shard-edges", ",".join(map(str, profile_edges()))]
     return args
 
 
 def measure(name: str) -> dict | None:
-    fmt, place = runs()[name]
+    fmt, place, workers = runs()[name]
     d = run_dir(MODEL, RATE, name, 0)
     run = RunDir(d)
     summary = run.summary()
@@ -78,12 +103,12 @@ def measure(name: str) -> dict | None:
     metrics = run.metrics()
     iters = len(metrics)
     median_s = statistics.median(b["time_s"] - a["time_s"] for a, b in zip(metrics, metrics[1:]))
-    ranks = run.ranks(WORKERS)[1:]  # rank 0 also evaluates
+    ranks = run.ranks(workers)[1:]  # rank 0 also evaluates
     compute_s = statistics.mean((r["compute_s"] + r["select_s"]) / iters for r in ranks)
     links = json.loads((d / "links.json").read_text())
     hosts = {h: v for h, v in links.items() if isinstance(v, dict)}
     busiest = max(hosts, key=lambda h: hosts[h]["rx_bytes"] + hosts[h]["tx_bytes"])
-    shards = PLACEMENTS[place]
+    shards = shards_of(place, workers)
     if shards > 1:
         per_shard = [sum(m["shards"][i]["upload_bytes"] + m["shards"][i]["broadcast_bytes"]
                          for m in metrics) for i in range(shards)]
@@ -91,8 +116,8 @@ def measure(name: str) -> dict | None:
     else:
         imbalance = 1.0
     s = Setting(numel=summary["numel"], k=statistics.mean(m["budget"] for m in metrics),
-                workers=WORKERS, union=statistics.mean(m["broadcast_entries"] for m in metrics),
-                compute_s=compute_s, servers=shards, colocated=shards > 1,
+                workers=workers, union=statistics.mean(m["broadcast_entries"] for m in metrics),
+                compute_s=compute_s, servers=shards, colocated=place.startswith("beside"),
                 shard_imbalance=imbalance, value_bytes=value_bytes_of(fmt), full_duplex=True)
     # the servers' CPU per round (all shards together), on the hosts' CPU share, a 1/S of it
     # per shard: a shard's CPU goes mostly to its 2N messages whatever its range holds (8
@@ -111,7 +136,8 @@ def measure(name: str) -> dict | None:
         s.up_bytes = statistics.mean(m["upload_bytes"] for m in metrics)
         s.down_bytes = statistics.mean(m["broadcast_bytes"] for m in metrics)
     predicted_s = predict(s, parse_rate(RATE), wire_overhead=WIRE_OVERHEAD)["sparse PS"]
-    return {"run": name, "values": fmt, "placement": place, "servers": shards,
+    return {"run": name, "values": fmt, "placement": place, "workers": workers,
+            "servers": shards,
             "code": run.code_id(), "iterations": iters, "median_ms": 1e3 * median_s,
             "compute_ms": 1e3 * compute_s, "union_over_k": s.union / s.k,
             "busiest_host": busiest,
@@ -129,7 +155,8 @@ def report() -> dict:
     rows = [r for r in map(measure, runs()) if r is not None]
     for r in rows:
         one = next((o for o in rows if o["values"] == r["values"]
-                    and o["placement"] == "one-server"), None)
+                    and o["workers"] == r["workers"] and o["placement"] == "one-server"),
+                   None)
         r["vs_one_server"] = r["median_ms"] / one["median_ms"] if one else None
     return {"shard_edges": profile_edges(),
             "workload": f"psparse-launch {' '.join(MODELS[MODEL]['base'])} "
@@ -139,10 +166,10 @@ def report() -> dict:
 
 
 def page(result: dict) -> str:
-    header = ["run", "shards", "ms / iteration (median)", "vs one server", "compute ms",
+    header = ["run", "workers", "shards", "ms / iteration (median)", "vs one server", "compute ms",
               "busiest link kB / it (in, out)", "shard imbalance", "servers' CPU ms / it",
               "a worker's PS CPU ms / it", "model ms", "model error", "test acc"]
-    body = [[r["run"], r["servers"], f"{r['median_ms']:.1f}",
+    body = [[r["run"], r.get("workers", WORKERS), r["servers"], f"{r['median_ms']:.1f}",
              "" if r["vs_one_server"] is None else f"{r['vs_one_server']:.2f}x",
              f"{r['compute_ms']:.1f}",
              f"{r['busiest_link_kb_per_iteration']['rx_bytes']:.1f}, "
@@ -176,15 +203,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     stages = args.stage.split(",")
     if "timing" in stages:
-        from experiments.cluster import emulated_cluster, run_one
+        from experiments.cluster import CLUSTER, run_one
+        from experiments.cluster_sweep import HOST_CPUS
+        from experiments.harness import EmulatedCluster
         from experiments.time_to_accuracy import launch_local
         launch_local(PROFILE, [*MODELS[MODEL]["base"], *PSPARSE_RUNS["topk"],
                                "--record-selections"], 0, None)
         code_id = provenance()["code_id"]
-        with emulated_cluster(RATE) as hosts:
-            for name, (fmt, place) in runs().items():
-                run_one(MODEL, RATE, name, hosts, code_id, args.reuse_any, None,
-                        run_args=run_args(fmt, place, hosts.addrs))
+        by_size: dict[int, list[str]] = {}
+        for name, (_fmt, place, workers) in runs().items():
+            by_size.setdefault(hosts_needed(place, workers), []).append(name)
+        for size, names in sorted(by_size.items()):  # every host with the same CPU share
+            with EmulatedCluster(CLUSTER, size, RATE, HOST_CPUS * size / (WORKERS + 1)) \
+                    as hosts:
+                for name in names:
+                    fmt, place, workers = runs()[name]
+                    run_one(MODEL, RATE, name, hosts, code_id, args.reuse_any, None,
+                            run_args=run_args(fmt, place, workers, hosts.addrs))
     if "report" in stages:
         result = report()
         (RESULTS / "shards-cluster.json").write_text(json.dumps(result, indent=1) + "\n")
