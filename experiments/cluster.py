@@ -47,7 +47,10 @@ def emulated_cluster(rate: str, cpus: float = HOST_CPUS, pin: bool = True) -> Em
 # When training starts, the same event for both: every worker is connected and the first
 # iteration has not begun (psparse's server: every worker registered; DDP's rank 0: its process
 # group and DDP wrapper are up). Both runs' clocks (metrics.jsonl's time_s) start there too.
-TRAINING_STARTS = {"server.log": "workers registered", "rank-0.log": "process group ready"}
+# (server-0.log: shard 0 of --servers S, which logs the same line; before issue 54 found it, the
+# sharded runs never got their CPU shares)
+TRAINING_STARTS = {"server.log": "workers registered", "server-0.log": "workers registered",
+                   "rank-0.log": "process group ready"}
 
 
 def quota_when_training(out: Path, hosts: EmulatedCluster, quota_us: int,
