@@ -34,9 +34,12 @@ worker_ps_cpu_s (a worker's CPU per iteration in a PS round: S pushes encoded, S
 decoded and merged):
 
   sparse / dense PS   the link term X becomes max(X, S) + min(X, S) / 2N, S = server_cpu / s
-                      (the server's CPU and its link overlap message by message, 2N messages),
-                      + worker_ps_cpu / s (a worker encodes before its pushes leave and decodes
-                      after its aggregates arrive: in series with the round)
+                      (the server's CPU and its link overlap message by message, 2N messages);
+                      with a shard beside every worker S = server_cpu / N + worker_ps_cpu / s:
+                      the shard and the worker share the host's CPU. A worker on a host of its
+                      own does its part while it waits for the server's link (not counted).
+                      Checked on the emulated cluster (issue 54, LeNet-5 at 25 Mbit/s, 1/6-core
+                      hosts, N = 4 and 8, S = 1, 2 and N): every point within 15%
   collectives         + worker_comm_cpu / s: every step's send waits for the previous step's
                       receive and reduction, so a worker's exchange CPU is in series with the
                       link (allgather, ring; PowerSGD, whose CPU includes the hook's products)
@@ -91,7 +94,7 @@ class Setting:
     server_cpu_s: float = 0.0  # the PS server's decode, aggregation, encode, sends per round
     worker_comm_cpu_s: float = 0.0  # a worker's part of a collective (reductions, copies)
     # a worker's part of a PS round: splitting its push by shard, encoding S pushes, decoding
-    # and merging S aggregates (it grows with S: 8 shards' messages, not one)
+    # and merging S aggregates (it grows with S); counted where it shares a host with a shard
     worker_ps_cpu_s: float = 0.0
     # Past one server (issue 54): S shards, each a 1/S of the keys; on hosts of their own, or
     # ``colocated``, one beside each worker (S = N), as BytePS places them. ``shard_imbalance``:
@@ -157,7 +160,8 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
     ps_link = (max(link_in, link_out) if s.full_duplex else link_in + link_out) / B
     share = s.cpu_share or 1.0
     server_cpu, worker_cpu = s.server_cpu_s / share, s.worker_comm_cpu_s / share
-    worker_ps = s.worker_ps_cpu_s / share
+    # beside the workers a host's CPU serves its shard and its worker's round alike
+    shard_cpu = server_cpu / s.servers + (s.worker_ps_cpu_s / share if s.colocated else 0.0)
 
     def overlap(link: float, cpu: float, messages: int) -> float:
         # the PS server's messages are independent: its CPU and its link work message by
@@ -173,12 +177,11 @@ def predict(s: Setting, bandwidth_bps: float, latency_s: float = 0.0,
             + worker_cpu + 3 * ring * latency_s
     return {
         # (S shards share the server's CPU; beside the workers it is on their hosts)
-        "sparse PS": s.compute_s + overlap(ps_link, server_cpu / s.servers, 2 * N)
-        + worker_ps + 2 * latency_s,
+        "sparse PS": s.compute_s + overlap(ps_link, shard_cpu, 2 * N) + 2 * latency_s,
         "sparse allgather": s.compute_s + (N - 1) * (s.k * e + h) / B + worker_cpu
         + (N - 1) * latency_s,
         "dense PS": s.compute_s + overlap(2 * N * (4 * s.numel + h) / B, server_cpu, 2 * N)
-        + worker_ps + 2 * latency_s,
+        + 2 * latency_s,
         "dense ring allreduce": s.compute_s
         + 2 * (N - 1) / N * s.ring_value_bytes * s.numel / B + worker_cpu
         + ring * latency_s,
@@ -252,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-ps-cpu", type=float, default=0.0,
                    help="a worker's CPU ms per iteration in a PS round at full speed (its "
                         "pushes encoded, the aggregates decoded and merged: S of each with "
-                        "--servers S); in series with the round")
+                        "--servers S); with --colocated it shares the host's CPU with the "
+                        "shard's (elsewhere it overlaps the wait for the server)")
     p.add_argument("--powersgd-rank", type=int, default=None,
                    help="add a PowerSGD column at this rank (needs --model for the layer shapes)")
     p.add_argument("--model", default=None,
