@@ -89,6 +89,27 @@ def point(numel: int, workers: int, rate: float,
     return out
 
 
+def figure(rows: list[dict], path) -> None:
+    """Time per iteration against N at 10 Gbit/s, one panel per model size, log-log; every
+    line a model, the emulated cluster's validation points named in the title."""
+    from experiments.figures import pyplot, save
+    plt = pyplot()
+    models = list(MODELS)
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6))
+    for ax, model in zip(axes, models):
+        mine = [r for r in rows if r["model"] == model and r["link"] == "10 Gbit/s"]
+        for name in mine[0]["seconds"]:
+            ax.plot([r["workers"] for r in mine], [1e3 * r["seconds"][name] for r in mine],
+                    marker="o", linestyle="--" if "as built" in name else "-", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="workers N", ylabel="ms per iteration",
+               title=f"{model} parameters, 10 Gbit/s (model)")
+        ax.set_xticks(list(WORKERS), [str(n) for n in WORKERS])
+    axes[0].legend(fontsize=6)
+    fig.suptitle("psparse-model's projection (validated within 15% on the emulated cluster, "
+                 "N = 4 and 8: experiments/results/shards-cluster.md)", fontsize=8)
+    save(fig, path)
+
+
 def main() -> int:
     rows = []
     per_message = message_cpu_s()
@@ -130,8 +151,9 @@ def main() -> int:
         + ("" if per_message is None else
            f"CPU per message, measured on the emulated cluster at full speed: a server's "
            f"{1e3 * per_message[0]:.3f} ms, a worker's {1e3 * per_message[1]:.3f} ms.\n\n")
-        + f"{table}\n\n"
+        + f"{table}\n\n![time per iteration against N at 10 Gbit/s](cost-projection.png)\n\n"
         f"Made by `python -m experiments.cost_projection` at {result['commit'][:7]}.\n")
+    figure(rows, RESULTS / "cost-projection.png")
     print(table)
     return 0
 

@@ -100,14 +100,15 @@ SWEEPS = [
     "keeps finished runs in `experiments/results/tta-runs/` | LeNet ~1 min, ResNet-20 30–45 min "
     "each |",
     "| `python -m experiments.cost_projection` | the cost model at 64–1024 workers, 25.6M–1B "
-    "parameters, 1–100 Gbit/s: one server, shards beside the workers, the rings "
-    "([a model](results/cost-projection.md); against 8 shards beside the workers on the "
-    "emulated cluster it predicts 21–24% short, [measured](results/shards-cluster.md)) | "
-    "seconds |",
-    "| `python -m experiments.shards_cluster` (root) | one server against 8 shards beside the "
-    "workers on the emulated cluster, LeNet-5 at 25 Mbit/s, fp32 and int4, with the cost "
-    "model's prediction of each, and with --shard-edges ([measured](results/shards-cluster.md)) "
-    "| 6 + a profile run here; ~1 min each |",
+    "parameters, 1–100 Gbit/s: one server, shards beside the workers (link only, and as built "
+    "with the CPU per message measured on the emulated cluster), the rings "
+    "([a model](results/cost-projection.md), checked within 15% against the emulated "
+    "cluster's runs, [measured](results/shards-cluster.md)) | seconds |",
+    "| `python -m experiments.shards_cluster` (root) | one server, two shards on hosts of their "
+    "own and a shard beside each worker on the emulated cluster, LeNet-5 at 25 Mbit/s, 4 and 8 "
+    "workers, fp32 and int4, with --shard-edges, and the cost model's prediction of each "
+    "([measured](results/shards-cluster.md): on 1/6-core hosts the shards beside the workers "
+    "are CPU-bound, 1.35–2.2x one server's time) | 10 + a profile run here; ~1–2 min each |",
     "| `lenet-mnist`, `paced-100mbit`, `paced-20mbit`, `policies`, `cost-model`, `locality`, "
     "`cluster`, `open-ended-isa` | the earlier sweeps (their notes below) | |",
     "",
