@@ -18,12 +18,12 @@ SGD), each (index, value) pair taking e = index size + 4 bytes plus a header h p
 
 Past one server (issue 54; ``ps_link_bytes``): with S shards on hosts of their own the busiest
 shard's link carries N (k e / S + h) in and N (U e / S + h) out (times the shard imbalance, the
-busiest shard's bytes over the mean's); with a shard beside every worker (``--colocated``, S =
-N) every host's link carries (N - 1)/N (k + U) e + 2 (N - 1) h each way, about (k + U) e
-whatever N is (the busiest host's shard, f times the mean: k e (1 - f/N) + f (N - 1)/N U e
-out, the mirror image in). e counts the value format's bytes (``--values``: int4 is half a byte plus a
-float32 scale per block). On a full-duplex link (``--full-duplex``) the larger direction is the
-link's time, not the sum of both.
+busiest shard's bytes over the mean's); with a shard beside every worker (``--colocated``, S = N)
+every host's link carries (N - 1)/N (k + U) e + 2 (N - 1) h each way, about (k + U) e whatever N is
+(the busiest host's shard, f times the mean: k e (1 - f/N) + f (N - 1)/N U e out, the mirror image
+in). e counts the value format's bytes (``--values``: int4 is half a byte plus a float32 scale per
+block). On a full-duplex link (``--full-duplex``) the larger direction is the link's time, not the
+sum of both.
 
 CPU of the exchange (issue 15): on hosts that get a share s of a core (the emulated cluster's
 CFS quota; a small node), the exchange's own CPU work W takes W / s of wall time, and the

@@ -1,11 +1,11 @@
 """What a selection policy uses on the device: the engine's selections and lazily decayed state.
 
-On the GPU (``--device cuda``) a policy's ``select`` runs the radix engine (``psparse.ops.select.radix``)
-instead of the host's partitions: ``DeviceEngines.select`` ranks a ``radix.Key`` (the policy's
-score, made on the fly in every pass: no model-sized temporary) in every slice at once and
-returns a ``DeviceSelection``, whose size is the sum of the slices' k and whose counts, if they
-can vary, come back with the round's one copy (``report``). The session's ``Fusion`` lets the
-first pass fold the gradient into the accumulator and the last one take the selected values
+On the GPU (``--device cuda``) a policy's ``select`` runs the radix engine
+(``psparse.ops.select.radix``) instead of the host's partitions: ``DeviceEngines.select`` ranks a
+``radix.Key`` (the policy's score, made on the fly in every pass: no model-sized temporary) in every
+slice at once and returns a ``DeviceSelection``, whose size is the sum of the slices' k and whose
+counts, if they can vary, come back with the round's one copy (``report``). The session's ``Fusion``
+lets the first pass fold the gradient into the accumulator and the last one take the selected values
 out of it (gather and zero), so error feedback costs no pass of its own.
 
 ``DeviceDecaying`` is ``updates.Decaying`` (value = scale * stored) with its scale on the device

@@ -1,9 +1,9 @@
 """The GPU path's backend on the CPU: the CUDA C kernels emulated, host memory as device memory.
 
 ``EmulatedBackend`` is ``psparse.backends.cuda.CudaBackend``'s interface over
-``psparse.backends.kernel_emu`` (the kernels compiled for the CPU, blocks one after another, threads as
-fibers). With ``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit trip to
-the host that would synchronise a GPU -- ``bool()``, ``int()``, ``float()``, ``.item()``,
+``psparse.backends.kernel_emu`` (the kernels compiled for the CPU, blocks one after another, threads
+as fibers). With ``strict=True`` its arrays are ``DeviceArray``s, which refuse every implicit trip
+to the host that would synchronise a GPU -- ``bool()``, ``int()``, ``float()``, ``.item()``,
 ``.get()``, ``np.asarray``, iterating, boolean masks, ``nonzero``, ``unique``, ``partition``, host
 arrays mixed in -- with ``HostSync``, while arithmetic, reductions to device scalars, gathers and
 metadata work: a round that runs under it makes exactly the crossings it counts (``copy_backs``,
@@ -22,7 +22,8 @@ from .cuda import SOURCES, THREADS, Backend, CaptureFailed, Graph, HostSync
 
 
 class EmulatedBackend(Backend):
-    """The same kernels on the CPU (``psparse.backends.kernel_emu``), host memory as device memory."""
+    """The same kernels on the CPU (``psparse.backends.kernel_emu``), host memory as device
+    memory."""
 
     def __init__(self, strict: bool = True, sm_count: int = 2, reverse: bool = False):
         super().__init__()

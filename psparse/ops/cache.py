@@ -2,10 +2,11 @@
 
 Where numba keeps the compiled kernels (docs/architecture.md, "Compiled CPU kernels"):
 ``NUMBA_CACHE_DIR`` when it is set; else numba's own choice, ``__pycache__`` beside each kernel
-source when psparse/ops/ is writable (an editable install: every process of a run or a test
-session shares it; ``PACKAGE_CACHE`` holds the warm-up's stamp and locks); else, for a read-only install, ``$XDG_CACHE_HOME/psparse/numba``, and
-where even that cannot be written, ``<tmp>/psparse-numba-<uid>``. Imports no numba: both the
-loader (``jit.py``) and numba's configuration (``numba_jit.py``) read it."""
+source when psparse/ops/ is writable (an editable install: every process of a run or a test session
+shares it; ``PACKAGE_CACHE`` holds the warm-up's stamp and locks); else, for a read-only install,
+``$XDG_CACHE_HOME/psparse/numba``, and where even that cannot be written,
+``<tmp>/psparse-numba-<uid>``. Imports no numba: both the loader (``jit.py``) and numba's
+configuration (``numba_jit.py``) read it."""
 
 from __future__ import annotations
 

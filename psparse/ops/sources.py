@@ -1,19 +1,18 @@
 """The CUDA C the GPU path launches, and the check every launch passes.
 
-Three sources, each a ``.cu`` file in its operation's folder, so that the whole of what the
-package can launch is their text: ``feedback/elementwise.cu``, the element kernels (error
-feedback, gather-and-zero, the aggregate's scatter, the output checks, the decayed state with
-its scale on the device); ``select/radix.cu``, the selection engine's (``select/radix.py``; the
-layout of the tables its kernels read is documented there); and ``values/values.cu``, a push's
-values rounded to the run's format. CuPy compiles each once per process (and caches it on
-disk); ``make check-kernels`` compiles them with NVRTC on machines without a GPU
-(``psparse/backends/kernel_check.py``); ``psparse/backends/kernel_emu.py`` runs them on the CPU for the
-tests. They are plain ``__global__`` functions rather than ElementwiseKernels for that reason.
-Indices the kernels take are int64 (long long): received int32 indices are widened once, as
-they are uploaded. Most are grid-stride loops over n elements (a backend's ``launch_over``);
-the decayed state's decisions run on one thread. Float maths uses the _rn intrinsics so the
-compiler cannot fuse a multiply and an add (numpy rounds after each), so GPU policy state is
-bit-identical to the host's.
+Three sources, each a ``.cu`` file in its operation's folder, so that the whole of what the package
+can launch is their text: ``feedback/elementwise.cu``, the element kernels (error feedback,
+gather-and-zero, the aggregate's scatter, the output checks, the decayed state with its scale on the
+device); ``select/radix.cu``, the selection engine's (``select/radix.py``; the layout of the tables
+its kernels read is documented there); and ``values/values.cu``, a push's values rounded to the
+run's format. CuPy compiles each once per process (and caches it on disk); ``make check-kernels``
+compiles them with NVRTC on machines without a GPU (``psparse/backends/kernel_check.py``);
+``psparse/backends/kernel_emu.py`` runs them on the CPU for the tests. They are plain ``__global__``
+functions rather than ElementwiseKernels for that reason. Indices the kernels take are int64 (long
+long): received int32 indices are widened once, as they are uploaded. Most are grid-stride loops
+over n elements (a backend's ``launch_over``); the decayed state's decisions run on one thread.
+Float maths uses the _rn intrinsics so the compiler cannot fuse a multiply and an add (numpy rounds
+after each), so GPU policy state is bit-identical to the host's.
 """
 
 from __future__ import annotations

@@ -19,26 +19,25 @@ has seen an index large in the aggregate, it enters everyone's core for a while 
 magnitude is concentrated on few indices over short periods), and error feedback carries every
 entry not yet sent, so nothing is dropped.
 
-Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the selection of the
-rule above. The priority decays lazily (``updates.Decaying``: one scale factor, so ``observe``
-touches only the aggregate's entries, and no subnormal is multiplied every round). The core is
-searched among candidates only (a partition of the whole priority vector, mostly zeros, was 60x
-slower than of as many distinct values): the entries at or above the last core's smallest
-stored priority, plus those aggregated up to it since; every other entry is below that floor
-(stored values that are not aggregated do not change). When the new core's smallest value
-reaches the floor the candidates hold the whole core; otherwise (a larger budget, a signed
-priority that fell, a renormalisation) the nonzero entries are searched again. When every
-candidate was aggregated (every worker sends the core, so usually), the new candidates are the
-aggregated entries at or above the floor, with no merge: on small host slices the scatter keeps
-the old values, which tell (how many of the aggregate were at or above the floor before). The own slice is
-the top k - |core| of |accumulator| outside the core: the k largest of |accumulator| with the
-core's entries at float32's maximum (so they rank first and the rest of the budget goes to the
-largest others, zeros included, never to a core entry twice): on the host compiled
-(``select_kernels.top_k``, kind CORE: the pass's candidates merged with the core); its numpy
-reference one partition on a small slice, on a large one scored and selected a block at a time
-(``Selector.topk_scored``).
-On the device (``select_device``) the same rule: the core by an engine over the priority that
-leaves out zero keys, marked in a byte mask, then one engine over the combined key.
+Cost (issue 18, item 3): about one top-k of the accumulator, for exactly the selection of the rule
+above. The priority decays lazily (``updates.Decaying``: one scale factor, so ``observe`` touches
+only the aggregate's entries, and no subnormal is multiplied every round). The core is searched
+among candidates only (a partition of the whole priority vector, mostly zeros, was 60x slower than
+of as many distinct values): the entries at or above the last core's smallest stored priority, plus
+those aggregated up to it since; every other entry is below that floor (stored values that are not
+aggregated do not change). When the new core's smallest value reaches the floor the candidates hold
+the whole core; otherwise (a larger budget, a signed priority that fell, a renormalisation) the
+nonzero entries are searched again. When every candidate was aggregated (every worker sends the
+core, so usually), the new candidates are the aggregated entries at or above the floor, with no
+merge: on small host slices the scatter keeps the old values, which tell (how many of the aggregate
+were at or above the floor before). The own slice is the top k - |core| of |accumulator| outside the
+core: the k largest of |accumulator| with the core's entries at float32's maximum (so they rank
+first and the rest of the budget goes to the largest others, zeros included, never to a core entry
+twice): on the host compiled (``select_kernels.top_k``, kind CORE: the pass's candidates merged with
+the core); its numpy reference one partition on a small slice, on a large one scored and selected a
+block at a time (``Selector.topk_scored``). On the device (``select_device``) the same rule: the
+core by an engine over the priority that leaves out zero keys, marked in a byte mask, then one
+engine over the combined key.
 """
 
 import numpy as np

@@ -6,9 +6,10 @@ workers sent (in rank order) and sends what it returns (docs/protocol.md, "Seque
 
 * ``Aggregator.mean``: the pushes summed in rank order, divided by their number, at the sorted
   union of their indices; a dense push covers every index. On the host a compiled kernel
-  (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by
-  block through a cache-sized bitmap into the output; with ``--server-device cuda`` the GPU sums them in rank order
-  and finds the union from touched bytes (``psparse.ops.aggregate.device_aggregation``), bit for bit the same.
+  (``agg_kernels.sparse_sum``) reads the received frames where they lie and sums them block by block
+  through a cache-sized bitmap into the output; with ``--server-device cuda`` the GPU sums them in
+  rank order and finds the union from touched bytes (``psparse.ops.aggregate.device_aggregation``),
+  bit for bit the same.
 * ``Aggregator.vote``: the two-phase vote, the ``keep`` proposed indices of largest mean |value|
   (``candidates``: the same with their scores, what a key-range shard sends).
 * ``Aggregator.check_budget``: a push or proposal against the step the agreed run sets for its
@@ -67,7 +68,8 @@ class Aggregator:
     def __init__(self, numel: int, dev=None, value_format: ValueFormat = FP32):
         self.numel = numel
         self.value_format = value_format  # the run's --values: where the dense switch lies
-        # on a device (--server-device cuda): psparse.ops.aggregate.device_aggregation, bit for bit the host
+        # on a device (--server-device cuda): psparse.ops.aggregate.device_aggregation, bit for bit
+        # the host
         self._device = DeviceAggregator(numel, dev) if dev is not None else None
         self._accumulator = None
         self.index_dtype = index_dtype_for(numel)  # the natural index size (dense switch)

@@ -5,10 +5,10 @@ backend (``--device cuda`` with CuPy; ``PSPARSE_EMULATE_GPU`` on the CPU for the
 round:
 
 1. psparse's stream waits for torch's (the backward pass that wrote the flat gradient);
-   the loss tensor is copied into a device slot (no ``.item()``);
-2. the policy selects on the device (``psparse.backends.device_engines``): error feedback folded into the
-   engine's first pass, the selected values gathered and zeroed in its last one; a policy
-   that returns plain device indices gets a check kernel (range, order) and a take kernel;
+   the loss tensor is copied into a device slot (no ``.item()``); 2. the policy selects on the
+   device (``psparse.backends.device_engines``): error feedback folded into the engine's first pass,
+   the selected values gathered and zeroed in its last one; a policy that returns plain device
+   indices gets a check kernel (range, order) and a take kernel;
 3. **one copy back**: the selection's indices and values, its report (counts, non-finite
    entries), the check flags, the loss, and on checksum rounds the weights, into pinned host
    memory, then one wait: the round's only synchronisation (two-phase policies: one more, for

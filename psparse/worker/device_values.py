@@ -1,16 +1,16 @@
 """A GPU push's values in the run's format (``--values``), rounded on the device.
 
 With a value format other than float32, ``SelectionCopy`` hands the selection to
-``DeviceValues.stage`` before the round's one copy back: the kernels of ``psparse/ops/values/values.cu``
-round the selected values where the engine left them, write the frames' scales and codes, and
-add what rounding took from each value into the worker's memory (the accumulator, or ScaleCom's
-filtered memory times beta: ``Memory.feedback_target``), all on the device. The copy back then
-brings the codes instead of float32 values (a quarter of the bytes for int8), and nothing goes
-up for the error. The frames are cut per key-range shard on the device (a shard's int8/int4
-blocks start at its first entry, as a shard's own ``push_frames`` would), so the host only
-slices them (``RoundedValues``). A selection large enough that a frame could go dense
-(SparCML's switch, which the host decides once the count is back) is rounded on the host
-instead, as before (``DeviceValues.active``).
+``DeviceValues.stage`` before the round's one copy back: the kernels of
+``psparse/ops/values/values.cu`` round the selected values where the engine left them, write the
+frames' scales and codes, and add what rounding took from each value into the worker's memory (the
+accumulator, or ScaleCom's filtered memory times beta: ``Memory.feedback_target``), all on the
+device. The copy back then brings the codes instead of float32 values (a quarter of the bytes for
+int8), and nothing goes up for the error. The frames are cut per key-range shard on the device (a
+shard's int8/int4 blocks start at its first entry, as a shard's own ``push_frames`` would), so the
+host only slices them (``RoundedValues``). A selection large enough that a frame could go dense
+(SparCML's switch, which the host decides once the count is back) is rounded on the host instead, as
+before (``DeviceValues.active``).
 
 Bit for bit the host's rounding (psparse/ops/values/quantize.py): tests/test_device_values.py holds
 the kernels to it on the emulator (and on a GPU when there is one), and whole runs on the strict

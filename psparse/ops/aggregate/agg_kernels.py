@@ -7,16 +7,16 @@ Each kernel equals its numpy reference (``reference.py`` beside this file) bit f
 tests/test_cpu_kernels.py holds them to it. They import nothing above psparse.ops.jit.
 
 * ``sparse_sum``: N sorted pushes (index, value), given as tables of addresses (the received
-  frames are read where they lie), summed in rank order at the sorted union of their indices.
-  The index space is walked in blocks small enough for the caches (``block_bits``); in each
-  block every push's run of entries is marked in a bitmap, a prefix sum of the words' bit
-  counts gives each entry its position in the block's union, and the entries are added
-  straight into the output there, push after push. So every entry is summed as
-  ``((0 + v_0) + v_1) + ...`` over the ranks that hold it, as numpy's ``add.at`` into a zeroed
-  accumulator does, and nothing model-sized is touched. Measured against it
-  (benchmarks/bench_aggregation.py, docs/notes/bench-cpu-kernels.md): a k-way merge of the N lists (a
-  branch per list per output), and a dense scratch per block read out through the bitmap in
-  index order (the read-out took half the time: a branch per word and per set bit).
+  frames are read where they lie), summed in rank order at the sorted union of their indices. The
+  index space is walked in blocks small enough for the caches (``block_bits``); in each block every
+  push's run of entries is marked in a bitmap, a prefix sum of the words' bit counts gives each
+  entry its position in the block's union, and the entries are added straight into the output there,
+  push after push. So every entry is summed as ``((0 + v_0) + v_1) + ...`` over the ranks that hold
+  it, as numpy's ``add.at`` into a zeroed accumulator does, and nothing model-sized is touched.
+  Measured against it (benchmarks/bench_aggregation.py, docs/notes/bench-cpu-kernels.md): a k-way
+  merge of the N lists (a branch per list per output), and a dense scratch per block read out
+  through the bitmap in index order (the read-out took half the time: a branch per word and per set
+  bit).
 * ``divide``: the sums divided by N, in place (a separate loop: it vectorises).
 * ``dense_sum``: the same when a push is dense (every index): a rank-order sum into the
   model-sized accumulator, read out and zeroed.

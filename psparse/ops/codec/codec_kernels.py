@@ -2,15 +2,15 @@
 
 Compiled CPU kernels of the index coding and the protocol's frame checks (numba; see
 psparse/ops/jit.py, psparse/ops/numba_jit.py). One pass each over the indices or the frame; each
-equals its numpy reference in ``reference.py`` beside this file (tests/test_cpu_kernels.py). They import
-nothing above psparse.ops.jit.
+equals its numpy reference in ``reference.py`` beside this file (tests/test_cpu_kernels.py). They
+import nothing above psparse.ops.jit.
 
-The arrays they take are C-contiguous (several read whole cache lines from an array's start:
-the callers in psparse/ops/codec/codec.py and psparse/wire/protocol.py make them so). Their loops avoid
-data-dependent branches where the data decide them (a varint's length, the
-end of a varint, a word's set bits): on the development machine a mispredicted branch costs
-~10 ns, several times the work of an entry. Problems are returned as counts and flags; the
-callers (psparse/ops/codec/codec.py, psparse/wire/protocol.py) turn them into the protocol's error texts.
+The arrays they take are C-contiguous (several read whole cache lines from an array's start: the
+callers in psparse/ops/codec/codec.py and psparse/wire/protocol.py make them so). Their loops avoid
+data-dependent branches where the data decide them (a varint's length, the end of a varint, a word's
+set bits): on the development machine a mispredicted branch costs ~10 ns, several times the work of
+an entry. Problems are returned as counts and flags; the callers (psparse/ops/codec/codec.py,
+psparse/wire/protocol.py) turn them into the protocol's error texts.
 """
 
 from __future__ import annotations

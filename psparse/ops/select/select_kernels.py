@@ -7,8 +7,8 @@ Each kernel gives what its numpy reference gives (the same indices, the same sta
 ``selection.select`` / ``sparsify.topk_exact`` and the policies' block-by-block scores for the
 selections, ``updates.scatter_add`` and ``Decaying.renormalise`` for the state;
 tests/test_select_kernels.py holds them to it. Loaded on first use (``LazyModule`` in
-psparse/ops/select/sparsify.py and psparse/ops/select/selection.py): a process that never selects on the host
-never imports numba.
+psparse/ops/select/sparsify.py and psparse/ops/select/selection.py): a process that never selects on
+the host never imports numba.
 
 * ``top_k``: the sorted indices of the k largest scores, ties to the lower index, where the
   score is one of ``ABS`` (|acc|), ``EMA`` (|acc| * (stored + floor), ema's ranking),
@@ -17,13 +17,13 @@ never imports numba.
   gives a threshold about MARGIN * k scores reach; one pass over the accumulator collects the
   candidates, 128 entries at a time, then 16: the group's |acc| bits are compared with the
   |acc| that a score at the threshold needs (one vector compare a cache line,
-  ``numba_jit.magnitude_mask``: non-negative float32 bits order as the values do, NaN and inf
-  above every number), and only the rare lines that reach it are scored one by one (and
-  checked for NaN and inf); so ema reads its priority only where |acc| is large enough.
-  PENALTY's pass is top-k's at about t / pi (what an entry off the marks needs), and the marks
-  are merged in afterwards, each scored once. The candidates are trimmed to exactly k. When the sample
-  misjudged (too few candidates, or more than the buffer holds) the exact k-th score is found
-  by a partition of all of them, as ``kernels.select`` does.
+  ``numba_jit.magnitude_mask``: non-negative float32 bits order as the values do, NaN and inf above
+  every number), and only the rare lines that reach it are scored one by one (and checked for NaN
+  and inf); so ema reads its priority only where |acc| is large enough. PENALTY's pass is top-k's at
+  about t / pi (what an entry off the marks needs), and the marks are merged in afterwards, each
+  scored once. The candidates are trimmed to exactly k. When the sample misjudged (too few
+  candidates, or more than the buffer holds) the exact k-th score is found by a partition of all of
+  them, as ``kernels.select`` does.
 * ``frequency_top_k``: frequency's rule, the k best by (count, magnitude) of the pool (the
   ``pool`` largest |acc|), its candidates collected by the same pass with their stored counts.
 * ``at_least``: threshold's selection, |acc| >= lam (NaN never selected, nothing refused), 64

@@ -4,11 +4,11 @@ Top-k on the host in numpy (xp): a sampled threshold, a blockwise compaction and
 exactly k; the exact reference; and the index-set helpers the rounds share.
 
 These are the numpy references of the compiled selection (``psparse/ops/select/select_kernels.py``,
-which ``psparse/ops/select/sparsify.py`` dispatches to) and the code that runs for arrays the kernels do
-not take. The GPU's selection is the radix engine (``psparse/ops/select/radix.py``), which picks the
-same set. Top-k order (both devices, so CPU and GPU workers pick identical sets): larger |x|
-first, ties by lower index. Non-finite accumulators are refused with ``NonFiniteError`` (a NaN
-can never be "large", so selecting around it would hide a diverged run).
+which ``psparse/ops/select/sparsify.py`` dispatches to) and the code that runs for arrays the
+kernels do not take. The GPU's selection is the radix engine (``psparse/ops/select/radix.py``),
+which picks the same set. Top-k order (both devices, so CPU and GPU workers pick identical sets):
+larger |x| first, ties by lower index. Non-finite accumulators are refused with ``NonFiniteError``
+(a NaN can never be "large", so selecting around it would hide a diverged run).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ Two algorithms, one answer (the k indices of largest |x|, ties to the lower inde
   ~1.25 k candidates are trimmed to exactly k. If the estimate misjudged, the exact k-th
   magnitude is used, so the result is always exact.
 
-On the host both run compiled (``psparse/ops/select/select_kernels.py``, numba: the sample, one pass that
-looks at |acc| 128 and then 16 entries at a time, the trim, in one call), the numpy code above
+On the host both run compiled (``psparse/ops/select/select_kernels.py``, numba: the sample, one pass
+that looks at |acc| 128 and then 16 entries at a time, the trim, in one call), the numpy code above
 their test oracle, run only with ``PSPARSE_CPU_KERNELS=numpy`` (``psparse/ops/jit.py``) or for an
-array the kernels do not take (not contiguous float32: a user policy's score).
-On the GPU (``--device cuda``) selection is the radix engine (``psparse.ops.select.radix``): the same set.
+array the kernels do not take (not contiguous float32: a user policy's score). On the GPU
+(``--device cuda``) selection is the radix engine (``psparse.ops.select.radix``): the same set.
 ``torch.topk`` on large 1-D CPU tensors is several times slower than either (see ``make bench``).
 """
 

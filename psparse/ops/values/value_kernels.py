@@ -1,10 +1,10 @@
 """Value formats compiled for the CPU: bf16, fp16 and int8/int4 block coding, one pass each.
 
-The compiled (numba) form of psparse/ops/values/quantize.py's numpy reference, equal to it bit for bit
-(tests/test_values.py). Each kernel reads the values once and writes the frame's bytes where
+The compiled (numba) form of psparse/ops/values/quantize.py's numpy reference, equal to it bit for
+bit (tests/test_values.py). Each kernel reads the values once and writes the frame's bytes where
 they go: an int8/int4 value frame is the blocks' float32 scales, then the codes (docs/protocol.md,
-"Value formats"), so the encoder takes the frame as one uint8 buffer and writes both parts.
-fp16 is bit manipulation too: numpy's float16 casts are exact but take 2-4 ns a value.
+"Value formats"), so the encoder takes the frame as one uint8 buffer and writes both parts. fp16 is
+bit manipulation too: numpy's float16 casts are exact but take 2-4 ns a value.
 """
 
 from __future__ import annotations
