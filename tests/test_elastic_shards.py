@@ -11,12 +11,16 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 from conftest import read_jsonl, start_launch
 from test_restarts import kill_once_saved, launch, restarted_once, without_timing
 
 from psparse import checkpoint
 from psparse.launch.processes import writer_of
-from psparse.server.records import merge_losses, merge_records
+from psparse.server.membership import Membership
+from psparse.server.records import merge_evaluators, merge_losses, merge_records
+from psparse.wire import protocol
+from psparse.worker.frames import merge_aggregates
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "faulty_train.py")
@@ -136,3 +140,51 @@ def test_merged_records_and_losses_take_a_rank_any_shard_lost_as_lost():
                          [{"rank": 1, "iter": 40}]]) == \
         [{"rank": 1, "iter": 40}, {"rank": 0, "iter": None}]
 
+
+
+def test_merged_k_is_summed_by_rank_when_the_shards_disagree_on_who_pushed():
+    """Shard B had rank 0's push before it fell silent, shard A had lost it: k by rank."""
+    base = {"iter": 7, "upload_bytes": 1, "broadcast_bytes": 1, "union": 3,
+            "broadcast_entries": 3, "residual_entries": 0, "upload_value_bytes": 0,
+            "broadcast_value_bytes": 0, "proposed": None, "dense": False, "round_s": 0.1,
+            "time_s": 1.0}
+    b = {**base, "workers": 3, "k": [5, 6, 7]}
+    a = {**base, "workers": 2, "k": [1, 2], "ranks": [1, 2], "live": [1, 2]}
+    merged = merge_records([a, b])  # every rank pushed to some shard: no "ranks"
+    assert "ranks" not in merged and merged["k"] == [5, 7, 9]
+    assert merged["live"] == [1, 2] and merged["workers"] == 2
+    after = merge_records([{**a, "k": [1, 2]}, {**b, "workers": 2, "k": [3, 4], "ranks": [1, 2],
+                                                "live": [1, 2]}])
+    assert after["ranks"] == [1, 2] and after["k"] == [4, 6]
+    assert "ranks" not in merge_records([{**b}, {**b}])
+
+
+def test_a_worker_takes_as_live_the_ranks_every_shards_aggregate_names():
+    def part(lo, live=None):
+        header = {"iter": 3, "workers": 3 if live is None else len(live), "count": 1,
+                  **({} if live is None else {"live": live})}
+        return protocol.Message("aggregate", header, np.array([0], np.int64),
+                                np.array([lo], np.float32))
+    edges = np.array([0, 10, 20])
+    merged = merge_aggregates([part(1.0), part(2.0, [1, 2])], edges)
+    assert merged["live"] == [1, 2] and merged["workers"] == 2
+    assert list(merged.indices) == [0, 10] and list(merged.values) == [1.0, 2.0]
+    merged = merge_aggregates([part(1.0, [0, 2]), part(2.0, [1, 2])], edges)
+    assert merged["live"] == [2]
+    assert "live" not in merge_aggregates([part(1.0), part(2.0)], edges).header
+
+
+def test_a_resumed_shard_drops_the_ranks_another_shard_had_lost_and_hands_over_evaluation():
+    members = Membership(3, reachable=lambda peer: True, elastic=True)
+    members.expect([1, 2])  # the resume point: every shard's live ranks
+    members.restore({"active": [0, 1, 2], "lost": [], "evaluators": [{"rank": 0, "from_iter": 0}]},
+                    40)
+    assert members.active == {1, 2} and members.lost == [{"rank": 0, "iter": 40}]
+    assert members.evaluators == [{"rank": 0, "from_iter": 0}, {"rank": 1, "from_iter": 40}]
+    agree = Membership(3, reachable=lambda peer: True, elastic=True)
+    agree.expect([1, 2])
+    agree.restore({"active": [1, 2], "lost": [{"rank": 0, "iter": 39}],
+                   "evaluators": [{"rank": 0, "from_iter": 0}, {"rank": 1, "from_iter": 39}]}, 40)
+    assert agree.lost == [{"rank": 0, "iter": 39}] and len(agree.evaluators) == 2
+    assert merge_evaluators([members.evaluators, agree.evaluators]) == \
+        [{"rank": 0, "from_iter": 0}, {"rank": 1, "from_iter": 39}]

@@ -327,7 +327,8 @@ def _topology(p: argparse.ArgumentParser, args, cfg: RunConfig) -> Topology:
             hosts = [cluster.Host(h, 1) for h in cluster.slurm_nodes()]
             if args.workers is None:
                 cfg.workers = cluster.slurm_workers()
-            worker_hosts = [h.name for h in hosts]  # (srun spreads the tasks over them all)
+            # (srun places W tasks on at most W nodes, the first ones)
+            worker_hosts = [h.name for h in hosts][:max(1, cfg.workers)]
         else:
             hosts = cluster.parse_hostfile(args.hostfile.read_text(), str(args.hostfile))
             placed = cluster.place(hosts, cfg.workers)  # enough slots?

@@ -236,6 +236,19 @@ class Membership:
         return [r for r in ranks if r in self.active
                 and now - self.last_seen.get(r, now) > self.timeout]
 
+    def restore(self, state: dict, start: int) -> None:
+        """The membership of a checkpoint at ``start``: active, lost, evaluators. A rank it
+        still had active that the resume does not expect (another key-range shard had lost it
+        by then: this one would have a round later) is lost at ``start``, and if it evaluated,
+        the lowest live rank evaluates from ``start`` on, as ``lose`` would have done."""
+        self.evaluators = state.get("evaluators", self.evaluators)
+        self.lost = state["lost"]
+        gone = sorted(set(state["active"]) - self.expected)
+        self.active = set(state["active"]) & self.expected
+        self.lost += [{"rank": r, "iter": start} for r in gone]
+        if self.evaluators[-1]["rank"] in gone and self.active:
+            self.evaluators.append({"rank": min(self.active), "from_iter": start})
+
     def lose(self, ranks: list[int], it: int | None, what: str,
              error: str | None = None) -> None:
         """Ranks are lost at iteration ``it`` (None: after the last one) while the server waited

@@ -194,7 +194,18 @@ def merge_records(records: list[dict]) -> dict:
     out = dict(first)
     for key in MERGED_SUM_FIELDS:
         out[key] = sum(r[key] for r in records)
-    out["k"] = [sum(ks) for ks in zip(*(r["k"] for r in records))]
+    if any("ranks" in r for r in records):  # (shards that disagree on who pushed this round)
+        every = range(max(len(r["k"]) for r in records))
+        per_rank: dict[int, int] = {}
+        for r in records:
+            for rank, k in zip(r.get("ranks", every), r["k"]):
+                per_rank[rank] = per_rank.get(rank, 0) + k
+        out["ranks"] = sorted(per_rank)
+        out["k"] = [per_rank[rank] for rank in out["ranks"]]
+        if any("ranks" not in r for r in records) and out["ranks"] == list(every):
+            del out["ranks"]  # every rank's, as a record without the field says
+    else:
+        out["k"] = [sum(ks) for ks in zip(*(r["k"] for r in records))]
     proposed = [r["proposed"] for r in records]
     out["proposed"] = None if any(p is None for p in proposed) else sum(proposed)
     if first.get("proposals") is not None:  # each rank's proposals, over every shard
@@ -247,6 +258,16 @@ def merge_losses(per_shard: list[list[dict]]) -> list[dict]:
     return [{"rank": r, "iter": first[r]} for r in order]
 
 
+def merge_evaluators(per_shard: list[list[dict]]) -> list[dict]:
+    """Which rank evaluated from when, over the shards: each hand-over at the first iteration
+    a shard made it (the workers evaluate by the ranks every shard still has)."""
+    first: dict[int, int] = {}
+    for hand_overs in per_shard:
+        for h in hand_overs:
+            first[h["rank"]] = min(first.get(h["rank"], h["from_iter"]), h["from_iter"])
+    return [{"rank": r, "from_iter": first[r]} for r in sorted(first, key=lambda r: (first[r], r))]
+
+
 def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
     """The run's summary.json from the shards' (their byte totals summed, union/k from the
     merged per-iteration records) and the per-shard totals under ``shards``."""
@@ -275,6 +296,7 @@ def merge_summaries(summaries: list[dict], merged: list[dict]) -> dict:
         out[key] = round(sum(s[key] for s in summaries), 4)
     out["rejected_messages"] = sum(s["rejected_messages"] for s in summaries)
     out["lost_workers"] = merge_losses([s.get("lost_workers", []) for s in summaries])
+    out["evaluators"] = merge_evaluators([s.get("evaluators", []) for s in summaries])
     limits = [s["server_limit"] for s in summaries]
     out["server_limit"] = None if limits[0] is None else {
         "spec": limits[0]["spec"], "held_back": sum(s["held_back"] for s in limits)}

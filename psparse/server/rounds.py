@@ -103,6 +103,8 @@ class Rounds:
         live = sorted(self.members.active)
         self.records.account({
             **({"live": live} if len(live) < self.members.world_size else {}),
+            # whose k these are, when not every rank's (shards merge them by rank)
+            **({"ranks": ranks} if len(ranks) < self.members.world_size else {}),
             "iter": it, "workers": len(ranks), "k": ks, "budget": step[0],
             "union": totals["union"], "broadcast_entries": totals["sent"],
             "residual_entries": totals["residual"], "dense": totals["dense"],

@@ -269,13 +269,7 @@ class Server:
     def _restore(self) -> None:
         state = checkpoint.load(self.out_dir, "server", self.start)  # (CheckpointError: damaged)
         self.records.restore(state)
-        members = self.members
-        members.evaluators = state.get("evaluators", members.evaluators)
-        members.lost = state["lost"]
-        members.active = set(state["active"]) & members.expected
-        # another shard had lost these by this checkpoint (this one would have a round later)
-        members.lost += [{"rank": r, "iter": self.start}
-                         for r in sorted(set(state["active"]) - members.expected)]
+        self.members.restore(state, self.start)
         for r, c in state["caches"].items():
             self.endpoint.caches[r].restore(c)
         if state["limit"] is not None:
