@@ -108,7 +108,9 @@ SWEEPS = [
     "own and a shard beside each worker on the emulated cluster, LeNet-5 at 25 Mbit/s, 4 and 8 "
     "workers, fp32 and int4, with --shard-edges, and the cost model's prediction of each "
     "([measured](results/shards-cluster.md): on 1/6-core hosts the shards beside the workers "
-    "are CPU-bound, 1.35–2.2x one server's time) | 10 + a profile run here; ~1–2 min each |",
+    "are CPU-bound, 1.35–2.2x one server's time; ResNet-20 at 10 Mbit/s with `--model "
+    "resnet20`, [measured](results/shards-cluster-resnet20.md): 0.83x in fp32) | LeNet-5: 10 + "
+    "a profile run here, ~1–2 min each; ResNet-20: 5, ~5 min each |",
     "| `lenet-mnist`, `paced-100mbit`, `paced-20mbit`, `policies`, `cost-model`, `locality`, "
     "`cluster`, `open-ended-isa` | the earlier sweeps (their notes below) | |",
     "",
