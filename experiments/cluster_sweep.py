@@ -35,7 +35,29 @@ PEER_RUNS = {
                                "--powersgd-warmup", str(w), "--density", "1"]
        for r in (2, 4) for w in (100, 1000)},
 }
+# --local-steps H (issue 55): psparse's local steps with core and int4 values, the outer step
+# local SGD's (learning rate 1, no momentum: the inner optimizer is SGD with momentum 0.9, and
+# DiLoCo's outer momentum on top overshot in the tests' runs, docs/api.md); and what a slow-link
+# user picks today, over torch.distributed: DiLoCo with its defaults (outer lr 0.7, Nesterov
+# 0.9), its pseudo-gradients in bf16, and local SGD (parameter averaging)
+LOCAL_STEPS = (4, 16, 64)
+LOCAL_SGD = ["--outer-lr", "1", "--outer-momentum", "0"]
+PSPARSE_RUNS.update({f"local{h}-core-int4": ["--density", "0.01", "--policy", "core", "--values",
+                                             "int4", "--local-steps", str(h), *LOCAL_SGD]
+                     for h in LOCAL_STEPS})
+for h in LOCAL_STEPS:
+    PEER_RUNS[f"diloco-h{h}"] = ["--baseline", "ddp", "--density", "1", "--local-steps", str(h)]
+    PEER_RUNS[f"diloco-h{h}-bf16"] = ["--baseline", "bf16", "--density", "1", "--local-steps",
+                                      str(h)]
+    PEER_RUNS[f"localsgd-h{h}"] = ["--baseline", "ddp", "--density", "1", "--local-steps",
+                                   str(h), *LOCAL_SGD]
 RUNS = {**PSPARSE_RUNS, **PEER_RUNS}
+
+
+def local_steps_of(name: str) -> int:
+    """A run's --local-steps H (1: it exchanges every iteration)."""
+    args = RUNS[name]
+    return int(args[args.index("--local-steps") + 1]) if "--local-steps" in args else 1
 
 # Sized for ~90 minutes of this 2-core machine (docs/notes/cluster-time-to-accuracy.md), on hosts of
 # 1/6 core. LeNet: 300 iterations (1.3 epochs of 8 x 32 images), long enough for PowerSGD to

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.cluster_report import measure, numel_and_shapes, run_dir
-from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS
+from experiments.cluster_sweep import MODELS, PEER_RUNS, PSPARSE_RUNS, RUNS, local_steps_of
 from experiments.figures import pyplot, save
 from experiments.harness import RESULTS, ROOT, RunCache, RunDir, md_table, mean_sd
 from psparse.provenance import float_kernels, provenance
@@ -95,7 +96,8 @@ TTA = {
 THREE_SEEDS = ("topk", "core", "vote", "ema-int4", "vote2-int4", "ddp", "ddp-fp16", "ddp-bf16")
 # the runs of a comparison: psparse's, DDP, its compression hooks, PowerSGD's warm-up grid
 TTA_RUNS = ["topk", "core", "vote", "ema-int4", "vote2-int4", "ddp", "ddp-fp16", "ddp-bf16", "powersgd-r2-w100",
-            "powersgd-r2-w1000", "powersgd-r4-w100", "powersgd-r4-w1000"]
+            "powersgd-r2-w1000", "powersgd-r4-w100", "powersgd-r4-w1000"] + \
+    [n for n in RUNS if local_steps_of(n) > 1]  # issue 55: local steps, DiLoCo, local SGD
 # the cluster timing runs: a PowerSGD setting is composed from DDP's iteration and the same
 # rank's compressed one (powersgd-rR, compressing from iteration 2); the w100 runs are timed too,
 # to check that composition against a run that has both phases
@@ -137,9 +139,23 @@ def base_args(model: str) -> list[str]:
 
 
 def accuracy_args(model: str, name: str) -> list[str]:
-    spec = TTA[model]
-    return base_args(model) + RUNS[name] + ["--iterations", str(spec["iterations"]),
-                                            "--eval-every", str(spec["eval_every"])]
+    """The accuracy run's arguments: as long in training steps as the others (a run with local
+    steps H: 1/H as many synchronisations, evaluated every ~eval_every steps)."""
+    spec, h = TTA[model], local_steps_of(name)
+    return base_args(model) + RUNS[name] + [
+        "--iterations", str(math.ceil(spec["iterations"] / h)),
+        "--eval-every", str(max(1, round(spec["eval_every"] / h)))]
+
+
+def timing_args(model: str, name: str) -> list[str]:
+    """The cluster run's arguments of ``name``: a run with local steps H does 1/H of the
+    cluster runs' steps in synchronisations, at least 12 (3 are left out as the cold start),
+    evaluated only at the end (every synchronisation would be an evaluation's round)."""
+    h = local_steps_of(name)
+    if h == 1:
+        return RUNS[name]
+    steps = int(cluster_args(model)[cluster_args(model).index("--iterations") + 1])
+    return RUNS[name] + ["--iterations", str(max(12, math.ceil(steps / h))), "--eval-every", "0"]
 
 
 def bf16_refusal(models: list[str], native: bool) -> str | None:
@@ -346,7 +362,9 @@ def records(model: str, rate: str, target: float, acc: dict[str, list[dict]],
         vs_peer = [composed[name][s] / composed[best_peer][s] for s in composed[name]
                    if best_peer and s in composed[best_peer]]
         step = steady.get(name) if warmup_of(name) is None else None
-        per_seed = ", ".join("-" if x is None else str(x) for x in its)
+        h = local_steps_of(name)  # > 1: iterations are synchronisations of h steps
+        per_seed = ", ".join("-" if x is None else str(x) for x in its) + \
+            (f" syncs of {h} steps" if h > 1 else "")
         body.append([name, len(its), f"{per_seed} ({mean_sd(reached, '.0f')})" +
                      (f", {len(its) - len(reached)} not reached" if len(reached) < len(its)
                       else ""),
@@ -359,7 +377,7 @@ def records(model: str, rate: str, target: float, acc: dict[str, list[dict]],
             out.append({
                 "model": model, "rate": rate, "target": target,
                 "dense_ring_share": 1 - compute_ms / steady["ddp"] if "ddp" in steady else None,
-                "psparse_run": name, "best_psparse_run": name == best_ps,
+                "psparse_run": name, "best_psparse_run": name == best_ps, "local_steps": h,
                 "vs_limit": float(np.mean(vs_limit)) if vs_limit else None,
                 "sd_vs_limit": float(np.std(vs_limit, ddof=1)) if len(vs_limit) > 1 else None,
                 "vs_ddp": float(np.mean(vs_ddp)) if vs_ddp else None,
@@ -367,7 +385,9 @@ def records(model: str, rate: str, target: float, acc: dict[str, list[dict]],
                 "vs_best_peer": float(np.mean(vs_peer)) if vs_peer else None,
                 "sd_vs_best_peer": float(np.std(vs_peer, ddof=1)) if len(vs_peer) > 1 else None,
                 "best_peer": best_peer,
-                "iterations_vs_dense": float(np.mean(reached) / np.mean(ddp_its))
+                "best_peer_local_steps": local_steps_of(best_peer) if best_peer else None,
+                # training steps (a synchronisation is h of them) over DDP's
+                "iterations_vs_dense": float(h * np.mean(reached) / np.mean(ddp_its))
                 if reached and ddp_its else None,
                 "iteration_time_vs_compute": step / compute_ms if step else None,
                 "seeds": sorted(composed[name]),
@@ -633,7 +653,7 @@ def main(argv=None) -> int:
                                      accuracy_args(model, name), seed, args.data_dir)
         if "validate" in stages:
             for name in names:
-                if name in TIMING_RUNS:
+                if name in TIMING_RUNS and local_steps_of(name) == 1:
                     launch_local(check_dir(model, name), cluster_args(model) + RUNS[name], 0,
                                  args.data_dir)
         if "timing" in stages:
@@ -647,7 +667,7 @@ def main(argv=None) -> int:
                 with emulated_cluster(rate) as hosts:
                     for name in timed:
                         run_one(model, rate, name, hosts, code_id, False, args.data_dir,
-                                base=cluster_args(model))
+                                base=cluster_args(model), run_args=timing_args(model, name))
     if "report" in stages:
         report(models)
     return 0

@@ -10,7 +10,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from .option_rules import bucket_refusal, loop_refusal, memory_refusal, parse_limit, warmup_refusal
+from .option_rules import (
+    bucket_refusal,
+    local_steps_refusal,
+    loop_refusal,
+    memory_refusal,
+    model_args_refusal,
+    parse_limit,
+    warmup_refusal,
+)
 from .wire.transport import parse_rate
 
 # Names only (the server imports this module and must not pull in torch); models.MODELS and
@@ -147,6 +155,18 @@ class RunConfig:
     iterations: int | None = option(None,
         "training length in synchronous iterations (default: from --epochs)")
     batch_size: int = option(32, "minibatch size per worker")
+    local_steps: int = option(1,
+        "each worker takes this many optimizer steps (--lr, --optimizer) on its own data, "
+        "then exchanges its pseudo-gradient (the weights' change since the last "
+        "synchronisation) like a gradient; every worker applies the aggregate with the outer "
+        "step (--outer-lr, --outer-momentum). --iterations counts synchronisations (default 1: "
+        "every iteration exchanges the gradient; docs/api.md, Local steps)")
+    outer_lr: float | None = option(None,
+        "with --local-steps >= 2: the outer step's learning rate on the aggregate "
+        "pseudo-gradient (default: DiLoCo's 0.7)")
+    outer_momentum: float | None = option(None,
+        "with --local-steps >= 2: the outer step's Nesterov momentum (default: DiLoCo's "
+        "0.9; 0 is plain SGD)")
     lr: float = option(0.05, "learning rate applied to the aggregate (SGD's, or AdamW's)")
     lr_steps: str | None = option(None,
         "epochs at which the learning rate is multiplied by 0.1, comma-separated (e.g. "
@@ -269,7 +289,8 @@ class RunConfig:
         need(self.model in MODELS or ":" in self.model,
              f"model {self.model!r} unknown; choose one of {sorted(MODELS)} or give "
              "package.module:factory")
-        self._check_model_args()
+        why = model_args_refusal(self.model, self.model_args, MODEL_ARGS)
+        need(why is None, why or "")
         need(self.dataset in DATASETS or ":" in self.dataset,
              f"dataset {self.dataset!r} unknown; choose one of {list(DATASETS)} or give "
              "package.module:factory")
@@ -326,6 +347,10 @@ class RunConfig:
         need(self.check_every >= 1, "check-every must be >= 1")
         need(self.checkpoint_every >= 0, "checkpoint-every must be >= 0")
         need(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        why = local_steps_refusal(self.local_steps, self.outer_lr, self.outer_momentum,
+                                  memory=self.memory, overlap=self.overlap,
+                                  freeze_variance=self.freeze_variance)
+        need(why is None, why or "")
 
     def _check_run(self) -> None:
         """Devices, the server's options and the shards."""
@@ -383,26 +408,6 @@ class RunConfig:
         if why is not None:
             raise ConfigError(f"{'--overlap' if self.overlap else '--bucket-mb'} {why}"
                               .replace("{policy}", repr(self.policy)))
-
-    def _check_model_args(self) -> None:
-        """key=value entries, for a model that takes them, with keys it knows (the values are
-        checked where the model is built: models.build_model)."""
-        if not self.model_args:
-            return
-        for item in self.model_args:
-            if not (isinstance(item, str) and "=" in item and item.partition("=")[0].strip()):
-                raise ConfigError(f"model-arg entries must be key=value, got {item!r}")
-        if ":" in self.model:
-            return  # a factory's own keyword arguments: its signature checks them
-        if self.model not in MODEL_ARGS:
-            raise ConfigError(f"model {self.model!r} takes no model-arg (they are for "
-                              f"{', '.join(MODEL_ARGS)} and package.module:factory models)")
-        keys = MODEL_ARGS[self.model]
-        for item in self.model_args:
-            key = item.partition("=")[0].strip()
-            if key not in keys:
-                raise ConfigError(f"model-arg {key!r} unknown for model {self.model!r}; it "
-                                  f"takes {', '.join(keys)}")
 
     def model_kwargs(self) -> dict[str, str]:
         """--model-arg as {key: value} (strings; the last of a repeated key wins)."""

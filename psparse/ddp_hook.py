@@ -39,6 +39,11 @@ class HookState:
         if session.parts is None or session.cfg.overlap:
             raise ConfigError("the DDP comm hook exchanges in buckets of layers handed over by "
                               "DDP: it needs bucket_mb and no overlap (DDP's buckets overlap)")
+        if session.local is not None:
+            raise ConfigError("the DDP comm hook is handed gradients during every backward "
+                              "pass, and local_steps synchronises pseudo-gradients every H "
+                              "steps: use psparse.connect(model, optimizer, local_steps=H) "
+                              "with the model unwrapped (docs/api.md, Local steps)")
         self.session = session
         net = session.net
         self.layer_at = {p.data_ptr(): layer for layer, p in enumerate(net.parameters)}

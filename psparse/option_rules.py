@@ -128,3 +128,55 @@ def parse_limit(text: str) -> tuple[float, str]:
         pass
     raise ValueError(f"server limit {text!r}: expected an entry count (5000), a multiple of k "
                      "(2k, 1.5k) or Nk (world size times k)")
+
+
+def model_args_refusal(model: str, model_args, takes: dict) -> str | None:
+    """Why --model-arg cannot go with --model, or None: key=value entries, for a model that
+    takes them (``takes``: config.MODEL_ARGS), with keys it knows (the values are checked where
+    the model is built: models.build_model)."""
+    for item in model_args or []:
+        if not (isinstance(item, str) and "=" in item and item.partition("=")[0].strip()):
+            return f"model-arg entries must be key=value, got {item!r}"
+    if not model_args or ":" in model:
+        return None  # a factory's own keyword arguments: its signature checks them
+    if model not in takes:
+        return (f"model {model!r} takes no model-arg (they are for {', '.join(takes)} and "
+                "package.module:factory models)")
+    for item in model_args:
+        key = item.partition("=")[0].strip()
+        if key not in takes[model]:
+            return f"model-arg {key!r} unknown for model {model!r}; it takes {', '.join(takes[model])}"
+    return None
+
+
+# --local-steps: the outer step's defaults, DiLoCo's (Douillard et al. 2023: SGD with Nesterov
+# momentum 0.9 at learning rate 0.7 on the averaged pseudo-gradient)
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9
+
+
+def local_steps_refusal(local_steps, outer_lr, outer_momentum, *, memory: str, overlap: bool,
+                        freeze_variance: bool) -> str | None:
+    """Why --local-steps and the outer step's options cannot run as given, or None."""
+    if not (isinstance(local_steps, int) and local_steps >= 1):
+        return f"local-steps must be a whole number >= 1, got {local_steps!r}"
+    if outer_lr is not None and not outer_lr > 0:
+        return f"outer-lr must be > 0, got {outer_lr!r}"
+    if outer_momentum is not None and not 0 <= outer_momentum < 1:
+        return f"outer-momentum must be in [0, 1), got {outer_momentum!r}"
+    if local_steps == 1:
+        if (outer_lr or 1) != 1 or outer_momentum:
+            return ("outer-lr and outer-momentum are the outer step of --local-steps H >= 2; "
+                    "with one local step the aggregate goes to the optimizer every iteration "
+                    "(outer-lr 1 and outer-momentum 0 are that; give --local-steps)")
+        return None
+    if memory in ("dgc", "adam"):
+        return (f"--local-steps exchanges pseudo-gradients (the change of the weights over the "
+                f"local steps), and memory {memory!r} would apply momentum or Adam to them a "
+                "second time; use --memory residual or scalecom (the outer step has momentum)")
+    if overlap:
+        return ("--local-steps does not work with --overlap: the pseudo-gradient exists only "
+                "after the local steps, not during a backward pass")
+    if freeze_variance:
+        return ("--local-steps does not work with --freeze-variance: the inner AdamW steps on "
+                "each worker's own gradients, so there is no aggregate variance to freeze")
+    return None

@@ -68,6 +68,9 @@ def short_label(summary: dict, config: dict) -> str:
 def row(run: dict) -> dict:
     s, evals = run["summary"], run["evals"]
     sent = s["upload_mb"] + s["broadcast_mb"]
+    # --local-steps H: an iteration is a synchronisation of H training steps
+    local_steps = run.get("config", {}).get("local_steps") or 1
+    syncs = s.get("iterations") or 0
     accs = [e["test_acc"] for e in evals if "test_acc" in e]
     return {
         "run": run["label"],
@@ -80,6 +83,10 @@ def row(run: dict) -> dict:
         "upload_mb": s["upload_mb"],
         "broadcast_mb": s["broadcast_mb"],
         "vs_dense": s["dense_mb"] / sent if sent else None,
+        "local_steps": local_steps,
+        # the send cost (pushes and broadcasts, all workers) per synchronisation and per step
+        "kb_per_sync": 1e3 * sent / syncs if syncs else None,
+        "kb_per_step": 1e3 * sent / (syncs * local_steps) if syncs else None,
         "iterations_per_s": s["iterations_per_s"],
         # --probe-recall: the share of the global top-k in the aggregate, mean over probes
         "recall": run.get("recall", {}).get("recall_mean"),
@@ -95,7 +102,7 @@ def format_table(rows: list[dict]) -> str:
 
     head = (f"{'run':<32}{'acc %':>8}{'best %':>8}{'union/k':>9}{'p95':>7}{'k sent':>8}"
             f"{'MB up':>9}"
-            f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}{'recall':>8}")
+            f"{'MB down':>10}{'vs dense':>10}{'it/s':>7}{'recall':>8}{'H':>4}{'KB/step':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['run'][:31]:<32}{f(r['test_acc'] and 100 * r['test_acc'], '.2f'):>8}"
@@ -104,7 +111,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{f(r['pushed_k_mean'], '.0f'):>8}"
                      f"{r['upload_mb']:>9.1f}{r['broadcast_mb']:>10.1f}"
                      f"{f(r['vs_dense'], '.1f'):>9}x{f(r['iterations_per_s'], '.1f'):>7}"
-                     f"{f(r['recall'], '.3f'):>8}")
+                     f"{f(r['recall'], '.3f'):>8}{r['local_steps']:>4}"
+                     f"{f(r['kb_per_step'], '.1f'):>9}")
     sharded = [r for r in rows if r["shards"]]
     if sharded:
         lines += ["", "per server shard (keys, MB up, MB down):"]

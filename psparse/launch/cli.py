@@ -379,12 +379,12 @@ def _check_restarts(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
 def _check_baseline(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
     if args.baseline and (args.slurm or args.resume):
         p.error("--baseline runs on this host or with --hostfile, without --resume")
-    if args.baseline and cfg.servers > 1:
-        p.error("--baseline trains with torch DDP, which has no parameter server: --servers "
-                "does not apply")
-    if args.baseline and (cfg.overlap or cfg.bucket_mb is not None):
-        p.error("--baseline trains with torch DDP, which buckets and overlaps on its own: "
-                "--overlap and --bucket-mb do not apply")
+    if args.baseline and (cfg.servers > 1 or cfg.overlap or cfg.bucket_mb is not None):
+        p.error("--baseline trains with torch DDP, which has no parameter server and buckets "
+                "and overlaps on its own: --servers, --overlap and --bucket-mb do not apply")
+    if args.baseline == "powersgd" and cfg.local_steps > 1:
+        p.error("--local-steps with --baseline is DiLoCo over allreduce (ddp, or bf16/fp16 "
+                "pseudo-gradients); PowerSGD compresses gradients: use one of those")
     if args.powersgd_rank < 1:
         p.error("--powersgd-rank must be at least 1")
     if args.powersgd_warmup < 2:

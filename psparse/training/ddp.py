@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,8 @@ from ..rundir import (
     write_atomic,
     write_json,
 )
+from ..worker.flat_model import FlatModel
+from ..worker.local_steps import LocalSteps, outer_step_options
 from .loop import make_optimizer, setup
 from .loop import train as train_loop
 
@@ -102,6 +105,8 @@ class AllreduceExchange:
         self.ring_bytes_at = lambda it: ring_allreduce_bytes(self.world, self.numel)
         self.ring_total = 0
         self.timer: TimedHook | None = None  # set by train(): the split of each iteration
+        self.local: LocalSteps | None = None  # --local-steps: set by train() (DiLoCo's state)
+        self.wire_dtype = None  # the pseudo-gradient's allreduce in bf16/fp16 (those baselines)
         self.baseline = "ddp"
         self.times = {"compute_s": 0.0, "select_s": 0.0, "wait_s": 0.0}
         self.metrics = open(out / METRICS_FILE, "w") if rank == 0 else None
@@ -114,6 +119,35 @@ class AllreduceExchange:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         now = time.perf_counter()
+        self._record(mean_loss, self._split(t_back, now), now)
+
+    def local_step(self, loss) -> bool:
+        """``--local-steps H``: DiLoCo (LocalSGD with ``--outer-lr 1 --outer-momentum 0``) over
+        torch.distributed, the peer of psparse's local steps: every H-th call allreduces the
+        dense pseudo-gradient (in bf16 or fp16 with those baselines) and takes the same outer
+        step as psparse (worker/local_steps.py). Returns whether it synchronised."""
+        local = self.local
+        if not local.note_step(loss):
+            return False
+        mean_loss = local.pseudo_gradient().reshape(1)
+        t_ready = time.perf_counter()
+        delta = local.net.grad
+        wire = delta if self.wire_dtype is None else delta.to(self.wire_dtype)
+        dist.all_reduce(wire)
+        if wire is not delta:
+            delta.copy_(wire)
+        delta.div_(self.world)
+        dist.all_reduce(mean_loss)
+        local.outer_step()
+        now = time.perf_counter()
+        split = {"compute_s": t_ready - self.t_round, "select_s": 0.0, "wait_s": now - t_ready}
+        for key, value in split.items():
+            self.times[key] += value
+        self._record(mean_loss, split, now)
+        return True
+
+    def _split(self, t_back: float, now: float) -> dict:
+        """The iteration's compute / select / wait seconds, from the comm hook's clock."""
         split = {}
         if self.timer is not None and self.timer.last_call is not None:
             t = self.timer
@@ -123,12 +157,16 @@ class AllreduceExchange:
                      "select_s": select, "wait_s": wait}
             for key, value in split.items():
                 self.times[key] += value
+        return split
+
+    def _record(self, mean_loss, split: dict, now: float) -> None:
+        """One iteration's metrics.jsonl row (rank 0) and the clock for the next."""
         ring = self.ring_bytes_at(self.iteration)
         self.ring_total += ring
         if self.metrics:
             self.metrics.write(json.dumps({
                 "iter": self.iteration, "workers": self.world,
-                "allreduce_bytes": ring, "loss": mean_loss.item() / self.world,
+                "allreduce_bytes": ring, "loss": float(mean_loss.sum()) / self.world,
                 **{k: round(v, 6) for k, v in split.items()},
                 "round_s": round(now - self.t_round, 6), "time_s": round(now - self.t0, 6)})
                 + "\n")
@@ -176,6 +214,14 @@ class AllreduceExchange:
 
 
 BASELINES = ("ddp", "fp16", "bf16", "powersgd")
+
+
+def local_steps_name(cfg: RunConfig, baseline: str) -> str:
+    """A --local-steps baseline's name: LocalSGD (parameter averaging: the outer step plain
+    SGD at learning rate 1) or DiLoCo, with its H and the allreduce's value format."""
+    lr, momentum = outer_step_options(cfg)
+    kind = "localsgd" if (lr, momentum) == (1, 0) else f"diloco-olr{lr:g}-om{momentum:g}"
+    return f"{kind}-h{cfg.local_steps}" + ("" if baseline == "ddp" else f"-{baseline}")
 POWERSGD_WARMUP = 1000  # torch's start_powerSGD_iter default: dense allreduce before it
 
 
@@ -199,7 +245,7 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
         # defaults). An explicit cap also sets DDP's first-bucket cap (default 1 MiB).
         model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
         ddp = DistributedDataParallel(model, bucket_cap_mb=model_mib + 1)
-    else:
+    elif cfg.local_steps == 1:
         ddp = DistributedDataParallel(model)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -220,16 +266,23 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
         timer = TimedHook(hook, None)
     else:
         timer = TimedHook(default_hooks.allreduce_hook, None)  # what DDP does by default
-    ddp.register_comm_hook(None, timer)
     opt = make_optimizer(cfg, model, memory_momentum=False)  # DDP keeps no DGC memory
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
+    iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch
+                                             / cfg.local_steps)
     exchange = AllreduceExchange(cfg, rank, numel, iterations, shard.batches_per_epoch, out,
                                  backend)
-    exchange.timer = timer
     exchange.baseline = {"ddp": "ddp", "fp16": "ddp-fp16-compress",
                          "bf16": "ddp-bf16-compress"}.get(
         baseline, f"powersgd-r{powersgd_rank}-warmup{powersgd_warmup}")
+    if cfg.local_steps > 1:  # DiLoCo's peer: no allreduce in backward, the model unwrapped
+        exchange.local = LocalSteps(FlatModel(model, device), cfg)
+        exchange.wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(baseline)
+        exchange.baseline = local_steps_name(cfg, baseline)
+        timer = None
+    else:
+        ddp.register_comm_hook(None, timer)
+    exchange.timer = timer
     dense = ring_allreduce_bytes(world, numel)
     if baseline in ("fp16", "bf16"):  # 2 bytes an entry on the ring
         exchange.ring_bytes_at = lambda it: dense // 2
@@ -240,7 +293,8 @@ def train(cfg: RunConfig, rank: int, port: int, out: Path, baseline: str = "ddp"
         exchange.ring_bytes_at = lambda it: dense if it < powersgd_warmup else compressed
     if rank == 0:  # the process group and DDP are up: training starts (experiments/cluster.py)
         exchange.say(f"process group ready: {world} ranks, baseline {exchange.baseline}")
-    train_loop(cfg, exchange, model, opt, shard, data, device, forward=ddp)
+    train_loop(cfg, exchange, model, opt, shard, data, device,
+               forward=model if cfg.local_steps > 1 else ddp)
     # No destroy_process_group(): with gloo it can hang when the other ranks are already
     # leaving (seen once in CI); the process ends right after, which releases everything.
     return 0

@@ -6,6 +6,9 @@ Per iteration (``train``):
      picks k entries, push, receive the aggregate (the mean of all pushes at the union of their
      indices) into the parameters' ``.grad``;
   3. the learning-rate schedule and ``optimizer.step()``; evaluation every ``--eval-every``.
+With ``--local-steps H`` an iteration is H forward/backward/``optimizer.step()`` on this rank's
+own batches, then ``session.local_step(loss)`` synchronises: the weights' change goes through the
+same exchange, and the outer step sets the weights every rank shares (worker/local_steps.py).
 
 Every replica applies the same bytes with the same optimizer from the same seeded weights, so all
 replicas stay bit-identical; workers send a weight checksum every ``check_every`` iterations and
@@ -53,31 +56,37 @@ def train(cfg: RunConfig, session, model: torch.nn.Module, optimizer, shard: Sha
     precision = precision or Precision(cfg.amp, cfg.channels_last, device)
     if session.is_evaluator and precision.emulated():
         session.say(EMULATED_BF16)
+    local = cfg.local_steps  # H batches an iteration; 1: the exchange is the gradient's
     t0 = time.perf_counter()
     for it in range(session.start, session.iterations):
-        model.train()
-        x, y = shard.batch(it)
-        x, y = precision.images(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=False)
-        with precision.autocast():
-            loss = F.cross_entropy(forward(x), y)
-        if not torch.isfinite(loss):
-            raise loss_diverged(it, loss.item(), "lower --lr, or use --clip-norm")
-        precision.backward(loss)
-        session.exchange(loss)
-        if schedule.varies(cfg):
-            for group in optimizer.param_groups:
-                group["lr"] = schedule.learning_rate(cfg, it, shard.batches_per_epoch,
-                                                     session.iterations)
-        precision.step(optimizer, cfg.clip_aggregate)
+        for step in range(it * local, (it + 1) * local):
+            model.train()
+            x, y = shard.batch(step)
+            x = precision.images(x.to(device, non_blocking=True))
+            y = y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=False)
+            with precision.autocast():
+                loss = F.cross_entropy(forward(x), y)
+            if not torch.isfinite(loss):
+                raise loss_diverged(step, loss.item(), "lower --lr, or use --clip-norm")
+            precision.backward(loss)
+            if local == 1:
+                session.exchange(loss)
+            if schedule.varies(cfg):
+                for group in optimizer.param_groups:
+                    group["lr"] = schedule.learning_rate(cfg, step, shard.batches_per_epoch,
+                                                         session.iterations * local)
+            precision.step(optimizer, cfg.clip_aggregate)
+            if local > 1:  # the last of the H steps synchronises (local steps' outer step)
+                session.local_step(loss)
         done = it + 1
         if session.is_evaluator and cfg.eval_every and done % cfg.eval_every == 0 \
                 and done < session.iterations:
-            session.log(**evaluate(model, data, device, it, shard.batches_per_epoch,
-                                    cfg.eval_samples, precision))
+            session.log(**evaluate(model, data, device, done * local - 1,
+                                    shard.batches_per_epoch, cfg.eval_samples, precision))
     session.say(f"{session.iterations} iterations in {time.perf_counter() - t0:.1f} s")
-    final = evaluate(model, data, device, session.iterations - 1, shard.batches_per_epoch,
-                     cfg.eval_samples, precision) \
+    final = evaluate(model, data, device, session.iterations * local - 1,
+                     shard.batches_per_epoch, cfg.eval_samples, precision) \
         if session.is_evaluator else {}
     session.close(**final)
 
@@ -230,12 +239,14 @@ def run_worker(cfg: RunConfig, rank: int, server, out_dir: Path | None = None,
                run_token: str | None = None) -> int:
     try:
         data, shard, model, optimizer, device = setup(cfg, rank)
-        iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() * shard.batches_per_epoch)
+        # iterations: exchanges; with --local-steps H, synchronisations of H batches each
+        iterations = cfg.iterations or math.ceil(cfg.epochs_or_default() *
+                                                 shard.batches_per_epoch / cfg.local_steps)
         precision = Precision(cfg.amp, cfg.channels_last, device)
         session = Session(model, optimizer, cfg, rank=rank, server=server,
                           iterations=iterations, batches_per_epoch=shard.batches_per_epoch,
                           out_dir=out_dir, run_token=run_token, resume=resume, device=device,
-                          scaler=precision.scaler)
+                          scaler=precision.scaler if cfg.local_steps == 1 else None)
     except Exception as exc:  # not registered: tell the server why, for summary.json
         report_failure(server if isinstance(server, list) else [server], rank, cfg.workers,
                        failure_cause(exc), run_token=run_token, curve_keys=cfg.curve_keys)

@@ -108,11 +108,12 @@ def _run_length(cfg: RunConfig, batches_per_epoch: int | None) -> int:
     (when the configuration gives them: --epochs, a config file, connect(epochs=...)) of
     ``batches_per_epoch``, else 0: open-ended (until a rank calls ``stop()``, or every rank
     closes after the same round). ``batches_per_epoch`` alone sets no length: it numbers the
-    epochs (checkpoints, --lr-steps, eval.jsonl)."""
+    epochs (checkpoints, --lr-steps, eval.jsonl). With ``local_steps`` H an iteration is a
+    synchronisation of H batches."""
     if cfg.iterations is not None:
         return cfg.iterations
-    if batches_per_epoch and cfg.epochs is not None:
-        return math.ceil(cfg.epochs * batches_per_epoch)
+    if batches_per_epoch and cfg.epochs is not None:  # local steps: H batches a synchronisation
+        return math.ceil(cfg.epochs * batches_per_epoch / cfg.local_steps)
     return 0
 
 

@@ -46,10 +46,12 @@ from ..policies.memory import SCALECOM_BETA, Memory, density_schedule
 from ..rundir import EVAL_VALUES, rank_file, write_atomic
 from . import amp, lifecycle
 from .board import TimingLog
+from .checks import check_model, check_optimizer, check_options
 from .client import ServerGone, WorkerError
 from .device_round import DeviceEngine
 from .exchange import RoundContext, budget_steps, round_shape
 from .flat_model import FlatModel
+from .local_steps import LocalSteps
 from .optimizers import as_optimizer
 from .parts import Parts
 from .recall import RecallProbe
@@ -58,7 +60,7 @@ from .selections import SelectionRecorder
 from .session_state import Checkpointed
 from .sharded_client import open_client
 
-__all__ = ["Session", "WorkerError", "ServerGone", "check_model", "failure_cause"]
+__all__ = ["Session", "WorkerError", "ServerGone", "failure_cause"]
 
 
 class Session(lifecycle.LoopControl, Checkpointed):
@@ -81,7 +83,9 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.cfg, self.rank, self.world_size = cfg, rank, cfg.workers
         self.length = lifecycle.RunLength(iterations)  # fixed, or open-ended (0 / None)
         self.iterations = self.length.iterations
-        self.batches_per_epoch = batches_per_epoch
+        # with local steps an iteration is a synchronisation of H steps: epochs count those
+        self.batches_per_epoch = batches_per_epoch / cfg.local_steps \
+            if batches_per_epoch and cfg.local_steps > 1 else batches_per_epoch
         # a torch.amp.GradScaler given at connect: every step's gradients are scaled by it
         # (with --overlap and the DDP hook the buckets leave during backward, so it must be
         # known before exchange()); _step_scaler: the one of the round under way
@@ -118,8 +122,13 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.start = self.iteration = 0
         self.last_report: tuple[int, dict] | None = None  # the evaluator's latest, for resume
         self._buffers_at_checkpoint = None  # model buffers as they were after the update
+        self._checkpoint_due = None  # local steps: (iteration, state) to write at the next step
         self.closed = False
         self._accumulating = False  # inside ps.accumulating(): backward passes only
+        self.local = LocalSteps(self.net, cfg) if cfg.local_steps > 1 else None
+        if self.local is not None and scaler is not None:
+            raise ConfigError("with local_steps the GradScaler is the local steps' own (each "
+                              "worker's, like its optimizer): do not give it to connect()")
         self.ctx = RoundContext(
             cfg=cfg, net=self.net, memory=self.memory, policy=self.policy, client=self.client,
             budget=self._k_at, note_live=self._note_round, applied=self._applied,
@@ -258,6 +267,13 @@ class Session(lifecycle.LoopControl, Checkpointed):
         the one given to ``connect``); then ``scaler.step(optimizer)`` and ``scaler.update()``
         follow (psparse.worker.amp).
         """
+        if self.local is not None:
+            raise WorkerError("this run has local_steps >= 2: call ps.local_step(loss) after "
+                              "every optimizer.step(), not exchange() (docs/api.md, Local "
+                              "steps)")
+        self._exchange(loss, scaler)
+
+    def _exchange(self, loss, scaler) -> None:
         if scaler is not None and self.scaler is not None and scaler is not self.scaler:
             raise WorkerError("exchange(scaler=...) got another GradScaler than the one given "
                               "to connect(): use one scaler for the run")
@@ -288,8 +304,31 @@ class Session(lifecycle.LoopControl, Checkpointed):
         self.length.check_round(it)
         self.ctx.scaling = amp.scaling_for(self._step_scaler, self.optimizer,
                                            self.ctx.scaling)
-        if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0:
+        if self.cfg.checkpoint_every and it > self.start and it % self.cfg.checkpoint_every == 0 \
+                and self.local is None:  # local steps: written at the synchronisation
             self._checkpoint(it)
+
+    def local_step(self, loss=None) -> bool:
+        """With ``local_steps`` H >= 2, after every ``optimizer.step()``: every H-th call
+        synchronises -- the pseudo-gradient (the weights' change since the last
+        synchronisation) goes through the exchange, and the outer step sets the weights every
+        rank shares (psparse/worker/local_steps.py). Returns whether this call synchronised.
+        ``loss``: the step's loss; their mean goes into metrics.jsonl."""
+        if self.local is None:
+            raise WorkerError("local_step() is for runs with local_steps >= 2; this one "
+                              "exchanges every iteration: call exchange(loss) before "
+                              "optimizer.step()")
+        if self._checkpoint_due is not None:  # the state at the synchronisation, written
+            self._checkpoint(*self._checkpoint_due)  # now with the evaluation logged since
+            self._checkpoint_due = None
+        if not self.local.note_step(loss):
+            return False
+        self._exchange(self.local.pseudo_gradient(), None)
+        self.local.outer_step()
+        ce = self.cfg.checkpoint_every
+        if ce and self.iteration % ce == 0 and self.iteration < (self.iterations or math.inf):
+            self._checkpoint_due = (self.iteration, self.state_dict(frozen=True))
+        return True
 
     def _note_round(self, agg) -> None:
         """What an aggregate's header says about the run: a stop request (this round is the
@@ -378,7 +417,6 @@ class Session(lifecycle.LoopControl, Checkpointed):
         else:
             self.close()
 
-    # ---------------------------------------------------------------------- checkpoint, resume
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -393,58 +431,3 @@ def _check_eval_values(values: dict) -> None:
     if unknown:
         raise ValueError(f"unknown evaluation value {', '.join(unknown)}; eval.jsonl records "
                          f"{', '.join(EVAL_VALUES)}")
-
-
-def check_options(cfg: RunConfig, batches_per_epoch: int | None, on_device: bool) -> None:
-    """Options this worker cannot honour, named before it registers."""
-    if cfg.density_warmup and not batches_per_epoch:
-        raise ConfigError("density_warmup needs the epoch length: connect(..., "
-                          "batches_per_epoch=len(loader))")
-    if cfg.record_selections and on_device:
-        raise ConfigError("--record-selections reads the whole gradient and accumulator "
-                          "back every round: it runs on the host path (--device cpu, or "
-                          "without CuPy)")
-    if cfg.probe_recall and (on_device or cfg.overlap or cfg.bucket_mb is not None):
-        raise ConfigError("--probe-recall reads the whole accumulator at one point of the "
-                          "round: it runs on the host path in one round per iteration "
-                          "(--device cpu, without --bucket-mb / --overlap)")
-
-
-def check_model(model: torch.nn.Module) -> None:
-    """Trainable parameters must be float32 and on one device (clear errors otherwise)."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("the model has no trainable parameters")
-    bad = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
-    if bad:
-        raise ConfigError("psparse exchanges float32 parameters; convert the model with "
-                          f".float() (not float32: {', '.join(bad[:5])}"
-                          f"{', ...' if len(bad) > 5 else ''})")
-    devices = {p.device for _, p in params}
-    if len(devices) > 1:
-        raise ConfigError(f"the model's parameters are on several devices ({devices}); "
-                          "psparse needs them on one")
-
-
-def check_optimizer(optimizer, memory: Memory, cfg: RunConfig, out_dir: Path | None) -> None:
-    """The optimizer fits the memory (``dgc`` applies momentum itself) and checkpoints have a
-    run directory and an optimizer to save."""
-    sparse_only = [type(o).__name__ for o in getattr(optimizer, "members", [optimizer])
-                   if isinstance(o, torch.optim.SparseAdam)]
-    if sparse_only:
-        raise ConfigError(f"{sparse_only[0]} takes sparse gradients only, and psparse writes the "
-                          "aggregate into .grad as a dense tensor (its zeros are the entries no "
-                          "worker sent): use torch.optim.Adam or AdamW; nn.Embedding(sparse="
-                          "True) can stay, its sparse gradient is made dense for the exchange")
-    if optimizer is not None and not memory.optimizer_momentum_applies and not (
-            all(isinstance(o, torch.optim.SGD) for o in getattr(optimizer, "members",
-                                                                 [optimizer]))
-            and not any(g.get("momentum", 0) for g in optimizer.param_groups)):
-        raise ConfigError(f"memory {memory.kind!r} applies "
-                          f"{'Adam' if memory.kind == 'adam' else 'momentum'} in the "
-                          "accumulator: the optimizer must be plain SGD (torch.optim.SGD with "
-                          f"momentum=0, the learning rate and weight decay yours), got "
-                          f"{type(optimizer).__name__}")
-    if cfg.checkpoint_every and (out_dir is None or optimizer is None):
-        raise ConfigError("checkpoints (--checkpoint-every) need the run directory (out= or "
-                          "PSPARSE_OUT) and the optimizer: connect(model, optimizer, ...)")

@@ -6,12 +6,15 @@ of ``Session`` (psparse/worker/session.py) that ``--checkpoint-every`` and ``--r
 A checkpoint is written at an iteration boundary (psparse/checkpoint.py): the parameters and
 optimizer state after the last update, the model's buffers as they were after that
 iteration's forward pass, the error-feedback memory, the policy's state, the key cache, the
-byte and time totals, the evaluator's last report and the live ranks (an elastic run's). The session's attributes it reads are
-those ``Session.__init__`` sets (``net``, ``optimizer``, ``memory``, ``policy``, ``client``,
+byte and time totals, the evaluator's last report, the live ranks (an elastic run's) and,
+with --local-steps, the outer step's momentum (written at a synchronisation). The session's
+attributes it reads are those ``Session.__init__`` sets (``net``, ``optimizer``, ``memory``, ``policy``, ``client``,
 ``ctx``, ``dev``, ``out_dir``, ``cfg``, ``servers``, ``rank``).
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import torch
@@ -21,16 +24,18 @@ from .client import WorkerError
 
 
 class Checkpointed:
-    def state_dict(self) -> dict:
+    def state_dict(self, frozen: bool = False) -> dict:
         """Everything of this worker's exchange state a resume needs: model, optimizer,
-        accumulator, policy state, key cache, byte and time totals, the last evaluation."""
+        accumulator, policy state, key cache, byte and time totals, the last evaluation.
+        ``frozen``: the optimizer's state copied too (it is written after more local steps)."""
         # clones: the parameters are views of one flat buffer, and pickling a view writes the
         # whole buffer once per parameter
         model = {name: t.detach().clone() for name, t in self.net.model.state_dict().items()}
         return {
             "iteration": self.iteration,
             "model": model,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": None if self.optimizer is None else copy.deepcopy(
+                self.optimizer.state_dict()) if frozen else self.optimizer.state_dict(),
             "memory": {name: self.policy.host(a) for name, a in self.memory.state_dict().items()},
             "policy": {name: self.policy.host(v) if hasattr(v, "shape") else v
                        for name, v in self.policy.state_dict().items()},
@@ -38,6 +43,8 @@ class Checkpointed:
             "stats": self.stats,
             "last_report": self.last_report,
             "live": list(self.live),
+            # --local-steps: the outer step's momentum (the anchor is the weights, see there)
+            **({"local_steps": self.local.state_dict()} if self.local is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -56,6 +63,11 @@ class Checkpointed:
         self.client.sent_bytes = stats["push_bytes"]
         self.client.received_bytes = stats["aggregate_bytes"]
         self.ctx.clock.times.update({k: stats[k] for k in self.ctx.clock.times})
+        if self.local is not None:  # after the weights: they are the anchor
+            if "local_steps" not in state:
+                raise WorkerError("the checkpoint was written without --local-steps: resume "
+                                  "with the options the run started with")
+            self.local.load_state_dict(state["local_steps"])
         self.last_report = state["last_report"]
         self.start = self.iteration = state["iteration"]
         live = state.get("live", self.live)
@@ -63,8 +75,12 @@ class Checkpointed:
             self.live = list(live)
             self.policy.set_live(self.live)
 
-    def _checkpoint(self, iteration: int) -> None:
-        state = self.state_dict()
+    def _checkpoint(self, iteration: int, state: dict | None = None) -> None:
+        """Iteration ``iteration``'s checkpoint: the state now, or ``state`` (--local-steps:
+        taken at the synchronisation) with the evaluator's report since."""
+        if state is None:
+            state = self.state_dict()
+        state["last_report"] = self.last_report
         if self._buffers_at_checkpoint is not None:
             state["model"].update(self._buffers_at_checkpoint)
             self._buffers_at_checkpoint = None
