@@ -17,6 +17,7 @@ from conftest import data_dir, python_module, read_jsonl, run_launch, start_laun
 from psparse.config import ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parent.parent
+LOCAL_SGD = ["--outer-lr", "1", "--outer-momentum", "0"]  # the outer step: averaging
 RUN = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--seed", "4", "--quiet"]
 
 
@@ -209,3 +210,42 @@ def test_the_allreduce_peer_is_the_same_algorithm(tmp_path):
     assert len(peer_rows) == 12 and ps_loss == pytest.approx([m["loss"] for m in peer_rows],
                                                              rel=1e-4)
     assert peer_rows[0]["allreduce_bytes"] == 2 * 2 * 2410 * 4  # 2 (N-1)/N x 4 numel x N
+
+
+def test_local_steps_on_the_gpu_path_are_the_hosts_with_one_copy_back_a_round(tmp_path):
+    """The strict emulated device (no host read of a device value mid-iteration): the same
+    weights as the host path, one copy back per synchronisation, no reads."""
+    args = [*RUN, "--workers", "2", "--iterations", "8", "--local-steps", "3", "--policy",
+            "core", "--eval-every", "4", "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "PSPARSE_EMULATE_GPU"}
+    host = run_launch("--out", str(tmp_path / "host"), *args, timeout=300, env=env)
+    device = run_launch("--out", str(tmp_path / "device"), *args, timeout=300,
+                        env={**env, "PSPARSE_EMULATE_GPU": "strict"})
+    assert host.returncode == 0 and device.returncode == 0, host.stderr + device.stderr
+    for r in range(2):
+        d = json.loads((tmp_path / "device" / f"rank-{r}.json").read_text())
+        h = json.loads((tmp_path / "host" / f"rank-{r}.json").read_text())
+        assert d["checksum"] == h["checksum"]
+        assert d["device"]["copy_backs_per_iteration"] == 1.0 and d["device"]["reads"] == 0
+
+
+def test_fp16_local_steps_keep_their_scaler_local_and_ranks_identical(tmp_path):
+    """--amp fp16: each worker's GradScaler skips its own overflowing local steps; the
+    synchronisations still leave every rank with the same weights."""
+    out = tmp_path / "run"
+    r = run_launch("--out", str(out), *RUN, "--amp", "fp16", "--local-steps", "4",
+                   "--iterations", "20", "--density", "0.05", "--check-every", "1",
+                   *LOCAL_SGD, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(set(checksums(out, 3))) == 1
+    loss = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]
+    assert loss[-1] < loss[0]
+
+
+def test_an_elastic_run_with_local_steps_goes_on_without_a_lost_worker(tmp_path):
+    code, summary = script_run(tmp_path / "run", "user_local_steps.py", "30", "lose",
+                               options=["--workers", "3", "--elastic", "--timeout", "5"])
+    assert code == 0 and summary["status"] == "ok", summary
+    assert summary["lost_workers"] and summary["lost_workers"][0]["rank"] == 2
+    ranks = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"] and ranks[0]["iterations"] == 30
