@@ -207,3 +207,37 @@ def test_the_transformer_row_composes_its_dense_warm_up_and_times_what_it_trains
     assert tt.twin_of("dense60-local-adam-topk-int4") == "local-adam-topk-int4"
     assert tt.dense_of("dense60-local-adam-topk-int4") == tt.DENSE_INT4
     assert tt.dense_of("dense60-local-adam-topk") == tt.DENSE
+
+
+def test_the_local_steps_comparison_composes_synchronisations_and_names_the_best_diloco():
+    """experiments/local_steps.py: seconds = synchronisations to the target x the steady
+    synchronisation; steps = synchronisations x H; each ratio against the same seed's run."""
+    from experiments import local_steps as ls
+
+    def run(name, seed, syncs, h):
+        return {"run": name, "seed": seed, "code": "c", "local_steps": h,
+                "syncs_to_target": syncs, "final_acc": 0.985, "best_acc": 0.99,
+                "evals": [[(syncs or 10) - 1, 0.98 if syncs else 0.9]]}
+    data = {"model": "lenet", "target": 0.98, "machine": "m", "float_kernels":
+            {"torch_capability": "AVX2"}, "report_commit": "r",
+            "runs": [run("ddp", 0, 400, 1), run("ddp", 1, 300, 1),
+                     run("local16-core-int4", 0, 63, 16), run("local16-core-int4", 1, 60, 16),
+                     run("diloco-h16", 0, 50, 16), run("diloco-h4", 0, None, 4)],
+            "timing": {"25mbit": {n: {"steady_ms": ms, "compute_ms": 8.0 * h, "wait_ms": 1.0,
+                                      "code": "c", "syncs_timed": 12}
+                                  for n, ms, h in (("ddp", 175.0, 1),
+                                                   ("local16-core-int4", 160.0, 16),
+                                                   ("diloco-h16", 300.0, 16),
+                                                   ("diloco-h4", 200.0, 4))}}}
+    rows = {r["run"]: r for r in ls.compose(data)}
+    assert set(rows) == {"ddp", "local16-core-int4", "diloco-h16"}  # diloco-h4: not reached
+    local = rows["local16-core-int4"]
+    assert local["composed_s"] == {0: 63 * 0.160, 1: 60 * 0.160}
+    assert local["steps_to_target"] == [63 * 16, 60 * 16]
+    assert local["vs_ddp"] == [pytest.approx(63 * 0.160 / (400 * 0.175)),
+                               pytest.approx(60 * 0.160 / (300 * 0.175))]
+    assert local["best_diloco"] == "diloco-h16" and local["best_peer"] == "diloco-h16"
+    assert local["vs_best_diloco"] == [pytest.approx(63 * 0.160 / (50 * 0.300))]  # seed 0 only
+    assert local["best_psparse_run"] and not rows["ddp"]["best_psparse_run"]
+    assert local["compute_ms_per_step"] == 8.0
+    assert "| local16-core-int4 | 16 | 63, 60 | 1008, 960 |" in ls.page(data)

@@ -1,0 +1,206 @@
+"""Issue 55: psparse's local steps against DiLoCo and local SGD, time to 98% on LeNet-5/MNIST.
+
+    python -m experiments.local_steps                              # every stage, in order
+    python -m experiments.local_steps --stage accuracy --seeds 0   # this machine, ~3 min a run
+    python -m experiments.local_steps --stage timing --rates 25mbit,5mbit   # emulated cluster
+    python -m experiments.local_steps --stage report   # local-steps.json from the runs, then page
+    python -m experiments.local_steps --stage page     # local-steps.md and figures from the JSON
+
+Composed as experiments/time_to_accuracy.py composes (the same run folders, arguments and
+functions): synchronisations to the target, from full-length runs on this machine (as many
+training steps as the per-step runs: 1,000), times the emulated cluster's steady time per
+synchronisation (H local steps and one exchange). The comparison is made on one machine and
+float-kernel set: DDP, its bf16 hook and psparse's per-step ``core`` are run here again beside
+the local-steps runs (time-to-accuracy.md's recorded runs came from other kernels).
+
+The runs (experiments/cluster_sweep.py): ``local{H}-core-int4`` (psparse: core at 1%, int4
+values, the outer step local SGD's), ``diloco-h{H}`` / ``-bf16`` (DiLoCo over allreduce with
+its defaults, outer lr 0.7 and Nesterov 0.9; the pseudo-gradient in bf16) and
+``localsgd-h{H}`` (parameter averaging), H in {4, 16, 64}: DiLoCo's H chosen on seed 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from experiments import time_to_accuracy as tta
+from experiments.cluster_sweep import PEER_RUNS, local_steps_of
+from experiments.figures import pyplot, save
+from experiments.harness import RESULTS, md_table, mean_sd
+from psparse.provenance import float_kernels, provenance
+
+MODEL, TARGET = "lenet", 0.98
+RUNS = ["ddp", "ddp-bf16", "core", "local4-core-int4", "local16-core-int4", "local64-core-int4",
+        "diloco-h4", "diloco-h16", "diloco-h64", "diloco-h16-bf16", "localsgd-h16"]
+RATES = ["25mbit", "5mbit", "80mbit"]
+JSON, PAGE = "local-steps.json", "local-steps.md"
+
+
+def collect(names: list[str], rates: list[str]) -> dict:
+    """What the page needs, from the run folders: each accuracy run's evaluations and
+    synchronisations to the target, and each cluster run's steady time per synchronisation."""
+    runs = []
+    for name in names:
+        for seed in range(3):
+            rec = tta.accuracy_record(MODEL, name, seed)
+            if rec is not None:
+                runs.append({"run": name, "seed": seed, "code": rec["code"],
+                             "local_steps": local_steps_of(name),
+                             "syncs_to_target": rec["to"][f"{TARGET:g}"],
+                             "final_acc": rec["final_acc"], "best_acc": rec["best_acc"],
+                             "evals": [[e["iter"], e["test_acc"]] for e in rec["evals"]]})
+    timing = {}
+    for rate in rates:
+        steady, rows = tta.timings(MODEL, rate)
+        if not any(n in steady for n in names):
+            continue  # not timed at this rate
+        timing[rate] = {n: {"steady_ms": steady[n], "compute_ms": rows[n]["compute_ms"],
+                            "wait_ms": rows[n]["wait_ms"], "code": rows[n].get("code_id"),
+                            "syncs_timed": rows[n]["iterations"]}
+                        for n in names if n in steady}
+    return {"model": MODEL, "target": TARGET, "machine": tta.this_machine(),
+            "float_kernels": float_kernels(), "report_commit": provenance()["code_id"],
+            "runs": runs, "timing": timing}
+
+
+def compose(data: dict) -> list[dict]:
+    """Per (rate, run): composed seconds to the target per seed, and the ratios the issue
+    asks for: against DDP, against the best DiLoCo / local SGD run, against the best peer."""
+    out = []
+    for rate, timed in data["timing"].items():
+        seconds = {}
+        for r in data["runs"]:
+            if r["run"] in timed and r["syncs_to_target"] is not None:
+                seconds.setdefault(r["run"], {})[r["seed"]] = \
+                    r["syncs_to_target"] * timed[r["run"]]["steady_ms"] / 1e3
+        mean = {n: float(np.mean(list(s.values()))) for n, s in seconds.items()}
+        peers = [n for n in mean if n in PEER_RUNS]
+        local_peers = [n for n in peers if local_steps_of(n) > 1]
+        best_peer = min(peers, key=mean.get, default=None)
+        best_local_peer = min(local_peers, key=mean.get, default=None)
+        best_psparse = min((n for n in mean if n not in PEER_RUNS), key=mean.get, default=None)
+
+        def ratio(name, other):
+            common = [s for s in seconds[name] if other and s in seconds.get(other, {})]
+            return [seconds[name][s] / seconds[other][s] for s in common]
+        for name in seconds:
+            runs = [r for r in data["runs"] if r["run"] == name]
+            out.append({
+                "rate": rate, "run": name, "peer": name in PEER_RUNS,
+                "local_steps": local_steps_of(name),
+                "syncs_to_target": [r["syncs_to_target"] for r in runs],
+                "steps_to_target": [None if r["syncs_to_target"] is None
+                                    else r["syncs_to_target"] * r["local_steps"] for r in runs],
+                "final_acc": [r["final_acc"] for r in runs],
+                "steady_ms_per_sync": timed[name]["steady_ms"],
+                "compute_ms_per_step": timed[name]["compute_ms"] / local_steps_of(name),
+                "composed_s": seconds[name], "vs_ddp": ratio(name, "ddp"),
+                "vs_best_diloco": ratio(name, best_local_peer), "best_diloco": best_local_peer,
+                "vs_best_peer": ratio(name, best_peer), "best_peer": best_peer,
+                "best_psparse_run": name == best_psparse})
+    return out
+
+
+def page(data: dict) -> str:
+    rows = compose(data)
+    commits = sorted({r["code"] for r in data["runs"]} |
+                     {t["code"] or "?" for rate in data["timing"].values() for t in rate.values()})
+    lines = [f"Made by `{data['report_commit']}` from `{JSON}`; runs made by "
+             f"{', '.join(f'`{c[:12]}`' for c in commits)} on {data['machine']} "
+             f"({data['float_kernels']['torch_capability']} float kernels). LeNet-5/MNIST, 8 "
+             f"workers, to {100 * data['target']:g}% test accuracy (whole test set); composed "
+             "time = synchronisations to the target x the emulated cluster's steady "
+             "synchronisation (8 worker hosts and the server, each a CPU share; section 6.1's "
+             "method). Baseline: DDP's time (vs DDP), the best DiLoCo or local SGD run (vs "
+             "DiLoCo).", ""]
+    for rate in data["timing"]:
+        body = []
+        for r in (x for x in rows if x["rate"] == rate):
+            syncs = ", ".join("-" if s is None else str(s) for s in r["syncs_to_target"])
+            body.append([r["run"] + (" (peer)" if r["peer"] else ""), r["local_steps"], syncs,
+                         ", ".join("-" if s is None else str(s) for s in r["steps_to_target"]),
+                         ", ".join(f"{100 * a:.2f}" for a in r["final_acc"]),
+                         f"{r['steady_ms_per_sync']:.1f}", f"{r['compute_ms_per_step']:.1f}",
+                         mean_sd(r["composed_s"].values(), ".1f"), mean_sd(r["vs_ddp"]),
+                         mean_sd(r["vs_best_diloco"])])
+        lines += [f"### {rate}", "", md_table(
+            ["run", "H", "syncs to target", "steps to target", "final acc %", "ms per sync",
+             "compute ms per step", "composed s", "vs DDP", "vs best DiLoCo/local SGD"], body), ""]
+    return "\n".join(lines)
+
+
+def figure(data: dict, rate: str):
+    """Test accuracy against composed time (seed 0) at one rate, DiLoCo and DDP dashed."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    timed = data["timing"][rate]
+    for r in data["runs"]:
+        if r["seed"] != 0 or r["run"] not in timed:
+            continue
+        ms = timed[r["run"]]["steady_ms"]
+        ax.plot([(it + 1) * ms / 1e3 for it, _ in r["evals"]], [100 * a for _, a in r["evals"]],
+                label=r["run"], ls="--" if r["run"] in PEER_RUNS else "-")
+    ax.axhline(100 * data["target"], color="grey", lw=0.5)
+    ax.set_ylim(90, 100)
+    ax.set_xlabel(f"composed time, s (synchronisations x the {rate} cluster's steady one)")
+    ax.set_ylabel("test accuracy, %")
+    ax.set_title(f"LeNet-5/MNIST, 8 workers, {rate}: local steps, DiLoCo, DDP (seed 0)")
+    ax.legend(fontsize=7)
+    return save(fig, RESULTS / f"local-steps-{rate}.png")
+
+
+def write(data: dict) -> None:
+    """local-steps.{json,md}, the figures, and the rows of time-to-accuracy.json (replacing
+    this comparison's earlier rows there; the other comparisons' stay)."""
+    (RESULTS / JSON).write_text(json.dumps(data, indent=1) + "\n")
+    (RESULTS / PAGE).write_text(page(data) + "\n")
+    for rate in data["timing"]:
+        figure(data, rate)
+    tta_json = RESULTS / "time-to-accuracy.json"
+    kept = [r for r in json.loads(tta_json.read_text()) if r.get("comparison") != "local-steps"]
+    new = [{"comparison": "local-steps", "model": MODEL, "target": TARGET, **r,
+            "composed_s": list(r["composed_s"].values()), "report_commit": data["report_commit"]}
+           for r in compose(data)]
+    tta_json.write_text(json.dumps(kept + new, indent=1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.local_steps", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", default="accuracy,timing,report",
+                   help="comma-separated: accuracy, timing, report (collect from the runs, "
+                        "then the page), page (the page from local-steps.json alone)")
+    p.add_argument("--runs", default=",".join(RUNS), help="runs (default: the comparison's)")
+    p.add_argument("--seeds", default="0", help="accuracy stage seeds (default 0)")
+    p.add_argument("--rates", default=",".join(RATES), help="timing stage link rates")
+    p.add_argument("--data-dir", default=None, help="passed to psparse-launch")
+    args = p.parse_args(argv)
+    stages, names = args.stage.split(","), args.runs.split(",")
+    rates = args.rates.split(",")
+    if "accuracy" in stages:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for name in names:
+                tta.launch_local(tta.accuracy_dir(MODEL, name, seed),
+                                 tta.accuracy_args(MODEL, name), seed, args.data_dir)
+    if "timing" in stages:
+        from experiments.cluster import emulated_cluster, run_one
+        code_id = provenance()["code_id"]
+        for rate in rates:
+            with emulated_cluster(rate) as hosts:
+                for name in names:
+                    run_one(MODEL, rate, name, hosts, code_id, False, args.data_dir,
+                            base=tta.cluster_args(MODEL), run_args=tta.timing_args(MODEL, name))
+    if "report" in stages:
+        write(collect(names, rates))
+    if "page" in stages:
+        write(json.loads((RESULTS / JSON).read_text()))
+    print((RESULTS / PAGE).read_text() if (RESULTS / PAGE).is_file() else "no page yet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
