@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
+.PHONY: torchft exp-local-steps install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -85,6 +85,21 @@ exp-values: install data
 # LeNet-5 to 98% against DDP, its fp16/bf16 hooks and PowerSGD's warm-up grid (~50 min)
 exp-tta: install data
 	$(PY) -m experiments.time_to_accuracy --only lenet
+
+# issue 55: psparse's local steps against DiLoCo and local SGD (experiments/local_steps.py).
+# torchft (DiLoCo, LocalSGD) is not a psparse dependency: it goes to .torchft/ beside the
+# pinned torch, for the peers' cross-check against it.
+TORCHFT := .torchft
+$(TORCHFT)/.stamp: $(STAMP)
+	$(PY) -m pip install --upgrade --target $(TORCHFT) --no-deps torchft==0.2.0
+	$(PY) -m pip install --upgrade --target $(TORCHFT) 'opentelemetry-api>=1.39.0' \
+		'opentelemetry-sdk>=1.39.0' 'opentelemetry-exporter-otlp-proto-http>=1.39.0'
+	touch $@
+
+torchft: $(TORCHFT)/.stamp
+
+exp-local-steps: install data $(TORCHFT)/.stamp
+	$(PY) -m experiments.local_steps --stage accuracy,timing,report,torchft
 
 # experiments/README.md and benchmarks/README.md from the results JSON (experiments/pages.py);
 # make test checks that the committed pages are current

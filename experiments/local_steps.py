@@ -5,6 +5,7 @@
     python -m experiments.local_steps --stage timing --rates 25mbit,5mbit   # emulated cluster
     python -m experiments.local_steps --stage report   # local-steps.json from the runs, then page
     python -m experiments.local_steps --stage page     # local-steps.md and figures from the JSON
+    python -m experiments.local_steps --stage torchft  # the peer against torchft's (make torchft)
 
 Composed as experiments/time_to_accuracy.py composes (the same run folders, arguments and
 functions): synchronisations to the target, from full-length runs on this machine (as many
@@ -17,12 +18,20 @@ The runs (experiments/cluster_sweep.py): ``local{H}-core-int4`` (psparse: core a
 values, the outer step local SGD's), ``diloco-h{H}`` / ``-bf16`` (DiLoCo over allreduce with
 its defaults, outer lr 0.7 and Nesterov 0.9; the pseudo-gradient in bf16) and
 ``localsgd-h{H}`` (parameter averaging), H in {4, 16, 64}: DiLoCo's H chosen on seed 0.
+
+The peers run over torch.distributed in psparse's loop (``--baseline ddp --local-steps H``),
+where the emulated cluster times them like DDP. That they are DiLoCo and local SGD as PyTorch's
+``torchft`` 0.2.0 computes them is the ``torchft`` stage: both trainings, two workers, the same
+shards and seed, evaluation by evaluation (experiments/diloco_peer.py runs torchft's; its
+quantisation needs triton and a GPU, see there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -30,7 +39,7 @@ import numpy as np
 from experiments import time_to_accuracy as tta
 from experiments.cluster_sweep import PEER_RUNS, local_steps_of
 from experiments.figures import pyplot, save
-from experiments.harness import RESULTS, md_table, mean_sd
+from experiments.harness import RESULTS, ROOT, md_table, mean_sd
 from psparse.provenance import float_kernels, provenance
 
 MODEL, TARGET = "lenet", 0.98
@@ -38,6 +47,9 @@ RUNS = ["ddp", "ddp-bf16", "core", "local4-core-int4", "local16-core-int4", "loc
         "diloco-h4", "diloco-h16", "diloco-h64", "diloco-h16-bf16", "localsgd-h16"]
 RATES = ["25mbit", "5mbit", "80mbit"]
 JSON, PAGE = "local-steps.json", "local-steps.md"
+TORCHFT_CHECK = "local-steps-torchft.json"
+# the cross-check's trainings: 2 workers, H 16, 320 steps of SGD (lr 0.05, momentum 0.9)
+CHECK = {"workers": 2, "sync_every": 16, "steps": 320, "eval_every": 32}
 
 
 def collect(names: list[str], rates: list[str]) -> dict:
@@ -130,6 +142,19 @@ def page(data: dict) -> str:
         lines += [f"### {rate}", "", md_table(
             ["run", "H", "syncs to target", "steps to target", "final acc %", "ms per sync",
              "compute ms per step", "composed s", "vs DDP", "vs best DiLoCo/local SGD"], body), ""]
+    check = RESULTS / TORCHFT_CHECK
+    if check.is_file():
+        c = json.loads(check.read_text())
+        lines += ["### The peers against torchft", "",
+                  f"torchft's `DiLoCo` and `LocalSGD` (experiments/diloco_peer.py) and psparse's "
+                  f"`--baseline ddp --local-steps` with the same options ({c['options']}; SGD lr "
+                  "0.05, momentum 0.9; DiLoCo's outer lr 0.7, Nesterov 0.9), test accuracy at "
+                  "each evaluation (step: %):", ""]
+        body = [[alg, ", ".join(f"{s}: {100 * a:.2f}" for s, a in v["torchft"]),
+                 ", ".join(f"{100 * a:.2f}" for _, a in v["psparse_peer"]),
+                 f"{v['identical_evaluations']} of {len(v['torchft'])}"]
+                for alg, v in c["algorithms"].items()]
+        lines += [md_table(["algorithm", "torchft", "psparse's peer", "identical"], body), ""]
     return "\n".join(lines)
 
 
@@ -168,12 +193,48 @@ def write(data: dict) -> None:
     tta_json.write_text(json.dumps(kept + new, indent=1))
 
 
+def torchft_check(site: str, runs_dir) -> dict:
+    """torchft's DiLoCo and LocalSGD (experiments/diloco_peer.py, torchft from ``site``)
+    beside psparse's allreduce peer with the same options: their evaluations side by side."""
+    out = {"torchft_site": site, "options": CHECK, "algorithms": {}}
+    for algorithm, outer in (("diloco", []), ("localsgd", ["--outer-lr", "1",
+                                                           "--outer-momentum", "0"])):
+        tf_dir, ps_dir = runs_dir / f"torchft-{algorithm}", runs_dir / f"psparse-{algorithm}"
+        for d in (tf_dir, ps_dir):
+            subprocess.run(["rm", "-rf", str(d)], check=True)
+        env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}"}
+        subprocess.run([sys.executable, str(ROOT / "experiments" / "diloco_peer.py"),
+                        "--algorithm", algorithm, "--optimizer", "sgd", "--lr", "0.05",
+                        "--workers", str(CHECK["workers"]), "--sync-every",
+                        str(CHECK["sync_every"]), "--steps", str(CHECK["steps"]),
+                        "--eval-every", str(CHECK["eval_every"]), "--out", str(tf_dir)],
+                       check=True, env=env, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "psparse.launch", "--out", str(ps_dir), "--quiet",
+                        "--baseline", "ddp", "--density", "1", "--workers",
+                        str(CHECK["workers"]), "--model", "lenet", "--dataset", "mnist",
+                        "--local-steps", str(CHECK["sync_every"]), "--iterations",
+                        str(CHECK["steps"] // CHECK["sync_every"]), "--eval-every",
+                        str(CHECK["eval_every"] // CHECK["sync_every"]), "--lr", "0.05",
+                        "--threads", "1", *outer], check=True, cwd=ROOT)
+        tf = [[e["step"], e["test_acc"]] for e in map(json.loads, (tf_dir / "eval.jsonl")
+                                                      .read_text().splitlines()) if e["step"]]
+        ps = [[(e["iter"] + 1) * CHECK["sync_every"], e["test_acc"]] for e in map(
+            json.loads, (ps_dir / "eval.jsonl").read_text().splitlines())]
+        tf_summary = json.loads((tf_dir / "summary.json").read_text())
+        out["algorithms"][algorithm] = {
+            "torchft": tf, "psparse_peer": ps, "torchft_version": tf_summary.get("torchft_version"),
+            "identical_evaluations": sum(a == b for a, b in zip(tf, ps))}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.local_steps", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", default="accuracy,timing,report",
                    help="comma-separated: accuracy, timing, report (collect from the runs, "
-                        "then the page), page (the page from local-steps.json alone)")
+                        "then the page), page (the page from local-steps.json alone), torchft "
+                        "(the peer against torchft's DiLoCo and LocalSGD; torchft from "
+                        "$PSPARSE_TORCHFT, default .torchft/: make torchft)")
     p.add_argument("--runs", default=",".join(RUNS), help="runs (default: the comparison's)")
     p.add_argument("--seeds", default="0", help="accuracy stage seeds (default 0)")
     p.add_argument("--rates", default=",".join(RATES), help="timing stage link rates")
@@ -198,6 +259,11 @@ def main(argv=None) -> int:
         write(collect(names, rates))
     if "page" in stages:
         write(json.loads((RESULTS / JSON).read_text()))
+    if "torchft" in stages:
+        site = os.environ.get("PSPARSE_TORCHFT", str(ROOT / ".torchft"))
+        check = torchft_check(site, ROOT / "runs" / "local-steps")
+        (RESULTS / TORCHFT_CHECK).write_text(json.dumps(check, indent=1) + "\n")
+        print(json.dumps(check, indent=1))
     print((RESULTS / PAGE).read_text() if (RESULTS / PAGE).is_file() else "no page yet")
     return 0
 
