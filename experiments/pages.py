@@ -180,8 +180,8 @@ def tta_table() -> list[str]:
            "time | × best peer's (peer) | × compute-only limit | iterations vs dense | seeds "
            "| commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data:
-        if not r.get("best_psparse_run", True):
-            continue
+        if not r.get("best_psparse_run", True) or r.get("comparison") == "local-steps":
+            continue  # (the local-steps comparison's rows: local_steps_table)
         out.append("| " + " | ".join([
             r["model"], r["rate"].replace("mbit", " Mbit/s"), f"{100 * r['target']:g}%",
             f"{100 * r['dense_ring_share']:.0f}%", f"`{r['psparse_run']}`",
@@ -192,6 +192,42 @@ def tta_table() -> list[str]:
     return out + ["", f"From `time-to-accuracy.json`: {MEASURED_ON['time-to-accuracy']}. "
                   "Time = iterations to the target (full-length runs) × the cluster's steady "
                   "iteration, ± the sample SD over seeds.", ""]
+
+
+def local_steps_table() -> list[str]:
+    """Issue 55: per link rate, the fastest run of each family to the target (seed 0 unless
+    more were run), from local-steps.json through experiments/local_steps.py's composition."""
+    if not (RESULTS / "local-steps.json").is_file():
+        return ["Not yet measured.", ""]
+    from experiments.cluster_sweep import PEER_RUNS
+    from experiments.local_steps import compose
+
+    data = load("local-steps")
+
+    def family(r):
+        if r["run"] not in PEER_RUNS:
+            return "psparse, local steps" if r["local_steps"] > 1 else "psparse, every step"
+        return "DiLoCo / local SGD (allreduce)" if r["local_steps"] > 1 else "DDP (allreduce)"
+    out = ["| link | family | fastest run | H | steps to 98% | composed s | × DDP's | "
+           "× best DiLoCo / local SGD's |", "|---|---|---|---|---|---|---|---|"]
+    rows = compose(data)
+    for rate in data["timing"]:
+        best = {}
+        for r in (x for x in rows if x["rate"] == rate):
+            mean = statistics.mean(r["composed_s"].values())
+            if family(r) not in best or mean < best[family(r)][0]:
+                best[family(r)] = (mean, r)
+        for fam, (_, r) in best.items():
+            out.append("| " + " | ".join([
+                rate.replace("mbit", " Mbit/s"), fam, f"`{r['run']}`", str(r["local_steps"]),
+                ", ".join(str(s) for s in r["steps_to_target"] if s is not None),
+                mean_sd(list(r["composed_s"].values()), digits=1),
+                mean_sd(r["vs_ddp"]) if r["vs_ddp"] else "–",
+                mean_sd(r["vs_best_diloco"]) if r["vs_best_diloco"] else "–"]) + " |")
+    return out + ["", f"From `local-steps.json` ({data['machine']}, report "
+                  f"{short([data['report_commit']])}); every run, the peers checked against "
+                  "torchft and the runs that never reached 98%: "
+                  "[results/local-steps.md](results/local-steps.md).", ""]
 
 
 # ------------------------------------------------------------------------------ scaling
@@ -361,6 +397,13 @@ def experiments_page() -> str:
     lines += tta_table()
     lines += ["![LeNet-5 at 25 Mbit/s: test accuracy against composed time]"
               "(results/tta-lenet-25mbit.png)", ""]
+    lines += ["### Local steps: psparse, DiLoCo and local SGD", "",
+              "LeNet-5 / MNIST to 98% on the same emulated cluster: psparse with `--local-steps H` "
+              "(the pseudo-gradient through the sparse, int4 exchange), DiLoCo and local SGD "
+              "over allreduce (`--baseline ddp --local-steps H`, evaluation for evaluation "
+              "torchft's), DDP; the fastest of each family per link (composed as above, on "
+              "one machine's float kernels):", ""]
+    lines += local_steps_table()
     lines += TRANSFORMER_INTRO
     lines += ["The built-in transformer (`--model gpt --dataset text --optimizer adamw`):", ""]
     lines += transformer_table("builtin")

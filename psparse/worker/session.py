@@ -418,7 +418,6 @@ class Session(lifecycle.LoopControl, Checkpointed):
             self.close()
 
 
-
 def failure_cause(exc: BaseException) -> str:
     """An exception as summary.json names a worker's failure: psparse's own errors by their
     text, anything else with its type."""
