@@ -50,6 +50,9 @@ PSPARSE_RUNS.update({f"local{h}-core-int4": ["--density", "0.01", "--policy", "c
 PSPARSE_RUNS.update({f"local{h}-core-d10-int4": ["--density", "0.1", "--policy", "core",
                                                  "--values", "int4", "--local-steps", str(h),
                                                  *LOCAL_SGD] for h in (16, 64)})
+# every entry in int4 (an index costs more than a 4-bit value: 10% density saves little)
+PSPARSE_RUNS["local16-dense-int4"] = ["--density", "1", "--values", "int4", "--local-steps", "16",
+                                      *LOCAL_SGD]
 for h in LOCAL_STEPS:
     PEER_RUNS[f"diloco-h{h}"] = ["--baseline", "ddp", "--density", "1", "--local-steps", str(h)]
     PEER_RUNS[f"diloco-h{h}-bf16"] = ["--baseline", "bf16", "--density", "1", "--local-steps",

@@ -44,7 +44,7 @@ from psparse.provenance import float_kernels, provenance
 
 MODEL, TARGET = "lenet", 0.98
 RUNS = ["ddp", "ddp-bf16", "core", "local4-core-int4", "local16-core-int4", "local64-core-int4",
-        "local16-core-d10-int4", "local64-core-d10-int4", "diloco-h4", "diloco-h16",
+        "local16-core-d10-int4", "local64-core-d10-int4", "local16-dense-int4", "diloco-h4", "diloco-h16",
         "diloco-h64", "diloco-h16-bf16", "localsgd-h4", "localsgd-h16", "localsgd-h64"]
 RATES = ["25mbit", "5mbit", "80mbit"]
 JSON, PAGE = "local-steps.json", "local-steps.md"
