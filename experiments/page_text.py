@@ -60,6 +60,12 @@ WHICH_POLICY = [
     "which makes the warm-up cheap; at 1% it still falls short of dense AdamW over a short run "
     "(the transformer table), so spend bytes there (a higher density) before cutting them "
     "further.",
+    "- **Fewer synchronisations:** with SGD, `--local-steps 16 --outer-lr 1 --outer-momentum 0` "
+    "and every entry in int4 (`--density 1 --values int4`), or `--local-steps 4 --policy core "
+    "--values int4` on the slowest link: local SGD's accuracy per step with psparse's bytes (the "
+    "local-steps table); pseudo-gradients at 1% lose accuracy once H reaches 16, and DiLoCo's "
+    "published outer step (lr 0.7, Nesterov 0.9) diverges over SGD with momentum "
+    "([notes](../docs/notes/local-steps.md)).",
     "- **Time:** on a slow link psparse wins on time to accuracy by moving fewer bytes; where "
     "DDP's communication is a small share of its iteration it does not (the cluster table's "
     "\"DDP's communication share\"). Policies: [docs/policies.md](../docs/policies.md).",
@@ -80,6 +86,9 @@ SWEEPS = [
     "|---|---|---|",
     "| `values` (`--cifar`) | LeNet-5 / MNIST (and CIFAR-10), `topk`, `vote`, `ema`, ScaleCom × "
     "`--values` fp32, bf16, int8, int4 at 1% and 0.1%, 3 seeds | 90 + 28; 20 s (4–5 min) each |",
+    "| `local_steps` (`make exp-local-steps`) | LeNet-5 / MNIST: `--local-steps` 4, 16, 64 "
+    "against DiLoCo, local SGD and DDP; accuracy here, timing on the emulated cluster at 25 and "
+    "5 Mbit/s; the peers checked against torchft | 24 + 24 on the cluster; 3 min, 1–4 min each |",
     "| `partitions` | `micro`, `exdyna` against top-k, `vote`, `ema`, ScaleCom; MNIST and "
     "CIFAR-10; 3 seeds, `--probe-recall` | 96; 30–110 s each |",
     "| `scalecom` | ScaleCom against `core` and `vote`, 3 seeds | 42; ~50 s each |",

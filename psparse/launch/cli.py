@@ -380,8 +380,8 @@ def _check_baseline(p: argparse.ArgumentParser, args, cfg: RunConfig) -> None:
     if args.baseline and (args.slurm or args.resume):
         p.error("--baseline runs on this host or with --hostfile, without --resume")
     if args.baseline and (cfg.servers > 1 or cfg.overlap or cfg.bucket_mb is not None):
-        p.error("--baseline trains with torch DDP, which has no parameter server and buckets "
-                "and overlaps on its own: --servers, --overlap and --bucket-mb do not apply")
+        p.error("--baseline trains with torch DDP: " + ("--servers does not apply (no parameter "
+                "server)" if cfg.servers > 1 else "--overlap and --bucket-mb do not apply"))
     if args.baseline == "powersgd" and cfg.local_steps > 1:
         p.error("--local-steps with --baseline is DiLoCo over allreduce (ddp, or bf16/fp16 "
                 "pseudo-gradients); PowerSGD compresses gradients: use one of those")
