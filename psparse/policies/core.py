@@ -69,10 +69,10 @@ class SharedCore(SelectionPolicy):
         super().__init__(layout, k, **kw)
         self.priority = self.backend.decaying(layout.numel)
         self._forget()
-        if self.dev is not None:  # the device ranks with a mask of the core
-            self.in_core = self.xp.zeros(layout.numel, dtype=self.xp.uint8)
-            return
-        self._mag = self.xp.empty(layout.numel, dtype=self.xp.float32)  # scratch
+        # the core as an engine that ranks every key reads it: a byte mask on the device (the
+        # host's set holds none); the host's per-slice search scores into _mag (made when needed)
+        self.core_set = self.backend.index_set(layout.numel)
+        self._mag = None
 
     def select_device(self, accumulator, iteration, group=None):
         """The core (per slice, the largest nonzero priorities: an engine that leaves out zero
@@ -83,11 +83,12 @@ class SharedCore(SelectionPolicy):
             "core", radix.Key(radix.KEY_PRIORITY, accumulator, aux=self.priority.stored,
                               p0=float(self.signed)), core_ks, None, final=False,
             values=False, exclude_zero=True)
-        self.engines.mark(core, self.in_core, 1)
+        in_core = self.core_set.mask
+        self.engines.mark(core, in_core, 1)
         chosen = self.engines.select("select", radix.Key(radix.KEY_CORE, accumulator,
-                                                         mask=self.in_core), self.slice_k,
+                                                         mask=in_core), self.slice_k,
                                      self.fusion)
-        self.engines.mark(core, self.in_core, 0)
+        self.engines.mark(core, in_core, 0)
         return chosen
 
     def _forget(self):
@@ -105,6 +106,8 @@ class SharedCore(SelectionPolicy):
         if host_compiled(acc):  # |acc| with the core at float32's maximum, compiled
             return selector.scored(acc, k, select_kernels.CORE, None,
                                    np.ascontiguousarray(core, dtype=np.int64))
+        if self._mag is None:
+            self._mag = xp.empty(self.layout.numel, dtype=xp.float32)
         mag = self._mag[offset:offset + acc.size]
         if xp is np and selector.exact:
             # a small host slice: one partition of |acc| with the core at the top
@@ -162,12 +165,13 @@ class SharedCore(SelectionPolicy):
         return keep
 
     def observe(self, indices, values, iteration):
-        if self.dev is not None:
-            self.priority.decay(self.beta)
+        if self.priority.decay(self.beta):  # (the device's decides on the device: None)
+            self._forget()  # the stored values were rescaled: the bounds no longer hold
+        if all(c is None for c in self._candidates):
+            # no candidates to keep up to date: the device's selection ranks every key and
+            # keeps none, and the host's next search starts from every nonzero entry
             self.priority.add(indices, values, 1.0 - self.beta, magnitude=not self.signed)
             return
-        if self.priority.decay(self.beta):
-            self._forget()  # the stored values were rescaled: the bounds no longer hold
         xp = self.xp
         small = xp is np and all(selector.exact for selector in self._selectors)
         if host_compiled(self.priority.stored):  # compiled: the old values come with it
