@@ -68,6 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ops.values.formats import ValueFormat
 from ..rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_json, read_jsonl
 from ..wire.transport import parse_rate
 
@@ -113,10 +114,7 @@ class Setting:
 def value_bytes_of(values: str, block: int = 128) -> float:
     """Bytes per value on the wire of a ``--values`` format (int8/int4: the block's float32
     scale shared by its ``block`` values)."""
-    per = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
-    if values not in per:
-        raise ValueError(f"--values must be one of {', '.join(per)}, got {values!r}")
-    return per[values] + (4.0 / block if values in ("int8", "int4") else 0.0)
+    return ValueFormat.named(values, block).bytes_per_value
 
 
 def ps_link_bytes(s: Setting) -> tuple[float, float]:

@@ -88,6 +88,13 @@ class ValueFormat:
     def frame_bytes(self, count: int) -> int:
         return frame_bytes(self.dtype, count, self.block)
 
+    @property
+    def bytes_per_value(self) -> float:
+        """A long frame's bytes per value: int8/int4 share a float32 scale per block."""
+        scales = 4.0 / self.block if self.dtype in BLOCK_FORMATS else 0.0
+        return {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
+                "int4": 0.5}[self.dtype] + scales
+
     def pack(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The value frame of float32 ``values``; written into ``out`` when given (a
         contiguous uint8 array of ``frame_bytes(values.size)`` bytes, e.g. reused from an
