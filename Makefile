@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: torchft exp-local-steps install test test-isa test-fast soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
+.PHONY: torchft exp-local-steps install test test-long test-isa soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -31,8 +31,14 @@ data: install
 # wait on sockets and child processes, so two overlap well on 2 cores (docs/notes/bench-test-suite.md). TEST_WORKERS=0 runs them all in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+# make test: every test but the long tier (marked `long`), about 10 minutes on 2 cores;
+# make test-long: the long tier (long end-to-end runs, faults over long runs, further
+# combinations of what make test covers once). CI runs both (docs/notes/bench-test-suite.md).
 test: install data
-	$(PYTEST) tests
+	$(PYTEST) -m "not long" tests
+
+test-long: install data
+	$(PYTEST) -m long tests
 
 # The tests whose floats come from oneDNN's kernels (bf16/fp16 autocast, the examples' training)
 # again with oneDNN capped at older ISAs: a suite green on a CPU with AMX / AVX512-BF16 must be
@@ -46,12 +52,9 @@ test-isa: install data
 
 # issue 51: random SIGKILLs of workers, server (during checkpoints and restarts too) and the
 # launcher over an 8,000-iteration self-healing run; it must end identical to a clean one
-# (tests/chaos.py; tests/test_chaos.py is the short one in make test). ~5 min.
+# (tests/chaos.py; tests/test_chaos.py is the short one in make test-long). ~5 min.
 soak: install data
 	$(PY) tests/chaos.py --kills 15 --launcher-kills 2 --iterations 8000 --out runs/soak
-
-test-fast: install data
-	$(PYTEST) -m "not slow" tests
 
 # the project's point in one table: 8 workers, top-k against vote keep=1.5 (experiments/demo.py)
 demo: install data

@@ -34,7 +34,8 @@ FORMS = {"whole": (), "buckets": ("--granularity", "layer", "--bucket-mb", "0.00
          "overlap": ("--granularity", "layer", "--bucket-mb", "0.001", "--overlap")}
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", ["whole", *(pytest.param(form, marks=pytest.mark.long)
+                                             for form in FORMS if form != "whole")])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, form):
     """Rank 1's gradient is inf at iteration 3: the round is flagged, nobody applies
     anything, every accumulator is as before the step, every scale halves, the run goes on
@@ -78,7 +79,7 @@ def test_a_two_phase_round_skips_too(tmp_path):
     assert [r["overflow"] for r in rows] == [it == 2 for it in range(12)]
 
 
-@pytest.mark.parametrize("form", ["whole", "buckets"])
+@pytest.mark.parametrize("form", ["whole", pytest.param("buckets", marks=pytest.mark.long)])
 def test_the_gpu_path_skips_the_same_step_bit_for_bit_with_no_extra_synchronisation(
         tmp_path, form):
     """The GPU path under a GradScaler (on the strict emulated device, which refuses every

@@ -81,6 +81,7 @@ def test_two_phase_policy_and_close_by_hand(tmp_path):
     assert len(metrics) == 20 and all(m["proposed"] is not None for m in metrics)
 
 
+@pytest.mark.long
 def test_a_user_script_resumes_exactly(tmp_path):
     """--checkpoint-every and --resume for a script: Session.state_dict holds the model (with
     BatchNorm buffers), Adam's state, the accumulator and the policy; the result equals an

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -16,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_scale  # noqa: E402
 
 
+@pytest.mark.long
 def test_smallest_grid_shard_bytes_and_tables(tmp_path, monkeypatch, data_root):
     monkeypatch.setenv("PSPARSE_DATA", str(data_root))
     results = tmp_path / "scale.json"

@@ -35,6 +35,7 @@ def test_the_text_data_is_next_character_prediction_on_the_standard_library():
     assert logits.shape == (3, 128, BLOCK)  # (B, vocab, T): cross_entropy's layout
 
 
+@pytest.mark.long
 def test_gpt_with_adamw_learns_the_text_through_the_launcher(tmp_path):
     out = tmp_path / "run"
     r = launch(out, "--workers", "2", "--model", "gpt", "--dataset", "text", "--optimizer",

@@ -52,6 +52,7 @@ def test_warmup_then_cosine_and_the_step_schedule_as_numbers():
             RunConfig(**bad).validate()
 
 
+@pytest.mark.long
 def test_the_schedule_flags_change_a_real_run_where_they_should(tmp_path):
     """digits, 2 workers, dense (23 batches an epoch): a warm-up changes the very first step
     (iteration 1's loss), Nesterov too; a cosine schedule without warm-up starts at --lr, so
@@ -67,7 +68,7 @@ def test_the_schedule_flags_change_a_real_run_where_they_should(tmp_path):
     assert cosine[1] == const[1] and cosine[-1] != const[-1]
 
 
-@pytest.mark.parametrize("baseline", [None, "ddp"])
+@pytest.mark.parametrize("baseline", [pytest.param(None, marks=pytest.mark.long), pytest.param("ddp", marks=pytest.mark.long)])
 def test_bf16_channels_last_trains_and_fp16_goes_through_the_scaler(tmp_path, baseline):
     """LeNet-5 (convolutions) in the built-in loop and the DDP baseline: bf16 autocast with
     channels-last batches trains as float32 does (every rank's checksum equal: the run ends ok),

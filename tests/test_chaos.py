@@ -1,12 +1,14 @@
-"""A short chaos run in make test (tests/chaos.py; make soak runs a long one): random SIGKILLs
+"""A short chaos run in make test-long (tests/chaos.py; make soak runs a long one): random SIGKILLs
 of the workers and the server of a self-healing run, some while it writes a checkpoint or
 restarts; the run must end exactly as an uninterrupted one."""
 
 from __future__ import annotations
 
+import pytest
 from chaos import assert_same, chaos_run, launcher, run_args
 
 
+@pytest.mark.long
 def test_random_kills_over_a_self_healing_run_leave_it_identical(tmp_path):
     clean = tmp_path / "clean"
     proc = launcher(clean, run_args(300, 30))

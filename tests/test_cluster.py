@@ -104,6 +104,7 @@ def test_hostfile_launch_through_the_remote_shell(tmp_path):
     assert len({r["checksum"] for r in ranks}) == 1
 
 
+@pytest.mark.long
 def test_hostfile_launch_of_a_user_script(tmp_path):
     """TRAIN.PY through the remote shell: torchrun's variables and the configuration inline
     (PSPARSE_CONFIG_JSON: no shared filesystem assumed)."""

@@ -79,7 +79,7 @@ def test_the_hook_is_the_session_round_bit_for_bit(tmp_path):
     assert len(overlap["parts"]) - 1 == 3  # LeNet-5 in psparse's 0.1 MB buckets
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", pytest.param("16-mixed", marks=pytest.mark.long)])
 def test_the_lightning_strategy_trains_under_the_launcher(tmp_path, precision):
     """psparse.lightning.PsparseStrategy in a Trainer under psparse-launch (which gives the
     script torchrun's LOCAL_RANK, MASTER_ADDR and MASTER_PORT): DDP's buckets go through the
@@ -100,6 +100,7 @@ def test_the_lightning_strategy_trains_under_the_launcher(tmp_path, precision):
     assert evals and summary["test_acc"] == evals[-1]["test_acc"] > 0
 
 
+@pytest.mark.long
 def test_the_hook_with_a_grad_scaler_skips_overflowed_steps_as_ddp_does(tmp_path):
     """fp16 under DDP with a GradScaler whose scale overflows, backs off and grows again
     (first scale 2^22, growth every 4 steps), psparse as the comm hook given the scaler: the
@@ -127,6 +128,7 @@ def test_the_hook_with_a_grad_scaler_skips_overflowed_steps_as_ddp_does(tmp_path
     assert checksums(tmp_path / "replay") == checksums(tmp_path / "run")
 
 
+@pytest.mark.long
 def test_one_line_in_an_ordinary_ddp_script_ends_the_run_well(tmp_path):
     """register(model) and nothing else: no length, no close. Every rank's session closes at
     the script's end (its final report after iteration 14), and the server ends the
@@ -142,6 +144,7 @@ def test_one_line_in_an_ordinary_ddp_script_ends_the_run_well(tmp_path):
     assert checksums(tmp_path / "torchrun") == checksums(tmp_path / "launched")
 
 
+@pytest.mark.long
 def test_one_line_ranks_that_train_different_lengths_are_named(tmp_path):
     """Rank 1 trains 3 steps more than rank 0: the run fails, naming both ranks and rounds."""
     r = run_launch("--workers", "2", "--quiet", "--out",

@@ -188,6 +188,7 @@ def test_memories_and_the_dense_round_on_the_device(tmp_path, monkeypatch, optio
         assert crossings["reads"] == 0 and crossings["copy_backs"] == 12 + led, crossings
 
 
+@pytest.mark.long
 def test_a_device_run_resumes_exactly(tmp_path):
     """Checkpoints read the device state (outside the rounds); a resumed run uploads it and
     ends bit-identical to an uninterrupted one (ema: the decayed priority, its device scale,

@@ -52,6 +52,7 @@ def test_resume_point_is_the_newest_checkpoint_every_rank_live_at_it_saved(tmp_p
     assert checkpoint.header(tmp_path, "rank-0", 40) == {}
 
 
+@pytest.mark.long
 def test_a_run_that_lost_a_worker_restarts_after_the_loss_with_the_live_ranks(tmp_path):
     """The restarted run equals the same elastic run never interrupted (the loss is at
     iteration 25 in both): same records, same final weights on the live ranks."""
@@ -105,6 +106,7 @@ def test_a_lost_worker_reaped_with_a_later_server_failure_is_not_its_cause(tmp_p
     assert all(p.poll() is not None for p in supervisor.procs.values())  # the rest stopped
 
 
+@pytest.mark.long
 def test_a_run_that_failed_soon_after_a_loss_resumes_before_it_with_every_rank(tmp_path):
     """Rank 1 is lost at 25, then rank 0 fails at 30 and the run with it: the newest usable
     checkpoint is 20's, from before the loss; resumed by hand with both ranks (the faults do

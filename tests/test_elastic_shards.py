@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import read_jsonl, start_launch
 from test_restarts import kill_once_saved, launch, restarted_once, without_timing
 
@@ -40,6 +41,7 @@ def checksums(out: Path, ranks) -> list[str]:
     return [json.loads((out / f"rank-{r}.json").read_text())["checksum"] for r in ranks]
 
 
+@pytest.mark.long
 def test_an_elastic_run_with_shards_equals_one_servers(tmp_path):
     runs = {}
     for shards in (1, 2):
@@ -61,6 +63,7 @@ def test_an_elastic_run_with_shards_equals_one_servers(tmp_path):
     assert checksums(two, (0, 1)) == checksums(one, (0, 1))
 
 
+@pytest.mark.long
 def test_a_silent_worker_is_lost_by_every_shard_and_the_survivors_stay_identical(tmp_path):
     """rank 0 (the evaluator) SIGKILLed mid-run: each shard loses it when its own wait or send
     fails, the workers go on with the ranks every shard still has, rank 1 evaluates."""
@@ -93,6 +96,7 @@ def test_a_silent_worker_is_lost_by_every_shard_and_the_survivors_stay_identical
     assert checksums(out, (1, 2))[0] == checksums(out, (1, 2))[1]
 
 
+@pytest.mark.long
 def test_a_sharded_elastic_run_restarts_after_the_loss_with_the_live_ranks(tmp_path):
     """A shard SIGKILLed after the loss: --max-restarts resumes every shard and the two live
     ranks from a checkpoint after it, and the run equals one never interrupted."""

@@ -20,6 +20,7 @@ from experiments.open_ended_isa import TEST_ARGS, TEST_FLOOR, TEST_POLICY, TEST_
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.long  # (make test-isa runs it twice, with oneDNN capped)
 @pytest.mark.parametrize("example, policy", [("custom_loop.py", "topk"),
                                              ("custom_policy.py", "recent(bonus=3.0, window=5)")])
 def test_example_runs_through_the_launcher(tmp_path, example, policy):
@@ -49,6 +50,7 @@ def launch_example(out, *args, timeout=600):
 OPEN_ENDED = (*TEST_POLICY, str(EXAMPLES / "open_ended.py"), *TEST_ARGS)
 
 
+@pytest.mark.long
 def test_the_open_ended_example_stopped_early_equals_its_fixed_length_form(tmp_path):
     """Open-ended, bf16 autocast, 2 micro-batches a step, OneCycle laid out over 124 steps:
     rank 0's early stopping fires before the schedule's end, at T, and the fixed-length form

@@ -196,6 +196,7 @@ def test_the_table_shows_sample_sd_and_bytes_over_a_dense_allreduce():
     assert dense_allreduce_bytes(8, 61706) == 8 * 2 * 7 / 8 * 61706 * 4 == 3455536
 
 
+@pytest.mark.long
 def test_a_stopped_sweep_resumes_its_run_from_the_checkpoint(tmp_path, monkeypatch, capsys):
     """The sweep driver killed mid-run (driver, launcher, server and workers together, as when a
     session ends) continues that run from its newest checkpoint on the next call instead of
@@ -344,6 +345,7 @@ def test_scaling_and_low_density_runs_parse_and_validate():
     assert set(scaling.ACCURACY_POLICIES) <= set(scaling.POLICIES)
 
 
+@pytest.mark.long
 def test_gpu_sweep_runs_side_by_side_and_reports_what_each_reached(tmp_path, monkeypatch,
                                                                    capsys):
     """experiments.gpu_sweep on real processes (--device cpu standing in for cuda): one run

@@ -48,7 +48,9 @@ def cleanup(*procs):
 # a killed worker's connection closes: the server's next send to it fails at once; a frozen one
 # keeps its connection and is lost after --timeout of silence
 @pytest.mark.parametrize("how, cause", [(signal.SIGKILL, "failed at iteration"),
-                                        (signal.SIGSTOP, "stopped answering at iteration")],
+                                        pytest.param(signal.SIGSTOP,
+                                                     "stopped answering at iteration",
+                                                     marks=pytest.mark.long)],
                          ids=["kill-9", "frozen"])
 def test_lost_worker_ends_the_run_within_the_timeout(tmp_path, how, cause):
     server, workers = start(tmp_path, 3)
@@ -71,6 +73,7 @@ def test_lost_worker_ends_the_run_within_the_timeout(tmp_path, how, cause):
     assert summary["status"] == "failed" and "rank 1" in summary["error"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("values", ["int8"])
 def test_elastic_run_continues_without_the_lost_worker(tmp_path, values):
     """With int8 values: the server's rounding memory and the survivors' feedback carry on

@@ -179,6 +179,7 @@ def script_run(out: Path, script: str, *args: str, options=()) -> tuple[int, dic
     return r.returncode, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.long
 def test_a_users_loop_with_local_step_trains_and_the_wrong_call_is_named(tmp_path):
     code, summary = script_run(tmp_path / "ok", "user_local_steps.py", "30",
                                options=["--density", "0.05"])
@@ -193,6 +194,7 @@ def test_a_users_loop_with_local_step_trains_and_the_wrong_call_is_named(tmp_pat
     assert code != 0 and "the DDP comm hook is handed gradients" in summary["error"]
 
 
+@pytest.mark.long
 def test_the_allreduce_peer_is_the_same_algorithm(tmp_path):
     """--baseline ddp --local-steps: DiLoCo over torch.distributed; dense, its losses are
     psparse's dense local steps' to float32 rounding (the mean: a ring's sum order, not the

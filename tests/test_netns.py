@@ -150,6 +150,7 @@ def emulated_cluster(prefix: str, hosts: int, rate: str):
         subprocess.run([*netns, "down", name], check=False)
 
 
+@pytest.mark.long
 def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_link(tmp_path):
     """launch/netns.sh cluster: 3 hosts (server + 2 workers), each with its own 20 Mbit/s link
     and CPU share; psparse-launch --hostfile runs inside the server's host with the workers
@@ -209,6 +210,7 @@ def test_emulated_cluster_trains_through_the_hostfile_launcher_and_shapes_every_
     assert not Path(f"/sys/fs/cgroup/cpuset/psparse-{name}-h0").exists()
 
 
+@pytest.mark.long
 def test_a_host_whose_link_is_down_longer_than_the_timeout_restarts_the_run(tmp_path):
     """launch/netns.sh cluster (server host h0, workers on h1 and h2): h1's switch port goes
     down for 8 s, longer than --timeout 5, then comes back. The server loses rank 0, the run

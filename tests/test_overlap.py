@@ -234,6 +234,7 @@ def test_the_ddp_baseline_refuses_overlap(tmp_path):
     assert done.returncode == 2 and "--overlap and --bucket-mb do not apply" in done.stderr
 
 
+@pytest.mark.long
 def test_a_user_script_through_connect_overlaps_without_changing_its_loop(tmp_path):
     """tests/user_train.py (BatchNorm CNN, Adam, zero_grad to None): the session installs the
     hooks on the model it was given; the same weights as without overlap."""

@@ -226,6 +226,7 @@ def test_a_real_run_is_disjoint_every_round_and_holds_the_density(tmp_path, name
     assert len({r["policy_state"] for r in ranks}) == 1  # threshold and cut on every rank
 
 
+@pytest.mark.long
 def test_an_elastic_run_goes_on_over_the_live_ranks(tmp_path):
     # the survivors' cut is checked at unit level (above: after set_live the partitions cover
     # the model, one owner each); here a real loss: the run ends well, every round keeps every

@@ -74,8 +74,10 @@ def clean_run(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("victim, extra", [("rank-1", []), ("server", []),
-                                           ("server-1", ["--servers", "2"])],
+@pytest.mark.parametrize("victim, extra", [pytest.param("rank-1", [], marks=pytest.mark.long),
+                                           ("server", []),
+                                           pytest.param("server-1", ["--servers", "2"],
+                                                        marks=pytest.mark.long)],
                          ids=["worker", "server", "server-shard"])
 def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path, clean_run,
                                                                        victim, extra):
@@ -97,6 +99,7 @@ def test_a_killed_process_restarts_the_run_which_ends_as_the_clean_one(tmp_path,
     assert len(read_jsonl(out / "metrics.jsonl")) == 400
 
 
+@pytest.mark.long
 def test_a_data_error_restarts_a_script_and_it_ends_as_the_clean_one(tmp_path):
     clean = launch(tmp_path / "clean", *SCRIPT_RUN)
     assert clean.returncode == 0, clean.stdout + clean.stderr
@@ -111,6 +114,7 @@ def test_a_data_error_restarts_a_script_and_it_ends_as_the_clean_one(tmp_path):
     assert_identical(out, tmp_path / "clean", 2)
 
 
+@pytest.mark.long
 def test_the_same_fault_again_stops_the_restarts(tmp_path):
     out = tmp_path / "run"
     r = launch(out, "--max-restarts", "3", *SCRIPT_RUN, "--fail-at", "25", "--fail-times", "9")
@@ -122,6 +126,7 @@ def test_the_same_fault_again_stops_the_restarts(tmp_path):
     assert all("data error at iteration 25" in a["error"] for a in summary["attempts"])
 
 
+@pytest.mark.long
 def test_a_fault_that_keeps_changing_uses_up_the_restarts(tmp_path):
     out = tmp_path / "run"
     r = launch(out, "--max-restarts", "1", *SCRIPT_RUN[:1], "2", "--quiet",

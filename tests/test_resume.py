@@ -17,10 +17,11 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
 
 
-@pytest.mark.parametrize("extra", [[], ["--policy", "core", "--server-limit", "1.5k"],
-                                   ["--policy", "exdyna", "--density", "0.05",
-                                    "--probe-recall", "25"],
-                                   ["--values", "int4", "--server-limit", "1.5k"]],
+@pytest.mark.parametrize("extra", [
+    [],  # the other three cover a policy's state, a server limit, the recall probe and values
+    pytest.param(["--policy", "core", "--server-limit", "1.5k"], marks=pytest.mark.long),
+    pytest.param(["--policy", "exdyna", "--density", "0.05", "--probe-recall", "25"], marks=pytest.mark.long),
+    pytest.param(["--values", "int4", "--server-limit", "1.5k"], marks=pytest.mark.long)],
                          ids=["topk", "core+limit", "exdyna+probe", "int4+limit"])
 def test_resumed_run_equals_an_uninterrupted_one(tmp_path, extra):
     whole = run_launch("--out", str(tmp_path / "whole"),

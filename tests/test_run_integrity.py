@@ -92,6 +92,7 @@ def test_resume_of_a_complete_run_says_so_and_changes_nothing(tmp_path):
     assert json.loads((out / "summary.json").read_text())["attempts"] == history
 
 
+@pytest.mark.long
 def test_the_resume_rewrite_is_atomic_under_sigkill(tmp_path):
     """A process rewrites a 40 MB metrics file keeping its first half (as a resume does) and is
     killed with SIGKILL at 20 moments spread over the rewrite: every time the file is whole,

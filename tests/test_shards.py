@@ -93,6 +93,7 @@ def test_results_are_identical_with_1_and_3_server_shards(tmp_path, policy):
             assert all(m["proposed"] is not None for m in read_jsonl(run / "metrics.jsonl"))
 
 
+@pytest.mark.long
 def test_a_sharded_run_resumes_from_its_checkpoints(tmp_path):
     run = ["--workers", "3", "--model", "mlp", "--dataset", "digits", "--iterations", "400",
            "--eval-every", "50", "--checkpoint-every", "100", "--seed", "4", "--quiet",
@@ -146,6 +147,7 @@ def _start_shard(out: Path, index: int, count: int, workers: int = 2, *extra):
     return proc, int(port_file.read_text())
 
 
+@pytest.mark.long
 def test_shards_started_by_hand_write_the_merged_run_files(tmp_path):
     """psparse-server --shard I/S by hand, psparse-worker --connect with every shard's address:
     the last shard to finish writes the run's merged metrics.jsonl and summary.json."""
@@ -247,7 +249,8 @@ def test_a_worker_needs_every_shards_address(tmp_path):
     assert "2 server shards (--servers) but this worker was given 1 server address" in r.stderr
 
 
-@pytest.mark.parametrize("placed", [None, "localhost,127.0.0.1", "workers"],
+@pytest.mark.parametrize("placed", [pytest.param(None, marks=pytest.mark.long),
+                                    pytest.param("localhost,127.0.0.1", marks=pytest.mark.long), "workers"],
                          ids=["shards-here", "server-hosts", "beside-workers"])
 def test_hostfile_launch_with_two_server_shards(tmp_path, placed):
     """--hostfile through the fake remote shell: the shards listen at PORT and PORT + 1, here

@@ -145,6 +145,7 @@ def launch(out, *args, timeout=300):
                            *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long
 def test_two_workers_train_a_million_entry_synthetic_model_and_report_bytes(tmp_path):
     r = launch(tmp_path / "run", "--workers", "2", "--model", "synthetic", "--model-arg",
                "numel=1M", "--dataset", "digits", "--iterations", "20", "--eval-every", "0",

@@ -53,6 +53,7 @@ def test_a_run_on_the_board_is_its_records(tmp_path):
     assert sum(v for _, v in got["time_ms/wait"]) > 0
 
 
+@pytest.mark.long
 def test_a_restarted_run_has_each_iteration_once_and_its_restart(tmp_path):
     """Rank 1 fails at iteration 25 once; the run restarts from its checkpoint at 20: the
     board holds iterations 0..59 once each (the failed attempt's 20..24 purged) and

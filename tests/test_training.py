@@ -28,6 +28,7 @@ def without_timing(records):
     return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
+@pytest.mark.long
 def test_replicas_stay_bit_identical_across_standalone_processes(tmp_path, data_root):
     """psparse-server + 4 psparse-worker processes, LeNet on MNIST, 50 iterations."""
     n = 4
@@ -188,7 +189,7 @@ def test_workers_exit_nonzero_when_the_server_dies(tmp_path):
     assert elapsed < 3 + 10
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_lenet_mnist_4_workers_reaches_97_percent_in_2_epochs(tmp_path, data_root):
     r = launch(tmp_path / "run", "--workers", "4", "--model", "lenet", "--dataset", "mnist",
                "--density", "0.01", "--epochs", "2", "--eval-every", "0", timeout=900,

@@ -33,6 +33,7 @@ def params(out: Path, rank: int) -> np.ndarray:
     return np.load(out / f"params-{rank}.npy")
 
 
+@pytest.mark.long
 def test_an_open_ended_run_stopped_by_a_rank_ends_ok_and_resumes_exactly(tmp_path):
     """No iterations at connect; rank 1 asks to stop at iteration 57 and every rank leaves
     after that round, though their epochs differ in length (rank 1's are one batch longer);
@@ -61,6 +62,7 @@ def test_an_open_ended_run_stopped_by_a_rank_ends_ok_and_resumes_exactly(tmp_pat
         assert np.array_equal(params(cut, rank), params(tmp_path / "whole", rank))
 
 
+@pytest.mark.long
 def test_gradient_accumulation_exchanges_once_per_step_with_and_without_overlap(tmp_path):
     """Two micro-batches per exchange, the first in ps.accumulating(): one round per step;
     with overlap the hooks push only on the last micro-batch's backward (a push on the first
