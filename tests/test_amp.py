@@ -22,6 +22,7 @@ def launch(out: Path, *args: str, policy=(), env=None) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.long
 def test_bf16_autocast_trains(tmp_path):
     summary = launch(tmp_path / "run", "--precision", "bf16", "--iterations", "40")
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -69,6 +70,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, form):
     assert np.allclose([r["loss"] for r in rows[:4]], unscaled, rtol=2e-3)
 
 
+@pytest.mark.long
 def test_a_two_phase_round_skips_too(tmp_path):
     """vote: the overflowing rank proposes nothing, the others' proposals are answered, and
     the push round is skipped."""
@@ -79,7 +81,8 @@ def test_a_two_phase_round_skips_too(tmp_path):
     assert [r["overflow"] for r in rows] == [it == 2 for it in range(12)]
 
 
-@pytest.mark.parametrize("form", ["whole", pytest.param("buckets", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("form", ["whole", "buckets"])
 def test_the_gpu_path_skips_the_same_step_bit_for_bit_with_no_extra_synchronisation(
         tmp_path, form):
     """The GPU path under a GradScaler (on the strict emulated device, which refuses every

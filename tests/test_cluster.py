@@ -84,6 +84,7 @@ def _hostfile_run(tmp_path, hostfile_text, *extra, env=None):
         *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+@pytest.mark.long
 def test_hostfile_launch_through_the_remote_shell(tmp_path):
     """... and a float-kernel cap set here reaches every host (docs/api.md, Determinism)."""
     proc = _hostfile_run(tmp_path, "localhost slots=2  # first host\n127.0.0.1 slots=2\n",

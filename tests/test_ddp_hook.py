@@ -79,7 +79,8 @@ def test_the_hook_is_the_session_round_bit_for_bit(tmp_path):
     assert len(overlap["parts"]) - 1 == 3  # LeNet-5 in psparse's 0.1 MB buckets
 
 
-@pytest.mark.parametrize("precision", ["32-true", pytest.param("16-mixed", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
 def test_the_lightning_strategy_trains_under_the_launcher(tmp_path, precision):
     """psparse.lightning.PsparseStrategy in a Trainer under psparse-launch (which gives the
     script torchrun's LOCAL_RANK, MASTER_ADDR and MASTER_PORT): DDP's buckets go through the

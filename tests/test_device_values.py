@@ -156,8 +156,8 @@ def test_an_index_out_of_range_writes_nothing(dev):
 
 
 @pytest.mark.parametrize("extra,uploads", [
-    (("--values", "int4", "--servers", "2", "--value-block", "60", "--policy", "cltk",
-      "--memory", "scalecom"), 3.0),
+    pytest.param(("--values", "int4", "--servers", "2", "--value-block", "60", "--policy",
+                  "cltk", "--memory", "scalecom"), 3.0, marks=pytest.mark.long),
     (("--values", "fp16", "--overlap", "--granularity", "layer"), 2.0),
 ], ids=["int4-shards-cltk-scalecom", "fp16-parts"])
 def test_device_rounding_runs_as_the_host_does(tmp_path, extra, uploads):

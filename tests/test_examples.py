@@ -92,8 +92,8 @@ def test_the_open_ended_example_ends_with_its_schedule(tmp_path):
     assert summary["iterations"] == 15 and summary["status"] == "ok"
 
 
-@pytest.mark.parametrize("optimizers, backend", [("groups", "aot_eager"), ("two", "none"),
-                                                 ("none", "none")])
+@pytest.mark.parametrize("optimizers, backend", [
+    pytest.param("groups", "aot_eager", marks=pytest.mark.long), ("two", "none"), ("none", "none")])
 def test_the_compiled_and_parameter_groups_example(tmp_path, optimizers, backend):
     """torch.compile (aot_eager: inductor works too but compiles for a minute on 2 cores),
     AdamW with two parameter groups, two optimizers as a list (both in the checkpoints), and

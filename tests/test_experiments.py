@@ -27,6 +27,7 @@ def test_lenet_sweep_covers_the_issue():
     assert "core-d0.001-limit2k" in runs and "topk-d0.01" in runs
 
 
+@pytest.mark.long
 def test_a_sweep_runs_reuses_finished_runs_and_draws_its_figure(tmp_path, monkeypatch, capsys):
     """experiments.run end to end on a tiny real sweep: table, figure, and a second call that
     reuses the finished runs instead of running them again."""

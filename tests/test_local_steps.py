@@ -244,6 +244,7 @@ def test_fp16_local_steps_keep_their_scaler_local_and_ranks_identical(tmp_path):
     assert loss[-1] < loss[0]
 
 
+@pytest.mark.long
 def test_an_elastic_run_with_local_steps_goes_on_without_a_lost_worker(tmp_path):
     code, summary = script_run(tmp_path / "run", "user_local_steps.py", "30", "lose",
                                options=["--workers", "3", "--elastic", "--timeout", "5"])

@@ -40,6 +40,7 @@ def test_recorder_measures_what_the_push_captured_and_the_backlog(tmp_path):
     assert z["backlog"].tolist() == pytest.approx([np.sqrt(14 / 2)] * 2)  # ||acc|| / ||grad||
 
 
+@pytest.mark.long
 def test_dgc_warmup_clipping_run_and_locality_report(tmp_path):
     out = tmp_path / "run"
     r = run_launch("--out", str(out), "--quiet",

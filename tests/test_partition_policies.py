@@ -214,7 +214,7 @@ def launch(out, *args):
     return read_jsonl(out / "metrics.jsonl"), ranks
 
 
-@pytest.mark.parametrize("name", ["micro", "exdyna"])
+@pytest.mark.parametrize("name", [pytest.param("micro", marks=pytest.mark.long), "exdyna"])
 def test_a_real_run_is_disjoint_every_round_and_holds_the_density(tmp_path, name):
     metrics, ranks = launch(tmp_path / name, "--policy", name, "--density", "0.05",
                             "--iterations", "400", "--policy-arg", "init=0.3")

@@ -144,6 +144,7 @@ def test_a_fault_that_keeps_changing_uses_up_the_restarts(tmp_path):
     assert config["checkpoint_every"] == 100  # implied by --max-restarts
 
 
+@pytest.mark.long
 def test_a_failure_before_registration_reaches_summary_as_its_cause(tmp_path):
     """The server only knows it was stopped; summary.json names the worker and its error."""
     out = tmp_path / "run"

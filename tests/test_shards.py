@@ -298,6 +298,7 @@ def test_server_hosts_needs_a_cluster_mode_and_one_host_per_shard(tmp_path):
     assert r.returncode == 2 and "names 1 host(s) for 2 server shard(s)" in r.stderr, r.stderr
 
 
+@pytest.mark.long
 def test_a_user_script_runs_with_server_shards(tmp_path):
     """psparse.connect reads every shard's address from PSPARSE_SERVER; same weights as one
     server."""
@@ -373,6 +374,7 @@ def test_shard_edges_from_recorded_selections_balance_the_shards_and_change_no_r
     assert busiest["balanced"] < busiest["equal"], busiest
 
 
+@pytest.mark.long
 def test_a_client_written_from_the_spec_joins_a_sharded_run(tmp_path):
     """docs/protocol.md, Server shards: a client built on tests/test_conformance.py's SpecWorker
     (pyzmq, msgpack, numpy; nothing from psparse) registers with both shards naming each, splits

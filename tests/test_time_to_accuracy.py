@@ -87,6 +87,7 @@ def test_records_give_the_two_factors_of_the_limit(tmp_path, monkeypatch):
     assert r["commit"] == "c1" and r["timing_commit"] == "c2"
 
 
+@pytest.mark.long
 def test_report_keeps_recorded_accuracy_runs_whose_folders_are_gone(tmp_path, monkeypatch,
                                                                       capsys):
     """A fresh checkout has no runs/tta/: the report takes each missing run's record from the

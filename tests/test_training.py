@@ -159,6 +159,7 @@ def test_killed_worker_fails_the_run_and_leaves_no_process(tmp_path):
     assert not [pid for pid in children if alive(pid)], "processes left behind"
 
 
+@pytest.mark.long
 def test_workers_exit_nonzero_when_the_server_dies(tmp_path):
     server = subprocess.Popen(python_module("psparse.server", "--workers", "2", "--port", "0",
                                             "--out", str(tmp_path), "--timeout", "60"),
