@@ -5,6 +5,7 @@ cluster, psparse against DDP and DDP's bf16 compression hook.
     python -m experiments.transformer_tta --stage accuracy --runs ddp,local-adam-topk
     python -m experiments.transformer_tta --stage timing --rates 25mbit,5mbit
     python -m experiments.transformer_tta --stage report
+    python -m experiments.transformer_tta --runs diloco-h16,local16-dense-int4   # issue 55
 
 Composed as experiments/time_to_accuracy.py composes LeNet's and ResNet-20's (a run is
 bit-reproducible, so its loss after iteration t does not depend on the network):
@@ -23,7 +24,16 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
   at psparse's dense one in the run's value format (``psparse-dense``, ``psparse-dense-int4``),
   the rest at its twin without the warm-up.
 * ``report``: experiments/results/transformer-tta.json (the results page's table is made from
-  it).
+  it). A run whose folder is gone keeps what the JSON recorded of it (its evaluations, its
+  cluster timing, their commits).
+
+Issue 55's runs on DiLoCo's home ground (AdamW inside): ``diloco-h{H}`` and ``localsgd-h16``
+(``--baseline ddp --local-steps H``: DiLoCo with its published outer step, lr 0.7 and Nesterov
+0.9, and local SGD's averaging, over allreduce) and psparse's ``local16-*`` (the pseudo-gradient
+through the server in int4, dense or at 10%, DiLoCo's outer step). A run with local steps H is
+as long in training steps as the others (1,200 / H synchronisations, evaluated every ~50
+steps); its "iterations" are synchronisations, timed as 8 of them on the cluster (H local steps
+and one exchange each), and --clip-aggregate clips each local step's gradient.
 
 The targets are validation losses in nats/char (the unigram baseline is 3.05): 2.0 is dense
 AdamW's loss after 300 iterations of experiments/transformer.py, 1.8 one that the 1% runs
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -56,6 +67,16 @@ RUNS = {  # name -> arguments after BASE
     "dense60-local-adam-topk": [*TOPK, *LOCAL, *dense_first(60)],
     "dense60-local-adam-topk-int4": [*TOPK, *LOCAL, *dense_first(60), *INT4],
 }
+DILOCO, LOCAL_SGD = ["--baseline", "ddp", "--density", "1"], ["--outer-lr", "1", "--outer-momentum",
+                                                               "0"]
+RUNS.update({  # issue 55: local steps (DiLoCo's outer step unless LOCAL_SGD)
+    "diloco-h16": [*DILOCO, "--local-steps", "16", *ADAMW],
+    "diloco-h64": [*DILOCO, "--local-steps", "64", *ADAMW],
+    "localsgd-h16": [*DILOCO, "--local-steps", "16", *LOCAL_SGD, *ADAMW],
+    "local16-dense-int4": ["--density", "1", *INT4, "--local-steps", "16", *ADAMW],
+    "local16-topk10-int4": ["--density", "0.1", *INT4, "--local-steps", "16", *ADAMW],
+})
+TIMED_SYNCS = 8  # a run with local steps: synchronisations timed on the cluster
 # the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
 # (in the run's value format)
 DENSE, DENSE_INT4 = "psparse-dense", "psparse-dense-int4"
@@ -63,6 +84,27 @@ DENSE, DENSE_INT4 = "psparse-dense", "psparse-dense-int4"
 TIMING_ARGS = {DENSE: ["--density", "1", *LOCAL], DENSE_INT4: ["--density", "1", *LOCAL, *INT4],
                **{n: a for n, a in RUNS.items() if "--dense-warmup" not in a}}
 PEERS = ("ddp", "ddp-bf16")
+
+
+def local_steps_of(name: str) -> int:
+    args = RUNS.get(name, [])
+    return int(args[args.index("--local-steps") + 1]) if "--local-steps" in args else 1
+
+
+def is_peer(name: str) -> bool:
+    return "--baseline" in RUNS.get(name, [])
+
+
+def accuracy_args(name: str) -> list[str]:
+    """As long in training steps as every run: 1,200 / H synchronisations, evaluated about
+    every 50 steps."""
+    h = local_steps_of(name)
+    return [*BASE, *RUNS[name], "--iterations", str(math.ceil(ITERATIONS / h)),
+            "--eval-every", str(max(1, round(EVAL_EVERY / h)))]
+
+
+def timed_iterations(name: str) -> int:
+    return TIMED if local_steps_of(name) == 1 else TIMED_SYNCS
 
 
 def warmup_of(name: str) -> int:
@@ -108,29 +150,36 @@ def report(rates) -> dict:
                        f"(accuracy, evaluated every {EVAL_EVERY}) / {TIMED} (cluster timing)",
            "machine": this_machine(), "commit": provenance()["git_commit"], "targets": TARGETS,
            "runs": [], "timing": {}, "rows": []}
+    path = RESULTS / "transformer-tta.json"
+    recorded = json.loads(path.read_text()) if path.is_file() else {"runs": [], "timing": {}}
     curves = {}
     for name in RUNS:
         run = RunDir(accuracy_dir(name, 0))
         summary = run.summary()
         if summary and summary.get("status") == "ok":
-            curves[name] = run.evals()
-            out["runs"].append({"run": name, "seed": 0, "code": run.code_id(),
-                                "final_loss": summary["test_loss"],
-                                "evals": [{"iter": e["iter"], "test_loss": e["test_loss"]}
-                                          for e in curves[name]]})
+            record = {"run": name, "seed": 0, "code": run.code_id(),
+                      "final_loss": summary["test_loss"],
+                      "evals": [{"iter": e["iter"], "test_loss": e["test_loss"]}
+                                for e in run.evals()]}
+        else:  # the folder is gone (another machine, a clean clone): what the JSON recorded
+            record = next((r for r in recorded["runs"] if r["run"] == name), None)
+        if record is not None:
+            curves[name] = record["evals"]
+            out["runs"].append({**record, "local_steps": local_steps_of(name)})
     from experiments.cluster_report import run_dir
     for rate in rates:
-        steady, links = {}, {}
+        timing = dict(recorded["timing"].get(rate, {}))
         for name in TIMING_ARGS:
             d = run_dir("gpt", rate, name, 0)
             summary = RunDir(d).summary()
             if summary and summary.get("status") == "ok":
-                steady[name] = steady_ms(d)
-                links[name] = json.loads((d / "links.json").read_text())
-        out["timing"][rate] = {n: {"steady_ms": steady[n], "code": RunDir(
-            run_dir("gpt", rate, n, 0)).code_id(), "link_mb_per_iteration": max(
-                (h["rx_bytes"] + h["tx_bytes"]) / 1e6 / TIMED for k, h in links[n].items()
-                if isinstance(h, dict))} for n in steady}
+                links = json.loads((d / "links.json").read_text())
+                timing[name] = {"steady_ms": steady_ms(d), "code": RunDir(d).code_id(),
+                                "link_mb_per_iteration": max(
+                                    (h["rx_bytes"] + h["tx_bytes"]) / 1e6 / timed_iterations(name)
+                                    for h in links.values() if isinstance(h, dict))}
+        out["timing"][rate] = {n: t for n, t in timing.items() if n in TIMING_ARGS}
+        steady = {n: t["steady_ms"] for n, t in out["timing"][rate].items()}
         for target in TARGETS:
             times = {}
             for name, evals in curves.items():
@@ -140,14 +189,24 @@ def report(rates) -> dict:
                     times[name] = (n, composed_s(name, n, steady))
                 else:
                     times[name] = (n, None)
+            # the fastest local-steps peer (DiLoCo or local SGD) at this rate and target
+            local_peers = [n for n, (_, s) in times.items()
+                           if s and is_peer(n) and local_steps_of(n) > 1]
+            best_diloco = min(local_peers, key=lambda n: times[n][1], default=None)
             for name, (n, seconds) in times.items():
-                ratio = {p: seconds / times[p][1] for p in PEERS
-                         if seconds and times.get(p, (0, None))[1]}
+                ratio = {p: seconds / times[p][1] for p in (*PEERS, best_diloco)
+                         if p and seconds and times.get(p, (0, None))[1]}
+                h = local_steps_of(name)
                 out["rows"].append({"rate": rate, "target": target, "run": name,
                                     "iterations": n, "composed_s": seconds,
                                     "vs_ddp": ratio.get("ddp"),
                                     "vs_ddp_bf16": ratio.get("ddp-bf16"),
-                                    "link_rate_bits": parse_rate(rate)})
+                                    "link_rate_bits": parse_rate(rate),
+                                    **({"local_steps": h, "peer": is_peer(name),
+                                        "steps": None if n is None else n * h,
+                                        "best_diloco": best_diloco,
+                                        "vs_best_diloco": ratio.get(best_diloco)}
+                                       if h > 1 else {})})
     return out
 
 
@@ -168,9 +227,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     if "accuracy" in stages:
         for name in names:
-            launch_local(accuracy_dir(name, 0), [*BASE, *RUNS[name], "--iterations",
-                                                 str(ITERATIONS), "--eval-every",
-                                                 str(EVAL_EVERY)], 0, None)
+            launch_local(accuracy_dir(name, 0), accuracy_args(name), 0, None)
     if "timing" in stages:
         from experiments.cluster import emulated_cluster, run_one
         code_id = provenance()["code_id"]
@@ -180,8 +237,8 @@ def main(argv=None) -> int:
             with emulated_cluster(rate) as hosts:
                 for name in timed:
                     run_one("gpt", rate, name, hosts, code_id, False, None,
-                            base=[*BASE, "--iterations", str(TIMED), "--eval-every", "0",
-                                  "--eval-samples", "64"],
+                            base=[*BASE, "--iterations", str(timed_iterations(name)),
+                                  "--eval-every", "0", "--eval-samples", "64"],
                             run_args=TIMING_ARGS[name])
     if "report" in stages:
         result = report(rates)
