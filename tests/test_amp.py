@@ -35,8 +35,8 @@ FORMS = {"whole": (), "buckets": ("--granularity", "layer", "--bucket-mb", "0.00
          "overlap": ("--granularity", "layer", "--bucket-mb", "0.001", "--overlap")}
 
 
-@pytest.mark.parametrize("form", ["whole", *(pytest.param(form, marks=pytest.mark.long)
-                                             for form in FORMS if form != "whole")])
+@pytest.mark.long  # (all of test_amp: make test-isa runs it twice, with oneDNN capped)
+@pytest.mark.parametrize("form", list(FORMS))
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, form):
     """Rank 1's gradient is inf at iteration 3: the round is flagged, nobody applies
     anything, every accumulator is as before the step, every scale halves, the run goes on

@@ -180,6 +180,7 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in ("round_s", "time_s")} for r in rows]
 
 
+@pytest.mark.long
 def test_cltk_with_the_scalecom_memory_trains_and_resumes_exactly(tmp_path):
     """ScaleCom as the paper pairs it (cyclic local top-k + filtered memory): 3 real worker
     processes and a server train the MLP on digits; the union stays k; a run resumed from its
