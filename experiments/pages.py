@@ -273,6 +273,8 @@ TRANSFORMER_LABELS = {
     "local16-dense-int4": "psparse local steps, H 16, dense `--values int4`, DiLoCo's outer step",
     "local16-topk10-int4": "psparse local steps, H 16, `topk` at 10% `--values int4`, DiLoCo's "
                            "outer step",
+    "local16-dense-int4-avg": "psparse local steps, H 16, dense `--values int4`, local SGD's "
+                              "outer step (averaging)",
 }
 
 

@@ -30,7 +30,7 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
 Issue 55's runs on DiLoCo's home ground (AdamW inside): ``diloco-h{H}`` and ``localsgd-h16``
 (``--baseline ddp --local-steps H``: DiLoCo with its published outer step, lr 0.7 and Nesterov
 0.9, and local SGD's averaging, over allreduce) and psparse's ``local16-*`` (the pseudo-gradient
-through the server in int4, dense or at 10%, DiLoCo's outer step). A run with local steps H is
+through the server in int4, dense or at 10%, DiLoCo's outer step; ``-avg``: local SGD's). A run with local steps H is
 as long in training steps as the others (1,200 / H synchronisations, evaluated every ~50
 steps); its "iterations" are synchronisations, timed as 8 of them on the cluster (H local steps
 and one exchange each), and --clip-aggregate clips each local step's gradient.
@@ -75,6 +75,9 @@ RUNS.update({  # issue 55: local steps (DiLoCo's outer step unless LOCAL_SGD)
     "localsgd-h16": [*DILOCO, "--local-steps", "16", *LOCAL_SGD, *ADAMW],
     "local16-dense-int4": ["--density", "1", *INT4, "--local-steps", "16", *ADAMW],
     "local16-topk10-int4": ["--density", "0.1", *INT4, "--local-steps", "16", *ADAMW],
+    # local SGD's outer step (averaging): the better one over AdamW here (diloco vs localsgd)
+    "local16-dense-int4-avg": ["--density", "1", *INT4, "--local-steps", "16", *LOCAL_SGD,
+                               *ADAMW],
 })
 TIMED_SYNCS = 8  # a run with local steps: synchronisations timed on the cluster
 # the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
