@@ -5,6 +5,8 @@ reads them back."""
 
 from __future__ import annotations
 
+from experiments.harness import int_option
+
 WORKERS = 8  # one worker per host h1 .. h8; the server on h0
 
 PSPARSE_RUNS = {
@@ -64,8 +66,7 @@ RUNS = {**PSPARSE_RUNS, **PEER_RUNS}
 
 def local_steps_of(name: str) -> int:
     """A run's --local-steps H (1: it exchanges every iteration)."""
-    args = RUNS[name]
-    return int(args[args.index("--local-steps") + 1]) if "--local-steps" in args else 1
+    return int_option(RUNS[name], "--local-steps", 1)
 
 # Sized for ~90 minutes of this 2-core machine (docs/notes/cluster-time-to-accuracy.md), on hosts of
 # 1/6 core. LeNet: 300 iterations (1.3 epochs of 8 x 32 images), long enough for PowerSGD to

@@ -212,6 +212,11 @@ class EmulatedCluster:
 
 # ---------------------------------------------------------------------------- tables
 
+def int_option(args: list[str], flag: str, default: int) -> int:
+    """The int a run's launcher arguments give ``flag`` (``default`` where they do not)."""
+    return int(args[args.index(flag) + 1]) if flag in args else default
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     """A markdown table; an empty cell is written as one space between its bars."""
     def line(cells):

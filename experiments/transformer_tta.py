@@ -30,8 +30,8 @@ bit-reproducible, so its loss after iteration t does not depend on the network):
 Issue 55's runs on DiLoCo's home ground (AdamW inside): ``diloco-h{H}`` and ``localsgd-h16``
 (``--baseline ddp --local-steps H``: DiLoCo with its published outer step, lr 0.7 and Nesterov
 0.9, and local SGD's averaging, over allreduce) and psparse's ``local16-*`` (the pseudo-gradient
-through the server in int4, dense or at 10%, DiLoCo's outer step; ``-avg``: local SGD's). A run with local steps H is
-as long in training steps as the others (1,200 / H synchronisations, evaluated every ~50
+through the server in int4, dense or at 10%, DiLoCo's outer step; ``-avg``: local SGD's). A run
+with local steps H is as long in training steps as the others (1,200 / H synchronisations, evaluated every ~50
 steps); its "iterations" are synchronisations, timed as 8 of them on the cluster (H local steps
 and one exchange each), and --clip-aggregate clips each local step's gradient.
 
@@ -48,7 +48,7 @@ import math
 import sys
 from pathlib import Path
 
-from experiments.harness import RESULTS, ROOT, RunDir
+from experiments.harness import RESULTS, ROOT, RunDir, int_option
 from experiments.time_to_accuracy import launch_local, steady_ms, this_machine
 from experiments.transformer import ADAMW, BUILTIN, INT4, LOCAL, TOPK, dense_first
 from psparse.provenance import provenance
@@ -67,8 +67,8 @@ RUNS = {  # name -> arguments after BASE
     "dense60-local-adam-topk": [*TOPK, *LOCAL, *dense_first(60)],
     "dense60-local-adam-topk-int4": [*TOPK, *LOCAL, *dense_first(60), *INT4],
 }
-DILOCO, LOCAL_SGD = ["--baseline", "ddp", "--density", "1"], ["--outer-lr", "1", "--outer-momentum",
-                                                               "0"]
+DILOCO = ["--baseline", "ddp", "--density", "1"]
+LOCAL_SGD = ["--outer-lr", "1", "--outer-momentum", "0"]
 RUNS.update({  # issue 55: local steps (DiLoCo's outer step unless LOCAL_SGD)
     "diloco-h16": [*DILOCO, "--local-steps", "16", *ADAMW],
     "diloco-h64": [*DILOCO, "--local-steps", "64", *ADAMW],
@@ -90,8 +90,7 @@ PEERS = ("ddp", "ddp-bf16")
 
 
 def local_steps_of(name: str) -> int:
-    args = RUNS.get(name, [])
-    return int(args[args.index("--local-steps") + 1]) if "--local-steps" in args else 1
+    return int_option(RUNS.get(name, []), "--local-steps", 1)
 
 
 def is_peer(name: str) -> bool:
@@ -111,8 +110,7 @@ def timed_iterations(name: str) -> int:
 
 
 def warmup_of(name: str) -> int:
-    args = RUNS[name]
-    return int(args[args.index("--dense-warmup") + 1]) if "--dense-warmup" in args else 0
+    return int_option(RUNS[name], "--dense-warmup", 0)
 
 
 def twin_of(name: str) -> str:
