@@ -221,14 +221,18 @@ def main(argv=None) -> int:
                          "timing stage times the ones the composition needs")
     ap.add_argument("--rates", default=",".join(RATES),
                     help="the cluster's link rates (default %(default)s)")
+    ap.add_argument("--seeds", default="0",
+                    help="comma-separated seeds of the accuracy stage (default 0; the report "
+                         "reads every seed it finds)")
     args = ap.parse_args(argv)
     names, stages, rates = args.runs.split(","), args.stage.split(","), args.rates.split(",")
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         ap.error(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
     if "accuracy" in stages:
-        for name in names:
-            launch_local(accuracy_dir(name, 0), accuracy_args(name), 0, None)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for name in names:
+                launch_local(accuracy_dir(name, seed), accuracy_args(name), seed, None)
     if "timing" in stages:
         from experiments.cluster import emulated_cluster, run_one
         code_id = provenance()["code_id"]
