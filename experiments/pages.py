@@ -324,27 +324,38 @@ def transformer_tta_table() -> list[str]:
            "| vs DDP's bf16 hook | vs the best DiLoCo / local SGD |",
            "|---|---|---|---|---|---|---|---|"]
 
-    def ratio(x):
-        return f"{x:.2f}x" if x else "–"
+    def ratio(r, key):
+        seeds = r.get("by_seed", {}).get(key)
+        if seeds and len(seeds) > 1:  # paired by seed: mean ± sample SD
+            return mean_sd(seeds) + "x"
+        return f"{r[key]:.2f}x" if r.get(key) else "–"
 
     def iterations(r):
-        if not r["iterations"]:
+        counts = r.get("by_seed", {}).get("iterations", [r["iterations"]])
+        if not any(counts):
             return "not reached"
+
+        def listed(scale):
+            return ", ".join("not reached" if n is None else str(n * scale) for n in counts)
         if r.get("local_steps", 1) == 1:
-            return str(r["iterations"])
-        return f"{r['iterations']} syncs ({r['steps']} steps)"
+            return listed(1)
+        return f"{listed(1)} syncs ({listed(r['local_steps'])} steps)"
+
+    def seconds(r):
+        got = [t for t in r.get("by_seed", {}).get("composed_s", [r["composed_s"]]) if t]
+        return (mean_sd(got, digits=0) if len(got) > 1 else f"{got[0]:.0f}") if got else "–"
 
     for r in result["rows"]:
-        seconds = f"{r['composed_s']:.0f}" if r["composed_s"] else "–"
         out.append(f"| {r['rate']} | {r['target']:g} | {label(r['run'], r['run'])} | "
-                   f"{iterations(r)} | {seconds} | {ratio(r['vs_ddp'])} | "
-                   f"{ratio(r['vs_ddp_bf16'])} | {ratio(r.get('vs_best_diloco'))} |")
+                   f"{iterations(r)} | {seconds(r)} | {ratio(r, 'vs_ddp')} | "
+                   f"{ratio(r, 'vs_ddp_bf16')} | {ratio(r, 'vs_best_diloco')} |")
     timing = "; ".join(f"{rate}: " + ", ".join(
         f"{name} {t['steady_ms']:.0f} ms ({t['link_mb_per_iteration']:.2f} MB on the busiest "
         "link)" for name, t in runs.items()) for rate, runs in result["timing"].items())
     return out + ["", f"Composed (a model of time from two measurements, as above): iterations "
-                  f"to the target from 1,200-iteration runs on this machine (seed 0, "
-                  f"evaluated every 50), times the steady iteration of the same arguments on "
+                  f"to the target from 1,200-iteration runs on this machine (seed 0, or "
+                  f"seeds 0, 1, 2 where three are listed: their composed times and ratios as "
+                  f"mean ± sample SD, a ratio paired by seed; evaluated every 50), times the steady iteration of the same arguments on "
                   f"the emulated cluster (4 workers and the server, each a sixth of a core): "
                   f"{timing}. A dense warm-up's iterations are counted at psparse's dense "
                   f"iteration in its value format. {result['workload']}; from "

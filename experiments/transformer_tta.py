@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -79,6 +80,7 @@ RUNS.update({  # issue 55: local steps (DiLoCo's outer step unless LOCAL_SGD)
     "local16-dense-int4-avg": ["--density", "1", *INT4, "--local-steps", "16", *LOCAL_SGD,
                                *ADAMW],
 })
+SEEDS = (0, 1, 2)  # the report reads these; the accuracy stage runs --seeds
 TIMED_SYNCS = 8  # a run with local steps: synchronisations timed on the cluster
 # the cluster runs: each run's own, but a dense warm-up is timed as psparse's dense iteration
 # (in the run's value format)
@@ -153,20 +155,22 @@ def report(rates) -> dict:
            "runs": [], "timing": {}, "rows": []}
     path = RESULTS / "transformer-tta.json"
     recorded = json.loads(path.read_text()) if path.is_file() else {"runs": [], "timing": {}}
-    curves = {}
+    curves: dict[str, dict[int, list]] = {}  # run -> seed -> evaluations
     for name in RUNS:
-        run = RunDir(accuracy_dir(name, 0))
-        summary = run.summary()
-        if summary and summary.get("status") == "ok":
-            record = {"run": name, "seed": 0, "code": run.code_id(),
-                      "final_loss": summary["test_loss"],
-                      "evals": [{"iter": e["iter"], "test_loss": e["test_loss"]}
-                                for e in run.evals()]}
-        else:  # the folder is gone (another machine, a clean clone): what the JSON recorded
-            record = next((r for r in recorded["runs"] if r["run"] == name), None)
-        if record is not None:
-            curves[name] = record["evals"]
-            out["runs"].append({**record, "local_steps": local_steps_of(name)})
+        for seed in SEEDS:
+            run = RunDir(accuracy_dir(name, seed))
+            summary = run.summary()
+            if summary and summary.get("status") == "ok":
+                record = {"run": name, "seed": seed, "code": run.code_id(),
+                          "final_loss": summary["test_loss"],
+                          "evals": [{"iter": e["iter"], "test_loss": e["test_loss"]}
+                                    for e in run.evals()]}
+            else:  # the folder is gone (another machine, a clean clone): what the JSON recorded
+                record = next((r for r in recorded["runs"]
+                               if r["run"] == name and r.get("seed", 0) == seed), None)
+            if record is not None:
+                curves.setdefault(name, {})[seed] = record["evals"]
+                out["runs"].append({**record, "local_steps": local_steps_of(name)})
     from experiments.cluster_report import run_dir
     for rate in rates:
         timing = dict(recorded["timing"].get(rate, {}))
@@ -182,32 +186,53 @@ def report(rates) -> dict:
         out["timing"][rate] = {n: t for n, t in timing.items() if n in TIMING_ARGS}
         steady = {n: t["steady_ms"] for n, t in out["timing"][rate].items()}
         for target in TARGETS:
-            times = {}
-            for name, evals in curves.items():
-                n = iterations_to(evals, target)
-                if n is not None and twin_of(name) in steady and \
-                        (not warmup_of(name) or dense_of(name) in steady):
-                    times[name] = (n, composed_s(name, n, steady))
-                else:
-                    times[name] = (n, None)
-            # the fastest local-steps peer (DiLoCo or local SGD) at this rate and target
-            local_peers = [n for n, (_, s) in times.items()
-                           if s and is_peer(n) and local_steps_of(n) > 1]
-            best_diloco = min(local_peers, key=lambda n: times[n][1], default=None)
-            for name, (n, seconds) in times.items():
-                ratio = {p: seconds / times[p][1] for p in (*PEERS, best_diloco)
-                         if p and seconds and times.get(p, (0, None))[1]}
-                h = local_steps_of(name)
-                out["rows"].append({"rate": rate, "target": target, "run": name,
-                                    "iterations": n, "composed_s": seconds,
-                                    "vs_ddp": ratio.get("ddp"),
-                                    "vs_ddp_bf16": ratio.get("ddp-bf16"),
-                                    "link_rate_bits": parse_rate(rate),
-                                    **({"local_steps": h, "peer": is_peer(name),
-                                        "steps": None if n is None else n * h,
-                                        "best_diloco": best_diloco,
-                                        "vs_best_diloco": ratio.get(best_diloco)}
-                                       if h > 1 else {})})
+            times = {}  # run -> seed -> (iterations to the target, composed seconds)
+            for name, by_seed in curves.items():
+                for seed, evals in by_seed.items():
+                    n = iterations_to(evals, target)
+                    timed = n is not None and twin_of(name) in steady and \
+                        (not warmup_of(name) or dense_of(name) in steady)
+                    times.setdefault(name, {})[seed] = \
+                        (n, composed_s(name, n, steady) if timed else None)
+            # the fastest local-steps peer (DiLoCo or local SGD) at this rate and target, by
+            # its mean over the seeds that reached it
+            mean = {n: statistics.fmean(t[1] for t in by_seed.values())
+                    for n, by_seed in times.items() if all(t[1] for t in by_seed.values())}
+            best_diloco = min((n for n in mean if is_peer(n) and local_steps_of(n) > 1),
+                              key=mean.get, default=None)
+            for name, by_seed in times.items():
+                out["rows"].append(row(rate, target, name, by_seed, times, best_diloco))
+    return out
+
+
+def row(rate: str, target: float, name: str, by_seed: dict, times: dict,
+        best_diloco: str | None) -> dict:
+    """One run's row at a rate and target: seed 0's figures (the page's headline) and, with
+    more seeds, every seed's, the ratios paired by seed (a seed against the peer's same
+    seed)."""
+    def ratios(peer):
+        return [by_seed[s][1] / times[peer][s][1] for s in sorted(by_seed)
+                if peer and by_seed[s][1] and times.get(peer, {}).get(s, (0, None))[1]]
+    first = by_seed.get(0, by_seed[min(by_seed)])
+    h = local_steps_of(name)
+    out = {"rate": rate, "target": target, "run": name, "iterations": first[0],
+           "composed_s": first[1], "link_rate_bits": parse_rate(rate)}
+    for key, peer in (("vs_ddp", "ddp"), ("vs_ddp_bf16", "ddp-bf16"),
+                      ("vs_best_diloco", best_diloco)):
+        paired = dict(zip(sorted(s for s in by_seed if by_seed[s][1]), ratios(peer)))
+        out[key] = paired.get(min(by_seed)) if peer and peer in times else None
+    if h > 1:
+        out.update({"local_steps": h, "peer": is_peer(name),
+                    "steps": None if first[0] is None else first[0] * h,
+                    "best_diloco": best_diloco})
+    else:
+        out.pop("vs_best_diloco")
+    if len(by_seed) > 1:
+        seeds = sorted(by_seed)
+        out["by_seed"] = {"seeds": seeds, "iterations": [by_seed[s][0] for s in seeds],
+                          "composed_s": [by_seed[s][1] for s in seeds],
+                          "vs_ddp": ratios("ddp"),
+                          **({"vs_best_diloco": ratios(best_diloco)} if h > 1 else {})}
     return out
 
 
