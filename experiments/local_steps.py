@@ -55,26 +55,33 @@ CHECK = {"workers": 2, "sync_every": 16, "steps": 320, "eval_every": 32}
 
 def collect(names: list[str], rates: list[str]) -> dict:
     """What the page needs, from the run folders: each accuracy run's evaluations and
-    synchronisations to the target, and each cluster run's steady time per synchronisation."""
+    synchronisations to the target, and each cluster run's steady time per synchronisation. A
+    run whose folder is gone (made on another machine's disk) keeps what local-steps.json
+    recorded of it."""
+    path = RESULTS / JSON
+    recorded = json.loads(path.read_text()) if path.is_file() else {"runs": [], "timing": {}}
     runs = []
     for name in names:
         for seed in range(3):
             rec = tta.accuracy_record(MODEL, name, seed)
-            if rec is not None:
-                runs.append({"run": name, "seed": seed, "code": rec["code"],
-                             "local_steps": local_steps_of(name),
-                             "syncs_to_target": rec["to"][f"{TARGET:g}"],
-                             "final_acc": rec["final_acc"], "best_acc": rec["best_acc"],
-                             "evals": [[e["iter"], e["test_acc"]] for e in rec["evals"]]})
+            if rec is None:
+                runs += [r for r in recorded["runs"] if r["run"] == name and r["seed"] == seed]
+                continue
+            runs.append({"run": name, "seed": seed, "code": rec["code"],
+                         "local_steps": local_steps_of(name),
+                         "syncs_to_target": rec["to"][f"{TARGET:g}"],
+                         "final_acc": rec["final_acc"], "best_acc": rec["best_acc"],
+                         "evals": [[e["iter"], e["test_acc"]] for e in rec["evals"]]})
     timing = {}
     for rate in rates:
         steady, rows = tta.timings(MODEL, rate)
-        if not any(n in steady for n in names):
-            continue  # not timed at this rate
-        timing[rate] = {n: {"steady_ms": steady[n], "compute_ms": rows[n]["compute_ms"],
-                            "wait_ms": rows[n]["wait_ms"], "code": rows[n].get("code_id"),
-                            "syncs_timed": rows[n]["iterations"]}
-                        for n in names if n in steady}
+        timing[rate] = {n: t for n, t in recorded["timing"].get(rate, {}).items() if n in names}
+        timing[rate].update({n: {"steady_ms": steady[n], "compute_ms": rows[n]["compute_ms"],
+                                 "wait_ms": rows[n]["wait_ms"], "code": rows[n].get("code_id"),
+                                 "syncs_timed": rows[n]["iterations"]}
+                             for n in names if n in steady})
+        if not timing[rate]:
+            del timing[rate]  # not timed at this rate
     return {"model": MODEL, "target": TARGET, "machine": tta.this_machine(),
             "float_kernels": float_kernels(), "report_commit": provenance()["code_id"],
             "runs": runs, "timing": timing}
