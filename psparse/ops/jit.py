@@ -121,7 +121,8 @@ class Reusable:
         dtype = np.dtype(dtype)
         for n, array in enumerate(self._arrays):
             # references: the list, the loop variable, getrefcount's argument
-            if array.dtype == dtype and array.size >= size and sys.getrefcount(array) <= 3:
+            # the cheapest test first: most arrays are held (a key cache, a message in flight)
+            if sys.getrefcount(array) <= 3 and array.size >= size and array.dtype == dtype:
                 self._arrays.append(self._arrays.pop(n))  # most recently used last
                 return array
         array = np.empty(size, dtype)

@@ -53,26 +53,28 @@ class Endpoint:
         self.wait_start = time.monotonic()
         return self.wait_start + self.timeout * self.patience
 
-    def wait(self, what: str, deadline: float, waiting_for=(), it: int | None = None):
+    def wait(self, what, deadline: float, waiting_for=(), it: int | None = None):
         """Next message as (peer, frames, nbytes).
 
         Ranks in ``waiting_for`` are declared lost once nothing (message or heartbeat) came from
         them for ``timeout`` seconds (then None); ``deadline`` bounds the whole wait in any
         case, so a worker that heartbeats but never sends cannot hang the run either.
+        ``what`` names what is awaited, for those messages: a string, or a function that makes
+        it (a round waits for every push: it is made only when someone is lost).
         """
         members = self.members
         while True:
             now = time.monotonic()
             lost = members.silent(waiting_for, now)
             if lost:
-                members.lose(lost, it, what)
+                members.lose(lost, it, what() if callable(what) else what)
                 return None
             if now >= deadline:
                 raise RunAborted(f"timed out after {deadline - self.wait_start:.0f} s waiting "
-                                 f"for {what}")
+                                 f"for {what() if callable(what) else what}")
             if self.heartbeat_s and now - self._last_heartbeat >= self.heartbeat_s:
                 self._last_heartbeat = now  # tell waiting workers the server is alive
-                if self._beat(it, what):
+                if self._beat(it, what() if callable(what) else what):
                     return None
             step = min(deadline - now, self.heartbeat_s or deadline - now, 0.5)
             got = self.channel.recv(max(step, 0.0))
@@ -217,7 +219,8 @@ class Endpoint:
                                     model_size=model_size or self.numel,
                                     cache=self.caches[r if part is None else (r, part)],
                                     shared=shared, **fields) for r in ranks]
-        self.pace(sum(wire_bytes(m) for m in messages))
+        if self.link is not None:
+            self.pace(sum(wire_bytes(m) for m in messages))
         # the value frames' share of it (metrics.jsonl's index/value split)
         self.last_value_bytes = sum(memoryview(m[2]).nbytes for m in messages) \
             if msg_type in protocol.SPARSE_TYPES else 0

@@ -216,9 +216,9 @@ class Rounds:
         if it is not None:  # a rank that has closed sends nothing of this round
             waiting = missing
             missing = lambda: [r for r in waiting() if r not in self.closing]  # noqa: E731
-        while missing():
-            received = self.endpoint.wait(f"{what()} from ranks {missing()}", deadline,
-                                          missing(), it)
+        while waiting_for := missing():
+            received = self.endpoint.wait(lambda: f"{what()} from ranks {waiting_for}",
+                                          deadline, waiting_for, it)
             if received is None:  # a rank was lost (elastic): wait for the others only
                 continue
             peer, frames, nbytes = received
