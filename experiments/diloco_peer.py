@@ -83,7 +83,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="Manager/gloo/quorum timeout, seconds")
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[1] / "data"))
     p.add_argument("--out", required=True, help="output folder")
+    # on separate hosts (experiments/local_steps.py's torchft-timing stage, the emulated cluster)
+    p.add_argument("--serve-lighthouse", metavar="ADDR:PORT", default=None,
+                   help="only run the lighthouse, bound there, until every rank has written "
+                        "its rank-R.json to --out")
+    p.add_argument("--rank", type=int, default=None,
+                   help="only run this rank's replica group (its results: --out/rank-R.json)")
+    p.add_argument("--lighthouse", default=None,
+                   help="with --rank: the lighthouse's address (http://ADDR:PORT)")
+    p.add_argument("--hostname", default="localhost",
+                   help="the address this rank's ManagerServer and store are reached at")
+    p.add_argument("--no-eval", action="store_true",
+                   help="no evaluation (timing runs: rank 0's evaluations would stall every peer)")
     args = p.parse_args(argv)
+    if args.rank is not None and not args.lighthouse:
+        p.error("--rank needs --lighthouse")
     args.lr = args.lr if args.lr is not None else (0.05 if args.optimizer == "sgd" else 1e-3)
     args.steps = -(-args.steps // args.sync_every) * args.sync_every
     if args.algorithm == "localsgd" and (args.quantize or args.fragments != 1):
@@ -115,7 +129,7 @@ def model_fragments(model: torch.nn.Module, k: int) -> list[torch.nn.Module]:
     return [torch.nn.ModuleList(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -> None:
+def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, report) -> None:
     """One replica group (world size 1): the same data/shard/model construction as psparse's
     built-in loop (``psparse.training.loop.setup``), then torchft's DiLoCo or LocalSGD."""
     torch.set_num_threads(1)  # N processes share the machine's cores
@@ -131,7 +145,7 @@ def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -
     timeout = timedelta(seconds=args.timeout)
     # This group's store: the Manager's rank 0 publishes its ManagerServer's address in it and the
     # reconfigured gloo groups rendezvous under the store address the lighthouse hands out.
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    store = torch.distributed.TCPStore(args.hostname, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         # what a recovering replica would fetch; the DiLoCo fragments register their own
@@ -142,8 +156,8 @@ def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -
         use_async_quorum=False,  # DiLoCo refuses the async quorum
         init_sync=False,  # seeded identically: no weight transfer at step 0
         replica_id=f"peer_{rank}", rank=0, world_size=1,
-        store_addr="localhost", store_port=store.port,
-        lighthouse_addr=lighthouse_addr, hostname="localhost",
+        store_addr=args.hostname, store_port=store.port,
+        lighthouse_addr=lighthouse_addr, hostname=args.hostname,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
     )
     if args.algorithm == "diloco":
@@ -159,7 +173,8 @@ def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -
         algo = LocalSGD(manager, model, inner, sync_every=args.sync_every)
 
     syncs, local_s, evals = [], [], []
-    eval_file = open(Path(args.out) / "eval.jsonl", "w") if rank == 0 else None
+    evaluating = rank == 0 and not args.no_eval
+    eval_file = open(Path(args.out) / "eval.jsonl", "w") if evaluating else None
 
     def evaluate(step: int, start: float) -> None:
         loss, acc = evaluate_model(model, data, torch.device("cpu"))
@@ -170,8 +185,9 @@ def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -
         eval_file.write(json.dumps(row) + "\n")
         eval_file.flush()
 
+    print(f"rank {rank}: training starts", flush=True)  # (the cluster stage waits for it)
     start = time.perf_counter()
-    if rank == 0:
+    if evaluating:
         evaluate(0, start)
     with algo:
         for i in range(args.steps):
@@ -187,32 +203,64 @@ def worker(rank: int, args: argparse.Namespace, lighthouse_addr: str, results) -
             if step % sync_period(args) == 0:
                 # the sync's time: the whole optimizer.step() (the inner step itself is ~0.1 ms)
                 syncs.append({"rank": rank, "step": step, "sync_s": round(t2 - t1, 5),
+                              "at_s": round(t2 - start, 5),  # the sync's end, from the start
                               "manager_step": manager.current_step(),
                               "errored": manager.errored() is not None,
                               "loss": round(loss.item(), 4)})
             else:
                 local_s.append(t2 - t0)
-            if rank == 0 and step % args.eval_every == 0 and step != args.steps:
+            if evaluating and step % args.eval_every == 0 and step != args.steps:
                 evaluate(step, start)
     train_s = time.perf_counter() - start
-    if rank == 0:  # the final (synced) model
+    if evaluating:  # the final (synced) model
         evaluate(args.steps, start)
         eval_file.close()
-    results.put({"rank": rank, "syncs": syncs, "train_s": train_s,
-                 "local_step_s": sum(local_s) / max(1, len(local_s)),
-                 "commits": manager.current_step(), "evals": evals})
+    report({"rank": rank, "syncs": syncs, "train_s": train_s,
+            "local_step_s": sum(local_s) / max(1, len(local_s)),
+            "commits": manager.current_step(), "evals": evals})
     manager.shutdown(wait=False)
+
+
+def one_rank(args: argparse.Namespace) -> int:
+    """--rank R: this rank's replica group alone (its host's process), results to rank-R.json."""
+    path = Path(args.out) / f"rank-{args.rank}.json"
+
+    def report(result: dict) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result) + "\n")
+        tmp.replace(path)  # whole or absent: the lighthouse and the stage wait for it
+    worker(args.rank, args, args.lighthouse, report)
+    return 0
+
+
+def serve_lighthouse(args: argparse.Namespace) -> int:
+    """--serve-lighthouse ADDR:PORT: the lighthouse alone, until every rank has reported."""
+    out = Path(args.out)
+    lighthouse = LighthouseServer(bind=args.serve_lighthouse, min_replicas=args.workers)
+    print(f"lighthouse at {lighthouse.address()}", flush=True)
+    deadline = time.monotonic() + 10 * args.timeout + 3600
+    while len(list(out.glob("rank-*.json"))) < args.workers:
+        if time.monotonic() > deadline:
+            lighthouse.shutdown()
+            raise SystemExit("the ranks did not all report within the time limit")
+        time.sleep(0.5)
+    lighthouse.shutdown()
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.serve_lighthouse:
+        return serve_lighthouse(args)
+    if args.rank is not None:
+        return one_rank(args)
     # The lighthouse forms a quorum once --workers replica groups have joined.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.workers)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, lighthouse.address(), results))
+    procs = [ctx.Process(target=worker, args=(r, args, lighthouse.address(), results.put))
              for r in range(args.workers)]
     t0 = time.perf_counter()
     for p in procs:
@@ -240,7 +288,8 @@ def main(argv=None) -> int:
     with open(out / "syncs.jsonl", "w") as f:
         f.writelines(json.dumps(s) + "\n" for s in syncs)
     sync_s = sorted(s["sync_s"] for s in syncs)
-    final = got[0]["evals"][-1]
+    final = got[0]["evals"][-1] if got[0]["evals"] else \
+        {"step": None, "test_acc": None, "test_loss": None}  # --no-eval
     summary = {
         "torchft_version": importlib.metadata.version("torchft"),  # no torchft.__version__
         "torch_version": torch.__version__,

@@ -49,6 +49,7 @@ RUNS = ["ddp", "ddp-bf16", "core", "local4-core-int4", "local16-core-int4", "loc
 RATES = ["25mbit", "5mbit", "80mbit"]
 JSON, PAGE = "local-steps.json", "local-steps.md"
 TORCHFT_CHECK = "local-steps-torchft.json"
+TORCHFT_TIMING = "local-steps-torchft-timing.json"  # experiments/torchft_cluster.py
 # the cross-check's trainings: 2 workers, H 16, 320 steps of SGD (lr 0.05, momentum 0.9)
 CHECK = {"workers": 2, "sync_every": 16, "steps": 320, "eval_every": 32}
 
@@ -168,7 +169,51 @@ def page(data: dict) -> str:
                  f"{v['identical_evaluations']} of {len(v['torchft'])}"]
                 for alg, v in c["algorithms"].items()]
         lines += [md_table(["algorithm", "torchft", "psparse's peer", "identical"], body), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + torchft_timing(data))
+
+
+def torchft_timing(data: dict) -> list[str]:
+    """The page's section on torchft timed on the cluster (experiments/torchft_cluster.py):
+    its steady synchronisation beside psparse's peer of the same algorithm, and local SGD's
+    time to the target at torchft's synchronisation (the peer's synchronisations to it)."""
+    path = RESULTS / TORCHFT_TIMING
+    if not path.is_file():
+        return []
+    t = json.loads(path.read_text())
+    rows = {(r["rate"], r["run"]): r for r in compose(data)}
+    body = []
+    for rate, algorithms in t["timing"].items():
+        best = next((r for (rt, _), r in rows.items() if rt == rate and r["best_psparse_run"]),
+                    None)
+        for algorithm, timing in algorithms.items():
+            peer = t["psparse_peer"][algorithm]
+            ours = data["timing"].get(rate, {}).get(peer)
+            composed = {r["seed"]: r["syncs_to_target"] * timing["steady_ms"] / 1e3
+                        for r in data["runs"]
+                        if r["run"] == peer and r["syncs_to_target"] is not None}
+            vs = [best["composed_s"][s] / composed[s] for s in composed
+                  if best and s in best["composed_s"]]
+            body.append([rate, f"torchft {algorithm}", f"{timing['steady_ms']:.1f}",
+                         f"{ours['steady_ms']:.1f} ({peer})" if ours else "-",
+                         f"{timing['steady_ms'] / ours['steady_ms']:.2f}" if ours else "-",
+                         mean_sd(composed.values(), ".1f") if composed else "not reached",
+                         f"{mean_sd(vs)} ({best['run']})" if vs else "-"])
+    return ["### torchft timed on the emulated cluster", "",
+            f"torchft 0.2.0's own `DiLoCo` and `LocalSGD` on the same hosts and links "
+            f"(experiments/torchft_cluster.py: {t['workload']}; the lighthouse on h0, one "
+            f"replica group per worker host; made by `{_code(t)}` on {t['machine']}): the mean "
+            "synchronisation (H local steps, a quorum, the allreduce, a commit) after the first "
+            "three, against psparse's peer of the algorithm timed as above. Composed: the "
+            "peer's synchronisations to the target (the same arithmetic, the check above) times "
+            "torchft's synchronisation; vs: psparse's best configuration's composed time over "
+            "it, paired by seed.", "",
+            md_table(["rate", "run", "ms per sync", "psparse's peer, ms per sync",
+                      "torchft / peer", "composed s", "psparse's best / it"], body), ""]
+
+
+def _code(timing: dict) -> str:
+    codes = sorted({a["code"][:12] for r in timing["timing"].values() for a in r.values()})
+    return "`, `".join(codes)
 
 
 def figure(data: dict, rate: str):
