@@ -87,8 +87,13 @@ SWEEPS = [
     "| `values` (`--cifar`) | LeNet-5 / MNIST (and CIFAR-10), `topk`, `vote`, `ema`, ScaleCom × "
     "`--values` fp32, bf16, int8, int4 at 1% and 0.1%, 3 seeds | 90 + 28; 20 s (4–5 min) each |",
     "| `local_steps` (`make exp-local-steps`) | LeNet-5 / MNIST: `--local-steps` 4, 16, 64 "
-    "against DiLoCo, local SGD and DDP; accuracy here, timing on the emulated cluster at 25 and "
-    "5 Mbit/s; the peers checked against torchft | 24 + 24 on the cluster; 3 min, 1–4 min each |",
+    "against DiLoCo, local SGD and DDP; accuracy here, timing on the emulated cluster at 25, "
+    "5 and 80 Mbit/s; the peers checked against torchft | 24 + 36 on the cluster; 3 min, 1–4 "
+    "min each |",
+    "| `python -m experiments.torchft_cluster` (root, `make torchft` first) | torchft's own "
+    "`DiLoCo` and `LocalSGD` timed on the emulated cluster (lighthouse on h0, a replica group "
+    "per worker host), beside psparse's peers (the local-steps page) | 2 per rate; ~1 min "
+    "each |",
     "| `partitions` | `micro`, `exdyna` against top-k, `vote`, `ema`, ScaleCom; MNIST and "
     "CIFAR-10; 3 seeds, `--probe-recall` | 96; 30–110 s each |",
     "| `scalecom` | ScaleCom against `core` and `vote`, 3 seeds | 42; ~50 s each |",
@@ -100,8 +105,9 @@ SWEEPS = [
     "with AdamW at 1%, `--memory adam`, the dense warm-up and the frozen variance | 51 (21); "
     "2.5 min each, 10 min at 1,200 iterations |",
     "| `python -m experiments.transformer_tta` (root) | the built-in transformer's time to a "
-    "validation loss: 1,200-iteration runs here, timed on the emulated cluster at 25 and 5 Mbit/s | "
-    "6 + 6; 10 min + 1 min each |",
+    "validation loss: 1,200-iteration runs here (`--seeds 1,2` for the best of each family), "
+    "timed on the emulated cluster at 25 and 5 Mbit/s | 11 + 12 more seeds, 11 on the "
+    "cluster; 6–10 min + 1 min each |",
     "| `resnet20-cifar10-long` | ResNet-20 / CIFAR-10, 30 epochs, step schedule, float32 | 3; "
     "67–90 min each |",
     "| `python -m experiments.time_to_accuracy` (`make exp-tta`, root) | full-length accuracy "
@@ -115,11 +121,12 @@ SWEEPS = [
     "cluster's runs, [measured](results/shards-cluster.md)) | seconds |",
     "| `python -m experiments.shards_cluster` (root) | one server, two shards on hosts of their "
     "own and a shard beside each worker on the emulated cluster, LeNet-5 at 25 Mbit/s, 4 and 8 "
-    "workers, fp32 and int4, with --shard-edges, and the cost model's prediction of each "
+    "workers, fp32 and int4, with --shard-edges, DDP and its bf16 hook on the same hosts, "
+    "and the cost model's prediction of each "
     "([measured](results/shards-cluster.md): on 1/6-core hosts the shards beside the workers "
     "are CPU-bound, 1.35–2.2x one server's time; ResNet-20 at 10 Mbit/s with `--model "
-    "resnet20`, [measured](results/shards-cluster-resnet20.md): 0.83x in fp32) | LeNet-5: 10 + "
-    "a profile run here, ~1–2 min each; ResNet-20: 5, ~5 min each |",
+    "resnet20`, [measured](results/shards-cluster-resnet20.md): 0.83x in fp32) | LeNet-5: 12 + "
+    "a profile run here, ~1–2 min each; ResNet-20: 7, ~5 min each |",
     "| `lenet-mnist`, `paced-100mbit`, `paced-20mbit`, `policies`, `cost-model`, `locality`, "
     "`cluster`, `open-ended-isa` | the earlier sweeps (their notes below) | |",
     "",
