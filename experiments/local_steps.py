@@ -74,7 +74,7 @@ def collect(names: list[str], rates: list[str]) -> dict:
                          "final_acc": rec["final_acc"], "best_acc": rec["best_acc"],
                          "evals": [[e["iter"], e["test_acc"]] for e in rec["evals"]]})
     timing = {}
-    for rate in rates:
+    for rate in dict.fromkeys([*recorded["timing"], *rates]):  # recorded rates, then new ones
         steady, rows = tta.timings(MODEL, rate)
         timing[rate] = {n: t for n, t in recorded["timing"].get(rate, {}).items() if n in names}
         timing[rate].update({n: {"steady_ms": steady[n], "compute_ms": rows[n]["compute_ms"],
