@@ -210,29 +210,26 @@ def row(rate: str, target: float, name: str, by_seed: dict, times: dict,
     """One run's row at a rate and target: seed 0's figures (the page's headline) and, with
     more seeds, every seed's, the ratios paired by seed (a seed against the peer's same
     seed)."""
-    def ratios(peer):
-        return [by_seed[s][1] / times[peer][s][1] for s in sorted(by_seed)
-                if peer and by_seed[s][1] and times.get(peer, {}).get(s, (0, None))[1]]
-    first = by_seed.get(0, by_seed[min(by_seed)])
+    def ratios(peer) -> dict[int, float]:
+        return {s: by_seed[s][1] / times[peer][s][1] for s in sorted(by_seed)
+                if peer and by_seed[s][1] and times.get(peer, {}).get(s, (0, None))[1]}
+    first_seed = min(by_seed)  # 0 unless that run is missing
+    n, seconds = by_seed[first_seed]
     h = local_steps_of(name)
-    out = {"rate": rate, "target": target, "run": name, "iterations": first[0],
-           "composed_s": first[1], "link_rate_bits": parse_rate(rate)}
-    for key, peer in (("vs_ddp", "ddp"), ("vs_ddp_bf16", "ddp-bf16"),
-                      ("vs_best_diloco", best_diloco)):
-        paired = dict(zip(sorted(s for s in by_seed if by_seed[s][1]), ratios(peer)))
-        out[key] = paired.get(min(by_seed)) if peer and peer in times else None
+    out = {"rate": rate, "target": target, "run": name, "iterations": n, "composed_s": seconds,
+           "vs_ddp": ratios("ddp").get(first_seed),
+           "vs_ddp_bf16": ratios("ddp-bf16").get(first_seed), "link_rate_bits": parse_rate(rate)}
     if h > 1:
         out.update({"local_steps": h, "peer": is_peer(name),
-                    "steps": None if first[0] is None else first[0] * h,
-                    "best_diloco": best_diloco})
-    else:
-        out.pop("vs_best_diloco")
+                    "steps": None if n is None else n * h, "best_diloco": best_diloco,
+                    "vs_best_diloco": ratios(best_diloco).get(first_seed)})
     if len(by_seed) > 1:
         seeds = sorted(by_seed)
         out["by_seed"] = {"seeds": seeds, "iterations": [by_seed[s][0] for s in seeds],
                           "composed_s": [by_seed[s][1] for s in seeds],
-                          "vs_ddp": ratios("ddp"),
-                          **({"vs_best_diloco": ratios(best_diloco)} if h > 1 else {})}
+                          "vs_ddp": list(ratios("ddp").values()),
+                          **({"vs_best_diloco": list(ratios(best_diloco).values())}
+                             if h > 1 else {})}
     return out
 
 
