@@ -22,6 +22,11 @@ project's torch (torchft 0.2.0 with --no-deps, plus its opentelemetry requiremen
 Outputs in --out: eval.jsonl (rank 0's test accuracy every --eval-every steps), syncs.jsonl
 (every rank's wall time of each sync) and summary.json.
 
+On separate hosts (experiments/torchft_cluster.py, the emulated cluster): ``--serve-lighthouse
+ADDR:PORT`` runs the lighthouse alone until every rank has reported, and ``--rank R
+--lighthouse http://ADDR:PORT --hostname THIS_HOSTS_ADDRESS`` runs one replica group, which
+writes its syncs and commits to --out/rank-R.json (rank 0 also eval.jsonl, unless --no-eval).
+
 Caveat: --quantize is passed to DiLoCo as ``should_quantize``; torchft 0.2.0 only quantizes when
 ``import triton`` works (torchft.manager.IS_TRITON_AVAILABLE) and otherwise falls back, silently,
 to a full-precision allreduce (summary.json's quantize_mode); with triton but no accelerator its
