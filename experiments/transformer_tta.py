@@ -228,6 +228,7 @@ def row(rate: str, target: float, name: str, by_seed: dict, times: dict,
         out["by_seed"] = {"seeds": seeds, "iterations": [by_seed[s][0] for s in seeds],
                           "composed_s": [by_seed[s][1] for s in seeds],
                           "vs_ddp": list(ratios("ddp").values()),
+                          "vs_ddp_bf16": list(ratios("ddp-bf16").values()),
                           **({"vs_best_diloco": list(ratios(best_diloco).values())}
                              if h > 1 else {})}
     return out
