@@ -6,9 +6,10 @@ allreduce peers of the same algorithms (``--baseline ddp --local-steps 16``).
 
 experiments/local_steps.py times DiLoCo and local SGD as psparse's peers implement them over
 torch.distributed (their arithmetic is torchft's: its ``torchft`` stage compares the two
-evaluation by evaluation). A user of torchft pays more per synchronisation: every one asks the
+evaluation by evaluation). A user of torchft runs more per synchronisation: every one asks the
 lighthouse for a quorum, reconfigures gloo when the quorum changes, and commits. This stage
-measures that on the same cluster: the lighthouse on h0 and one replica group per worker host
+measures what that costs on the same cluster (at dac5361: nothing beyond the spread; torchft's
+synchronisation took 0.77-0.96x the peers', docs/notes/local-steps.md): the lighthouse on h0 and one replica group per worker host
 (experiments/diloco_peer.py ``--rank R``: LeNet-5, SGD lr 0.05 momentum 0.9, batch 32, H 16,
 no evaluation), 19 synchronisations as psparse's peers are timed, the hosts at their CPU share
 once every rank has started. The steady synchronisation is the mean wall time from one
