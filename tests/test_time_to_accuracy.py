@@ -242,3 +242,56 @@ def test_the_local_steps_comparison_composes_synchronisations_and_names_the_best
     assert local["best_psparse_run"] and not rows["ddp"]["best_psparse_run"]
     assert local["compute_ms_per_step"] == 8.0
     assert "| local16-core-int4 | 16 | 63, 60 | 1008, 960 |" in ls.page(data)
+
+
+def test_the_resnet20_local_steps_comparison_composes_each_target_and_keeps_lenets_rows(
+        tmp_path, monkeypatch):
+    """experiments/local_steps.py --model resnet20: a run's synchronisations to each target
+    (85% and 80%), composed apart; a run that misses one is named on the page; a run recorded
+    on another machine is named with it; writing ResNet-20's rows into time-to-accuracy.json
+    leaves LeNet's comparison and the other comparisons' rows as they were."""
+    import json
+
+    from experiments import local_steps as ls
+
+    monkeypatch.setattr(ls, "RESULTS", tmp_path)
+    others = [{"comparison": "local-steps", "model": "lenet", "run": "localsgd-h16"},
+              {"model": "resnet20", "run": "topk", "target": 0.85}]
+    (tmp_path / "time-to-accuracy.json").write_text(json.dumps(others))
+
+    def run(name, h, to85, to80, machine="here"):
+        return {"run": name, "seed": 0, "code": "c", "machine": machine, "local_steps": h,
+                "syncs_to_target": to85, "syncs_to": {"0.85": to85, "0.8": to80},
+                "final_acc": 0.86, "best_acc": 0.87, "evals": [[to80 - 1, 0.81]]}
+    timing = {"ddp": (3000.0, 1), "local16-dense-int4": (33000.0, 16),
+              "localsgd-h16": (34000.0, 16)}
+    data = {"model": "resnet20", "target": 0.85, "targets": [0.85, 0.8], "machine": "here",
+            "float_kernels": {"torch_capability": "AVX512"}, "report_commit": "r",
+            "runs": [run("ddp", 1, 4875, 3510, machine="another CPU"),
+                     run("local16-dense-int4", 16, None, 240), run("localsgd-h16", 16, 320, 250)],
+            "timing": {"10mbit": {n: {"steady_ms": ms, "compute_ms": 2000.0 * h, "wait_ms": 1.0,
+                                      "code": "c", "syncs_timed": 12}
+                                  for n, (ms, h) in timing.items()}}}
+    at85 = {r["run"]: r for r in ls.compose(data)}
+    at80 = {r["run"]: r for r in ls.compose(data, 0.8)}
+    assert set(at85) == {"ddp", "localsgd-h16"} and at85["ddp"]["target"] == 0.85
+    ours = at80["local16-dense-int4"]
+    assert ours["composed_s"] == {0: pytest.approx(240 * 33.0)}
+    assert ours["steps_to_target"] == [240 * 16]
+    assert ours["vs_ddp"] == [pytest.approx(240 * 33.0 / (3510 * 3.0))]
+    assert ours["vs_best_diloco"] == [pytest.approx(240 / 250 * 33 / 34)]
+    ls.write(data)
+    page = (tmp_path / "local-steps-resnet20.md").read_text()
+    assert "### 10mbit, to 85%" in page and "### 10mbit, to 80%" in page
+    assert "Not at 85% within the runs' 5,850 steps: local16-dense-int4 seed 0" in page
+    assert "ddp seed 0: another CPU" in page and "torchft" not in page
+    assert (tmp_path / "local-steps-resnet20-10mbit.png").is_file()
+    rows = json.loads((tmp_path / "time-to-accuracy.json").read_text())
+    assert rows[:2] == others
+    assert sorted((r["target"], r["run"]) for r in rows[2:]) == [
+        (0.8, "ddp"), (0.8, "local16-dense-int4"), (0.8, "localsgd-h16"),
+        (0.85, "ddp"), (0.85, "localsgd-h16")]
+    # a LeNet record from before several targets were kept: its headline target's count
+    legacy = {"syncs_to_target": 22}
+    assert ls.syncs_to(legacy, 0.98, {"target": 0.98}) == 22
+    assert ls.syncs_to(legacy, 0.9, {"target": 0.98}) is None
