@@ -438,7 +438,7 @@ def experiments_page() -> str:
               "one machine's float kernels):", ""]
     lines += local_steps_table()
     lines += ["ResNet-20 / CIFAR-10 to 85% and 80% (the grid's 30-epoch schedule in bf16), "
-              "H = 16 only, at 10 Mbit/s:", ""]
+              "H = 16 only, at 25 and 5 Mbit/s:", ""]
     lines += local_steps_table("resnet20")
     lines += TRANSFORMER_INTRO
     lines += ["The built-in transformer (`--model gpt --dataset text --optimizer adamw`):", ""]
