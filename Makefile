@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data
 export PSPARSE_DATA ?= $(abspath $(DATA))
 
-.PHONY: torchft exp-local-steps install test test-long test-isa soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
+.PHONY: torchft exp-local-steps exp-local-steps-resnet20 install test test-long test-isa soak demo data lint bench bench-scale clean exp-% exp-scaling exp-low-density exp-values exp-tta pages check-kernels gpu-bundle gpu-check-cpu
 
 install: $(STAMP)
 
@@ -103,6 +103,10 @@ torchft: $(TORCHFT)/.stamp
 
 exp-local-steps: install data $(TORCHFT)/.stamp
 	$(PY) -m experiments.local_steps --stage accuracy,timing,report,torchft
+
+# ResNet-20 at H 16 (its accuracy runs need AVX512-BF16 or AMX: ~40 min each; root for timing)
+exp-local-steps-resnet20: install data
+	$(PY) -m experiments.local_steps --model resnet20 --stage accuracy,timing,report
 
 # experiments/README.md and benchmarks/README.md from the results JSON (experiments/pages.py);
 # make test checks that the committed pages are current
