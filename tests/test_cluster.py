@@ -184,6 +184,8 @@ def test_processes_started_alone_load_their_kernels_before_the_first_round(tmp_p
         log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
         loaded = log.index("CPU kernels (select_kernels, codec_kernels) loaded in")
         assert loaded < log.index("registered: numel=20000"), log
+        # said before too: compiling them on a slow host can outlast --register-timeout
+        assert log.index("loading CPU kernels (select_kernels, codec_kernels)") < loaded, log
     server = (tmp_path / "run" / "logs" / "server.log").read_text()
     assert server.index("CPU kernels (agg_kernels, codec_kernels) loaded in") < \
         server.index("3 workers registered"), server

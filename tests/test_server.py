@@ -263,6 +263,7 @@ def test_missing_worker_times_out_with_a_clear_error(server_factory):
     a.register()
     code, out = server.wait()
     assert code == 1 and "missing ranks [1]" in out
+    assert "raise --register-timeout" in out  # what to do when workers start slowly
     summary = json.loads((server.out / "summary.json").read_text())
     assert summary["status"] == "failed" and "timed out" in summary["error"]
 

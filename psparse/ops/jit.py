@@ -228,6 +228,10 @@ def preload(modules: tuple[str, ...], entries: int, say=None) -> float | None:
     if REFERENCE or entries < SMALL or "numba" in sys.modules:
         return None
     t = time.perf_counter()
+    if say is not None:  # before: where numba's cache lacks them this can take minutes
+        say(f"loading CPU kernels ({', '.join(modules)}), compiling those numba's cache lacks "
+            "(the first run on a host: minutes on a slow one; the server waits "
+            "--register-timeout)")
     for name in modules:
         importlib.import_module(KERNEL_MODULES[name]).warm_up()
     seconds = time.perf_counter() - t

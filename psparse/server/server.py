@@ -163,8 +163,10 @@ class Server:
         endpoint.wait_start = time.monotonic()
         deadline = endpoint.wait_start + self.register_timeout
         while not members.complete():  # every rank bound to a peer that is still there
-            peer, frames, _ = endpoint.wait(f"workers to register (missing ranks "
-                                            f"{members.missing()})", deadline)
+            peer, frames, _ = endpoint.wait(
+                f"workers to register (missing ranks {members.missing()}; a worker started "
+                "alone compiles its CPU kernels first when numba's cache lacks them, which can "
+                "take minutes on a slow host: raise --register-timeout)", deadline)
             try:
                 msg = protocol.decode(frames)
                 if msg.type == "error":  # a worker that cannot start: the run cannot either
