@@ -124,9 +124,11 @@ def grid_runs() -> dict[str, list[dict]]:
                  if line.strip()]
         machine = run_dir / "machine.json"
         name, _, seed = run_dir.name.rpartition("-s")
+        h = config.get("local_steps", 1)  # an iteration of a run with local steps: h steps
         runs.setdefault(name, []).append({
             "seed": int(seed), "summary": summary, "code": config["provenance"]["code_id"],
-            "to": {t: iterations_to(evals, t) for t in TTA["resnet20"]["targets"]},
+            "local_steps": h, "to": {t: None if (n := iterations_to(evals, t)) is None
+                                     else n * h for t in TTA["resnet20"]["targets"]},
             "best": max(e["test_acc"] for e in evals),
             "machine": describe_machine(machine)})
     return runs
@@ -157,9 +159,10 @@ def grid_table() -> list[str]:
             its = [r["to"][target] for r in rs]
             to.append(" / ".join("never" if i is None else f"{i:,}" for i in its))
         unions = [x["union_over_k_mean"] for x in s if x.get("union_over_k_mean")]
-        # the summary's bytes against a float32 ring allreduce's (DDP's own: 100%)
-        share = [(x["upload_mb"] + x["broadcast_mb"]) / x["allreduce_mb"] for x in s
-                 if x.get("allreduce_mb")]
+        # the summary's bytes against a float32 ring allreduce's every step (DDP's own: 100%;
+        # the summary's allreduce_mb is per iteration: a synchronisation of H steps)
+        share = [(x["upload_mb"] + x["broadcast_mb"]) / x["allreduce_mb"] / r["local_steps"]
+                 for x, r in zip(s, rs) if x.get("allreduce_mb")]
         out.append("| " + " | ".join([
             f"`{name}`", mean_sd([x["test_acc"] for x in s], 100),
             mean_sd([r["best"] for r in rs], 100), to[0], to[1],
@@ -169,7 +172,9 @@ def grid_table() -> list[str]:
                        for r in rs})
     dense_note = ("" if not dense else " DDP is the dense baseline (chance is 10%).")
     return out + ["", f"Iterations to a target are per seed (the first evaluation at or above "
-                  f"it; one evaluation per epoch of 195 iterations). Measured on "
+                  f"it; one evaluation per epoch of 195 iterations), training steps for a run "
+                  "with local steps (`local16-*`: a synchronisation of 16 steps, evaluated "
+                  "every 12, ~1 epoch; its bytes against an allreduce every step). Measured on "
                   f"{'; '.join(machines)}.{dense_note}", ""]
 
 
