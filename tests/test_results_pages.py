@@ -84,6 +84,19 @@ def test_a_recorded_grid_run_joins_the_resnet20_table(copied_results):
     assert "0,1" in row and "± 0.00" in row  # two seeds (the same run twice: SD 0)
 
 
+def test_a_local_steps_run_in_the_resnet20_table_counts_training_steps(copied_results):
+    """A run with --local-steps 16 evaluates after synchronisations: the grid's table gives
+    its training steps to a target (16 a synchronisation), comparable with the others'."""
+    results, _, out = copied_results
+    run = results / "tta-runs" / "resnet20" / "local16-dense-int4-s0"
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    syncs = next(e["iter"] + 1 for e in evals if e["test_acc"] >= 0.8)
+    pages.main([])
+    row = next(line for line in out["experiments"].read_text().splitlines()
+               if line.startswith("| `local16-dense-int4` |") and line.count("|") == 10)
+    assert f"| {16 * syncs:,} |" in row, row
+
+
 def _links(path: Path) -> list[str]:
     return re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
 
