@@ -171,10 +171,14 @@ def grid_table() -> list[str]:
     machines = sorted({r["machine"] or MEASURED_ON["tta-runs"] for rs in runs.values()
                        for r in rs})
     dense_note = ("" if not dense else " DDP is the dense baseline (chance is 10%).")
+    local = ", ".join(f"`{n}`" for n in sorted(runs) if runs[n][0]["local_steps"] > 1)
+    hs = "/".join(sorted({str(rs[0]["local_steps"]) for rs in runs.values()} - {"1"}, key=int))
+    local_note = (f", training steps for a run with local steps ({local}: a synchronisation "
+                  f"of {hs} steps, evaluated about once an epoch; its bytes against an allreduce "
+                  "every step; `localsgd-*` and `diloco-*` are the peers, over gloo's "
+                  "allreduce)" if local else "")
     return out + ["", f"Iterations to a target are per seed (the first evaluation at or above "
-                  f"it; one evaluation per epoch of 195 iterations), training steps for a run "
-                  "with local steps (`local16-*`: a synchronisation of 16 steps, evaluated "
-                  "every 12, ~1 epoch; its bytes against an allreduce every step). Measured on "
+                  f"it; one evaluation per epoch of 195 iterations){local_note}. Measured on "
                   f"{'; '.join(machines)}.{dense_note}", ""]
 
 
@@ -204,7 +208,7 @@ def local_steps_table(model: str = "lenet") -> list[str]:
     more were run), from the model's local-steps JSON through experiments/local_steps.py's
     composition."""
     from experiments.cluster_sweep import PEER_RUNS
-    from experiments.local_steps import MODELS, compose
+    from experiments.local_steps import MODELS, compose, syncs_to
 
     spec = MODELS[model]
     if not (RESULTS / spec["json"]).is_file():
@@ -234,7 +238,13 @@ def local_steps_table(model: str = "lenet") -> list[str]:
                 mean_sd(list(r["composed_s"].values()), digits=1),
                 mean_sd(r["vs_ddp"]) if r["vs_ddp"] else "–",
                 mean_sd(r["vs_best_diloco"]) if r["vs_best_diloco"] else "–"]) + " |")
-    return out + ["", f"From `{spec['json']}` ({data['machine']}, report "
+    # compose() leaves out a run no seed of which reached the target: named here instead
+    reached = {t: {r["run"] for r in data["runs"] if syncs_to(r, t, data) is not None}
+               for t in targets}
+    unreached = "".join(
+        f"Not at {100 * t:g}%: " + ", ".join(f"`{n}`" for n in sorted(never)) + ". "
+        for t in targets if (never := {r["run"] for r in data["runs"]} - reached[t]))
+    return out + ["", f"{unreached}From `{spec['json']}` ({data['machine']}, report "
                   f"{short([data['report_commit']])}); every run"
                   + (", the peers checked against torchft" if model == "lenet" else "")
                   + " and the runs that never reached the target: "
@@ -356,14 +366,24 @@ def transformer_tta_table() -> list[str]:
         got = [t for t in r.get("by_seed", {}).get("composed_s", [r["composed_s"]]) if t]
         return (mean_sd(got, digits=0) if len(got) > 1 else f"{got[0]:.0f}") if got else "–"
 
+    # target -> the runs that reached it in no seed (at any rate: iterations come from the
+    # same accuracy runs), named after the table rather than given rows of dashes
+    never: dict[float, list[str]] = {}
     for r in result["rows"]:
+        if iterations(r) == "not reached":
+            runs = never.setdefault(r["target"], [])
+            runs += [] if label(r["run"], r["run"]) in runs else [label(r["run"], r["run"])]
+            continue
         out.append(f"| {r['rate']} | {r['target']:g} | {label(r['run'], r['run'])} | "
                    f"{iterations(r)} | {seconds(r)} | {ratio(r, 'vs_ddp')} | "
                    f"{ratio(r, 'vs_ddp_bf16')} | {ratio(r, 'vs_best_diloco')} |")
     timing = "; ".join(f"{rate}: " + ", ".join(
         f"{name} {t['steady_ms']:.0f} ms ({t['link_mb_per_iteration']:.2f} MB on the busiest "
         "link)" for name, t in runs.items()) for rate, runs in result["timing"].items())
-    return out + ["", f"Composed (a model of time from two measurements, as above): iterations "
+    unreached = " ".join(f"Not at {target:g} nats/char within the 1,200 iterations: "
+                         + "; ".join(runs) + "." for target, runs in never.items())
+    return out + ["", (f"{unreached} " if never else "")
+                  + f"Composed (a model of time from two measurements, as above): iterations "
                   f"to the target from 1,200-iteration runs on this machine (seed 0, or "
                   f"seeds 0, 1, 2 where three are listed: their composed times and ratios as "
                   f"mean ± sample SD, a ratio paired by seed; evaluated every 50), times the steady iteration of the same arguments on "

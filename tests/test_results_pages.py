@@ -115,3 +115,25 @@ def test_every_link_on_the_pages_and_in_the_notes_resolves():
     linked = {Path(t).name for page in pages.PAGES.values() for t in _links(page)
               if "docs/notes/" in t}
     assert notes <= linked, f"notes no page links to: {sorted(notes - linked)}"
+
+
+def test_the_transformer_time_table_names_the_runs_that_never_reached_a_target(
+        tmp_path, monkeypatch):
+    """A run no seed of which reached a target gets no row of dashes but is named once under
+    the table (its accuracy runs are the same at every link rate); a run that did is a row."""
+    import json
+
+    def row(rate, target, run, iterations):
+        return {"rate": rate, "target": target, "run": run, "iterations": iterations,
+                "composed_s": iterations and iterations * 1.5, "vs_ddp": iterations and 0.5,
+                "vs_ddp_bf16": None, "local_steps": 1}
+    rows = [row(rate, target, run, n) for rate in ("25mbit", "5mbit") for target in (2.0, 1.8)
+            for run, n in (("ddp", 250), ("adamw-topk", None if target == 1.8 else 600))]
+    (tmp_path / "transformer-tta.json").write_text(json.dumps({
+        "workload": "w", "machine": "m", "commit": "c" * 40, "timing": {}, "rows": rows}))
+    monkeypatch.setattr(pages, "RESULTS", tmp_path)
+    text = "\n".join(pages.transformer_tta_table())
+    assert "not reached" not in text
+    assert text.count("Not at 1.8 nats/char") == 1 and "Not at 2 nats" not in text
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 6  # the header; ddp at both targets and rates, topk at 2 twice

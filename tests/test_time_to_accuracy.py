@@ -286,6 +286,13 @@ def test_the_resnet20_local_steps_comparison_composes_each_target_and_keeps_lene
     assert "Not at 85% within the runs' 5,850 steps: local16-dense-int4 seed 0" in page
     assert "ddp seed 0: another CPU" in page and "torchft" not in page
     assert (tmp_path / "local-steps-resnet20-10mbit.png").is_file()
+    # the results page's summary: the fastest of each family per target, the miss named
+    from experiments import pages
+    monkeypatch.setattr(pages, "RESULTS", tmp_path)
+    summary = "\n".join(pages.local_steps_table("resnet20"))
+    assert "Not at 85%: `local16-dense-int4`." in summary
+    assert "| 10 Mbit/s | psparse, local steps | `local16-dense-int4` | 16 | 80% | 3840 |" in summary
+    assert "`local16-dense-int4` | 16 | 85%" not in summary
     rows = json.loads((tmp_path / "time-to-accuracy.json").read_text())
     assert rows[:2] == others
     assert sorted((r["target"], r["run"]) for r in rows[2:]) == [
