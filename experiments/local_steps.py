@@ -202,7 +202,8 @@ def page(data: dict) -> str:
         heading = rate if len(targets) == 1 else f"{rate}, to {100 * target:g}%"
         lines += [f"### {heading}", "", md_table(
             ["run", "H", "syncs to target", "steps to target", "final acc %", "ms per sync",
-             "compute ms per step", "composed s", "vs DDP", "vs best DiLoCo/local SGD"], body), ""]
+             "compute ms per step", "composed s", "vs DDP", "vs best DiLoCo/local SGD"], body), "",
+            *what_decides([x for x in compose(data, target) if x["rate"] == rate])]
     for target in targets:
         missed = [r for r in data["runs"] if syncs_to(r, target, data) is None]
         if missed:
@@ -225,6 +226,37 @@ def page(data: dict) -> str:
                 for alg, v in c["algorithms"].items()]
         lines += [md_table(["algorithm", "torchft", "psparse's peer", "identical"], body), ""]
     return "\n".join(lines + torchft_timing(data))
+
+
+GOAL = {"vs_best_diloco": 0.8, "vs_ddp": 0.5}  # the issue's: psparse's best against each
+
+
+def what_decides(rows: list[dict]) -> list[str]:
+    """One line under a section's table: psparse's fastest run against the best DiLoCo / local
+    SGD run and against DDP, its composed-time ratio split into training steps to the target
+    times time per step, and which of the two decides where the goal is missed."""
+    def per_run(r):
+        steps = [s for s in r["steps_to_target"] if s is not None]
+        return float(np.mean(steps)), r["steady_ms_per_sync"] / r["local_steps"]
+    ours = next((r for r in rows if r["best_psparse_run"]), None)
+    if ours is None:
+        return []
+    by_name = {r["run"]: r for r in rows}
+    parts = []
+    for key, other in (("vs_best_diloco", ours["best_diloco"]), ("vs_ddp", "ddp")):
+        if other not in by_name:
+            continue
+        (steps, ms), (their_steps, their_ms) = per_run(ours), per_run(by_name[other])
+        ratio = float(np.mean(ours[key]))
+        # missed: more steps than theirs, or a time per step that alone misses the goal
+        more_steps, slow_steps = steps / their_steps > 1, ms / their_ms > GOAL[key]
+        verdict = ("meets the goal" if ratio <= GOAL[key] else "misses it: " + (
+            "both decide" if more_steps and slow_steps else
+            "steps decide" if more_steps else "time per step decides"))
+        parts.append(f"against `{other}` {ratio:.2f}× (goal ≤ {GOAL[key]}×) = "
+                     f"{steps / their_steps:.2f}× the steps × {ms / their_ms:.2f}× the time per "
+                     f"step, {verdict}")
+    return [f"psparse's fastest, `{ours['run']}`: " + "; ".join(parts) + ".", ""]
 
 
 def torchft_timing(data: dict) -> list[str]:

@@ -285,6 +285,13 @@ def test_the_resnet20_local_steps_comparison_composes_each_target_and_keeps_lene
     assert "### 10mbit, to 85%" in page and "### 10mbit, to 80%" in page
     assert "Not at 85% within the runs' 5,850 steps: local16-dense-int4 seed 0" in page
     assert "ddp seed 0: another CPU" in page and "torchft" not in page
+    # under each table, the goal's verdict split into steps and time per step (to 80%:
+    # 240 x 16 steps against localsgd's 250 x 16 and DDP's 3,510; 33/16 s a step against
+    # 34/16 s and 3 s)
+    assert ("psparse's fastest, `local16-dense-int4`: against `localsgd-h16` 0.93× (goal ≤ "
+            "0.8×) = 0.96× the steps × 0.97× the time per step, misses it: time per step "
+            "decides; against `ddp` 0.75× (goal ≤ 0.5×) = 1.09× the steps × 0.69× the time "
+            "per step, misses it: both decide.") in page
     assert (tmp_path / "local-steps-resnet20-10mbit.png").is_file()
     # the results page's summary: the fastest of each family per target, the miss named
     from experiments import pages
