@@ -64,11 +64,12 @@ WHICH_POLICY = [
     "and every entry in int4 (`--density 1 --values int4`), or `--local-steps 4 --policy core "
     "--values int4` on the slowest link: local SGD's accuracy per step with psparse's bytes (the "
     "local-steps table); pseudo-gradients at 1% lose accuracy once H reaches 16, and DiLoCo's "
-    "published outer step (lr 0.7, Nesterov 0.9) diverges over SGD with momentum at a constant "
-    "rate. They pay while an exchange costs more than a step's compute; where it costs less "
-    "(ResNet-20 with `vote keep=2 --values int4`, 30–47 ms against ~0.6 s) they only cost "
-    "accuracy: at H 16 ResNet-20 ends 1.6–2.3 points under DDP, and only DiLoCo of the "
-    "local-steps runs reaches 85% ([notes](../docs/notes/local-steps.md)).",
+    "published outer step (lr 0.7, Nesterov 0.9) diverges there over SGD with momentum. They "
+    "pay while an exchange costs more than a step's compute; where per-step psparse costs "
+    "little more than its compute (ResNet-20 with `vote keep=2 --values int4`: 15–18% of a "
+    "step) it takes 0.83–1.08× the best H-16 run's time (one seed), the H-16 runs end 1.6–2.3 "
+    "points under DDP, and only DiLoCo of them reaches 85% "
+    "([notes](../docs/notes/local-steps.md)).",
     "- **Time:** on a slow link psparse wins on time to accuracy by moving fewer bytes; where "
     "DDP's communication is a small share of its iteration it does not (the cluster table's "
     "\"DDP's communication share\"). Policies: [docs/policies.md](../docs/policies.md).",

@@ -220,7 +220,7 @@ def local_steps_table(model: str = "lenet") -> list[str]:
         if r["run"] not in PEER_RUNS:
             return "psparse, local steps" if r["local_steps"] > 1 else "psparse, every step"
         return "DiLoCo / local SGD (allreduce)" if r["local_steps"] > 1 else "DDP (allreduce)"
-    steps = "steps to 98%" if len(targets) == 1 else "target | steps to it"
+    steps = f"steps to {100 * targets[0]:g}%" if len(targets) == 1 else "target | steps to it"
     out = [f"| link | family | fastest run | H | {steps} | composed s | × DDP's | "
            "× best DiLoCo / local SGD's |", "|---|---|---|---|---|---|---|---|" +
            ("---|" if len(targets) > 1 else "")]

@@ -283,15 +283,16 @@ def test_the_resnet20_local_steps_comparison_composes_each_target_and_keeps_lene
     ls.write(data)
     page = (tmp_path / "local-steps-resnet20.md").read_text()
     assert "### 10mbit, to 85%" in page and "### 10mbit, to 80%" in page
-    assert "Not at 85% within the runs' 5,850 steps: local16-dense-int4 seed 0" in page
+    assert ("Not at 85% within the runs' 30 epochs (5,850 steps, 5,856 at H 16): "
+            "local16-dense-int4 seed 0") in page
     assert "ddp seed 0: another CPU" in page and "torchft" not in page
     # under each table, the goal's verdict split into steps and time per step (to 80%:
     # 240 x 16 steps against localsgd's 250 x 16 and DDP's 3,510; 33/16 s a step against
     # 34/16 s and 3 s)
     assert ("psparse's fastest, `local16-dense-int4`: against `localsgd-h16` 0.93× (goal ≤ "
-            "0.8×) = 0.96× the steps × 0.97× the time per step, misses it: time per step "
-            "decides; against `ddp` 0.75× (goal ≤ 0.5×) = 1.09× the steps × 0.69× the time "
-            "per step, misses it: both decide.") in page
+            "0.8×) = 0.96× the steps × 0.97× the time per step, misses it: neither alone "
+            "would meet it; against `ddp` 0.75× (goal ≤ 0.5×) = 1.09× the steps × 0.69× the "
+            "time per step, misses it: neither alone would meet it.") in page
     assert (tmp_path / "local-steps-resnet20-10mbit.png").is_file()
     # the results page's summary: the fastest of each family per target, the miss named
     from experiments import pages
@@ -309,3 +310,36 @@ def test_the_resnet20_local_steps_comparison_composes_each_target_and_keeps_lene
     legacy = {"syncs_to_target": 22}
     assert ls.syncs_to(legacy, 0.98, {"target": 0.98}) == 22
     assert ls.syncs_to(legacy, 0.9, {"target": 0.98}) is None
+
+
+def test_what_decides_a_missed_goal_splits_the_paired_ratio_into_steps_and_time_per_step():
+    """The verdict under each local-steps table: the composed-time ratio (a mean over seeds of
+    paired ratios) is the mean paired steps ratio times the time per step's; a miss is the
+    steps' when the time per step alone meets the goal, the time per step's when the steps
+    alone do, else neither's."""
+    from experiments import local_steps as ls
+
+    def rows(our_steps, our_ms, their_steps, their_ms):
+        def row(name, steps, ms, h, psparse):
+            return {"run": name, "best_psparse_run": psparse, "best_diloco": "diloco-h16",
+                    "local_steps": h, "steady_ms_per_sync": ms * h,
+                    "composed_s": {s: n * ms / 1e3 for s, n in enumerate(steps)}}
+        ours = row("vote2-int4", our_steps, our_ms, 1, True)
+        theirs = row("diloco-h16", their_steps, their_ms, 16, False)
+        ours["vs_best_diloco"] = [ours["composed_s"][s] / theirs["composed_s"][s]
+                                  for s in ours["composed_s"]]
+        ours["vs_ddp"] = []  # DDP not timed here: its half is left out
+        return [ours, theirs]
+    steps_miss = ls.what_decides(rows([3200], 400.0, [1280], 1000.0))[0]
+    assert "1.00× (goal ≤ 0.8×) = 2.50× the steps × 0.40× the time per step, misses it: " \
+           "steps decide." in steps_miss and "`ddp`" not in steps_miss
+    time_miss = ls.what_decides(rows([1000], 1000.0, [2000], 400.0))[0]
+    assert "= 0.50× the steps × 2.50× the time per step, misses it: time per step decides" \
+        in time_miss
+    # two seeds, steps 0.9x and 1.1x theirs: the mean ratio 1.00 is 1.00x the steps x 1.00x
+    paired = ls.what_decides(rows([900, 1100], 500.0, [1000, 1000], 500.0))[0]
+    assert "1.00× (goal ≤ 0.8×) = 1.00× the steps × 1.00× the time per step, misses it: " \
+           "neither alone would meet it." in paired
+    met = ls.what_decides(rows([1000], 300.0, [1000], 500.0))[0]
+    assert "0.60× (goal ≤ 0.8×) = 1.00× the steps × 0.60× the time per step, meets the goal" in met
+    assert ls.what_decides([{**rows([1], 1.0, [1], 1.0)[0], "vs_best_diloco": []}]) == []
