@@ -67,8 +67,8 @@ WHICH_POLICY = [
     "published outer step (lr 0.7, Nesterov 0.9) diverges there over SGD with momentum. They "
     "pay while an exchange costs more than a step's compute; where per-step psparse costs "
     "little more than its compute (ResNet-20 with `vote keep=2 --values int4`: 15–18% of a "
-    "step) it takes 0.83–1.08× the best H-16 run's time (one seed), the H-16 runs end 1.6–2.3 "
-    "points under DDP, and only DiLoCo of them reaches 85% "
+    "step) it takes 0.81–1.08× the best H-16 run's time, every H-16 run ends 1.6–2.7 points "
+    "under DDP's seed (six runs, 84.1–85.1%), and one of them (DiLoCo, 1 seed of 3) reaches 85% "
     "([notes](../docs/notes/local-steps.md)).",
     "- **Time:** on a slow link psparse wins on time to accuracy by moving fewer bytes; where "
     "DDP's communication is a small share of its iteration it does not (the cluster table's "
