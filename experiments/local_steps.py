@@ -249,13 +249,11 @@ def what_decides(rows: list[dict]) -> list[str]:
         theirs = by_name.get(other)
         if theirs is None or not ours[key]:  # not timed, or no seed reached it in both
             continue
-        steps = float(np.mean([ours["composed_s"][s] / theirs["composed_s"][s]
-                               / (ours["steady_ms_per_sync"] / ours["local_steps"])
-                               * (theirs["steady_ms_per_sync"] / theirs["local_steps"])
-                               for s in ours["composed_s"] if s in theirs["composed_s"]]))
         per_step = (ours["steady_ms_per_sync"] / ours["local_steps"]
                     / (theirs["steady_ms_per_sync"] / theirs["local_steps"]))
+        # each seed's ratio is its steps' ratio x the one time per step's: so is their mean
         ratio, goal = float(np.mean(ours[key])), GOAL[key]
+        steps = ratio / per_step
         verdict = ("meets the goal" if ratio <= goal else "misses it: " + (
             "steps decide" if per_step <= goal else "time per step decides" if steps <= goal
             else "neither alone would meet it"))

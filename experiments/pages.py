@@ -368,11 +368,10 @@ def transformer_tta_table() -> list[str]:
 
     # target -> the runs that reached it in no seed (at any rate: iterations come from the
     # same accuracy runs), named after the table rather than given rows of dashes
-    never: dict[float, list[str]] = {}
+    never: dict[float, dict[str, None]] = {}  # an ordered set of labels per target
     for r in result["rows"]:
         if iterations(r) == "not reached":
-            runs = never.setdefault(r["target"], [])
-            runs += [] if label(r["run"], r["run"]) in runs else [label(r["run"], r["run"])]
+            never.setdefault(r["target"], {})[label(r["run"], r["run"])] = None
             continue
         out.append(f"| {r['rate']} | {r['target']:g} | {label(r['run'], r['run'])} | "
                    f"{iterations(r)} | {seconds(r)} | {ratio(r, 'vs_ddp')} | "
